@@ -1,0 +1,231 @@
+"""The hfscale config model: one YAML file describes the whole job.
+
+Every model is strict (no silent ``"4"`` -> ``4``), frozen, and rejects unknown keys. Checks that
+span several fields (batch math against the world size, offload against the ZeRO stage) live in
+``hfscale.validate`` so that all problems are collected and reported together.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252})$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _integral(value: Any) -> Any:
+    # DeepSpeed users write bucket sizes as 5e8; accept a float only when it is a whole number.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def _seq(default: Any = (), **kw: Any) -> Any:
+    """A list field: YAML lists are accepted and stored as tuples (frozen)."""
+    return Field(default, strict=False, **kw)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True)
+
+
+class HostSpec(Strict):
+    """One node of the cluster."""
+
+    host: str = Field(description="Host name or IP address as reached by ssh.")
+    slots: PositiveInt = Field(description="Processes (GPUs) to start on this host.")
+
+    @field_validator("host")
+    @classmethod
+    def _host_name(cls, v: str) -> str:
+        if not HOST_RE.match(v) or ".." in v:
+            raise ValueError(f"{v!r} is not a host name: use letters, digits, '.', '-' and '_' only")
+        return v
+
+
+class ClusterConfig(Strict):
+    """Where the job runs: a list of hosts, a host file, or one local node."""
+
+    hosts: tuple[HostSpec, ...] | None = _seq(
+        None,
+        description="Nodes with their slots, e.g. [{host: node0, slots: 8}]. Null: one local node.",
+    )
+    hostfile: str | None = Field(
+        None,
+        description="Path of a host file ('host slots=N' lines), relative to this YAML. "
+        "Alternative to 'hosts'.",
+    )
+    nproc_per_node: PositiveInt | None = Field(
+        None,
+        description="Processes on the local node when neither 'hosts' nor 'hostfile' is set (default 1).",
+    )
+    master_addr: str | None = Field(
+        None,
+        description="Address every rank connects to. Default: the first host, or 127.0.0.1 on one local node.",
+    )
+    master_port: int = Field(
+        29500, ge=1, le=65535, description="Fixed rendezvous port on the master (never random)."
+    )
+
+    @field_validator("master_addr")
+    @classmethod
+    def _addr(cls, v: str | None) -> str | None:
+        if v is not None and not (HOST_RE.match(v) or re.match(r"^[0-9A-Fa-f:]+$", v)):
+            raise ValueError(f"{v!r} is not a host name or IP address")
+        return v
+
+
+class RunnerConfig(Strict):
+    """How processes are started on the nodes."""
+
+    type: Literal["local", "pdsh", "pdsh_docker"] = Field(
+        "local",
+        description="local: this node only; pdsh: one launcher per host over ssh; "
+        "pdsh_docker: the same inside a container on each host.",
+    )
+    launcher: Literal["accelerate", "torchrun"] = Field(
+        "accelerate", description="Per-node launcher: 'accelerate launch' with the generated config, or torchrun."
+    )
+
+
+class OffloadConfig(Strict):
+    """ZeRO-Offload / ZeRO-Infinity target for optimizer state or parameters."""
+
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where to offload: none, cpu or nvme.")
+    nvme_path: str | None = Field(None, description="Local NVMe directory; required (and only allowed) with device nvme.")
+    pin_memory: bool = Field(True, description="Use page-locked host memory for faster transfers.")
+
+
+class DeepSpeedSection(Strict):
+    """DeepSpeed ZeRO settings; rendered into the DeepSpeed JSON."""
+
+    stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
+    offload_optimizer: OffloadConfig = Field(
+        default_factory=OffloadConfig, description="Optimizer state offload (stages 1-3; nvme needs stage 3)."
+    )
+    offload_param: OffloadConfig = Field(default_factory=OffloadConfig, description="Parameter offload (stage 3 only).")
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction with the backward pass.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer to avoid fragmentation.")
+    reduce_bucket_size: Count = Field(500_000_000, description="Elements reduced at a time.")
+    allgather_bucket_size: Count = Field(500_000_000, description="Elements all-gathered at a time (stages 1-2).")
+    stage3_prefetch_bucket_size: Count = Field(50_000_000, description="Parameter elements prefetched (stage 3).")
+    stage3_param_persistence_threshold: Count = Field(
+        100_000, description="Parameters smaller than this stay unpartitioned (stage 3)."
+    )
+    stage3_max_live_parameters: Count = Field(1_000_000_000, description="Live parameters per GPU before release (stage 3).")
+    stage3_max_reuse_distance: Count = Field(1_000_000_000, description="Keep a parameter if reused within this distance (stage 3).")
+    gather_16bit_weights_on_model_save: bool = Field(
+        True, description="Stage 3: gather a full 16-bit model when saving (a loadable model file)."
+    )
+    zero3_init: bool = Field(True, description="Stage 3: build the model already partitioned (deepspeed.zero.Init).")
+    steps_per_print: PositiveInt = Field(100, description="DeepSpeed's own progress print interval, in steps.")
+
+
+class FsdpSection(Strict):
+    """PyTorch FSDP (version 2) settings; rendered into the accelerate config."""
+
+    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3 like).")
+    offload_params: bool = Field(False, description="Offload parameters and gradients to CPU.")
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] = Field(
+        "TRANSFORMER_BASED_WRAP", description="How modules are grouped into FSDP units."
+    )
+    transformer_layer_cls_to_wrap: tuple[str, ...] = _seq(
+        description="Layer classes to wrap (TRANSFORMER_BASED_WRAP); empty: the model's _no_split_modules."
+    )
+    min_num_params: PositiveInt = Field(100_000_000, description="Unit size for SIZE_BASED_WRAP.")
+    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = Field(
+        "SHARDED_STATE_DICT", description="Checkpoint layout."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    cpu_ram_efficient_loading: bool = Field(True, description="Load pretrained weights on rank 0 only.")
+
+
+class DistributedConfig(Strict):
+    """Which data-parallel engine shards the model."""
+
+    backend: Literal["deepspeed", "fsdp", "ddp"] = Field("deepspeed", description="deepspeed, fsdp or ddp.")
+    deepspeed: DeepSpeedSection | None = Field(None, description="Settings for backend deepspeed.")
+    fsdp: FsdpSection | None = Field(None, description="Settings for backend fsdp.")
+
+
+class BatchConfig(Strict):
+    """Batch geometry. global = micro_batch_size x gradient_accumulation_steps x world size."""
+
+    micro_batch_size: PositiveInt = Field(description="Samples per device per forward pass.")
+    gradient_accumulation_steps: PositiveInt | None = Field(
+        None, description="Micro batches per optimizer step. Null: derived from global_batch_size, else 1."
+    )
+    global_batch_size: PositiveInt | None = Field(
+        None, description="Samples per optimizer step over all ranks. Checked, or used to derive accumulation."
+    )
+
+
+class ModelConfig(Strict):
+    """The model the built-in entry point trains."""
+
+    path: str | None = Field(None, description="Local directory of a pretrained model (config + weights).")
+    config: dict[str, Any] | None = Field(
+        None, description="A transformers config as a mapping (model_type plus sizes): random init, no download."
+    )
+
+
+class DataConfig(Strict):
+    """Training data for the built-in entry point."""
+
+    files: tuple[str, ...] = _seq(description="Local data files (globs allowed). Empty: the built-in corpus.")
+    format: Literal["text", "json", "parquet"] = Field("text", description="File format, read with datasets.")
+    text_field: str = Field("text", description="Column holding the text (json, parquet).")
+    block_size: PositiveInt = Field(128, description="Tokens per packed training sequence.")
+
+
+class TrainingConfig(Strict):
+    """What the Trainer does; also the source of the TrainingArguments."""
+
+    script: str | None = Field(None, description="Your training script. Null: hfscale's built-in entry point.")
+    script_args: tuple[str, ...] = _seq(description="Arguments passed to the script.")
+    output_dir: str = Field("output", description="Checkpoints and logs, relative to the working directory.")
+    max_steps: PositiveInt | None = Field(None, description="Optimizer steps to run. Null: num_train_epochs.")
+    num_train_epochs: float = Field(1.0, gt=0, description="Epochs, when max_steps is null.")
+    learning_rate: float = Field(5e-5, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "linear", description="Learning-rate schedule."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    seed: int = Field(42, ge=0, description="Random seed (data order and initialisation).")
+    logging_steps: PositiveInt = Field(10, description="Log every N steps.")
+    save_steps: PositiveInt = Field(500, description="Save a checkpoint every N steps.")
+    save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
+    report_to: tuple[str, ...] = _seq(("none",), description="Trainer loggers: tensorboard, wandb, mlflow, or none.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model for the built-in entry point.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Data for the built-in entry point.")
+
+
+class HfscaleConfig(Strict):
+    """One training job: cluster, launch, sharding, precision, batch geometry and training."""
+
+    name: str = Field(description="Job name: letters, digits, '.', '-', '_' (used for run directories).")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Nodes and rendezvous.")
+    runner: RunnerConfig = Field(default_factory=RunnerConfig, description="How processes are started.")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Sharding engine.")
+    precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="Mixed precision: bf16, fp16 or no (fp32).")
+    batch: BatchConfig = Field(description="Batch geometry.")
+    gradient_clipping: float | None = Field(1.0, gt=0, description="Clip gradient norm to this value. Null: off.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Trainer settings.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"{v!r} is not a job name: 1-64 of letters, digits, '.', '-', '_'")
+        return v

@@ -1,0 +1,168 @@
+"""A validated config plus everything derived from it: hosts, world size, batch geometry.
+
+``resolve`` is pure: it takes the parsed config and the host list (already read from a host file
+where the config names one) and either returns a ``Job`` or raises one ``ConfigError`` listing
+every cross-field problem with its YAML path and line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import DeepSpeedSection, FsdpSection, HfscaleConfig, HostSpec
+from .errors import ConfigError, Problem
+from .yamlsource import dotted
+
+LineOf = Callable[[tuple], "int | None"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything the renderers and launchers need, derived once from the config."""
+
+    config: HfscaleConfig
+    source: str
+    hosts: tuple[HostSpec, ...]  # empty: one local node
+    procs_per_node: int
+    master_addr: str
+    gradient_accumulation_steps: int
+    global_batch_size: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, len(self.hosts))
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.procs_per_node
+
+    @property
+    def deepspeed(self) -> DeepSpeedSection | None:
+        c = self.config.distributed
+        return (c.deepspeed or DeepSpeedSection()) if c.backend == "deepspeed" else None
+
+    @property
+    def fsdp(self) -> FsdpSection | None:
+        c = self.config.distributed
+        return (c.fsdp or FsdpSection()) if c.backend == "fsdp" else None
+
+
+def _cluster_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...], hosts_key: str) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    c = cfg.cluster
+    if c.hosts is not None and c.hostfile is not None:
+        out.append((("cluster", "hostfile"), "set either 'hosts' or 'hostfile', not both"))
+    if c.nproc_per_node is not None and (c.hosts is not None or c.hostfile is not None):
+        out.append((("cluster", "nproc_per_node"), "only for one local node; with hosts, 'slots' sets processes per host"))
+    if c.hosts is not None and not c.hosts:
+        out.append((("cluster", "hosts"), "the host list is empty; use null for one local node"))
+    seen: dict[str, int] = {}
+    for i, h in enumerate(c.hosts or ()):
+        if h.host in seen:
+            out.append((("cluster", "hosts", i, "host"), f"duplicate host {h.host!r} (also cluster.hosts[{seen[h.host]}])"))
+        else:
+            seen[h.host] = i
+    slots = sorted({h.slots for h in hosts})
+    if len(slots) > 1:
+        desc = ", ".join(f"{h.host}={h.slots}" for h in hosts)
+        out.append((("cluster", hosts_key), f"every host needs the same slots (accelerate and torchrun start the same "
+                                  f"number of processes on each node); got {desc}"))
+    if cfg.runner.type == "local" and len(hosts) > 1:
+        out.append((("runner", "type"), f"'local' runs on this node only but the cluster has {len(hosts)} hosts; "
+                                        "use 'pdsh' or 'pdsh_docker'"))
+    return out
+
+
+def _engine_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    d = cfg.distributed
+    for other in ("deepspeed", "fsdp"):
+        if getattr(d, other) is not None and d.backend != other:
+            out.append((("distributed", other), f"settings for {other} but distributed.backend is {d.backend!r}"))
+    ds = d.deepspeed
+    if d.backend == "deepspeed" and ds is not None:
+        base = ("distributed", "deepspeed")
+        for key, what in (("offload_optimizer", "optimizer"), ("offload_param", "parameter")):
+            off = getattr(ds, key)
+            if off.device == "none":
+                if off.nvme_path is not None:
+                    out.append((base + (key, "nvme_path"), "only used with device: nvme"))
+                continue
+            if ds.stage == 0:
+                out.append((base + (key, "device"), f"{what} offload needs ZeRO stage 1-3, stage is 0"))
+            elif key == "offload_param" and ds.stage != 3:
+                out.append((base + (key, "device"), f"parameter offload needs ZeRO stage 3, stage is {ds.stage}"))
+            elif off.device == "nvme" and ds.stage != 3:
+                out.append((base + (key, "device"), f"NVMe offload (ZeRO-Infinity) needs ZeRO stage 3, stage is {ds.stage}"))
+            if off.device == "nvme" and not off.nvme_path:
+                out.append((base + (key, "nvme_path"), "required with device: nvme"))
+            if off.device != "nvme" and off.nvme_path is not None:
+                out.append((base + (key, "nvme_path"), "only used with device: nvme"))
+    fs = d.fsdp
+    if d.backend == "fsdp" and fs is not None:
+        if fs.transformer_layer_cls_to_wrap and fs.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+            out.append((("distributed", "fsdp", "transformer_layer_cls_to_wrap"),
+                        f"only used with TRANSFORMER_BASED_WRAP, policy is {fs.auto_wrap_policy}"))
+    return out
+
+
+def _batch(cfg: HfscaleConfig, world: int, world_how: str) -> tuple[int, int, list[tuple[tuple, str]]]:
+    b = cfg.batch
+    per_step = b.micro_batch_size * world
+    if b.global_batch_size is None:
+        ga = b.gradient_accumulation_steps or 1
+        return ga, per_step * ga, []
+    if b.gradient_accumulation_steps is not None:
+        ga = b.gradient_accumulation_steps
+        if per_step * ga != b.global_batch_size:
+            return ga, per_step * ga, [(("batch", "global_batch_size"),
+                f"{b.global_batch_size} != micro_batch_size {b.micro_batch_size} x gradient_accumulation_steps "
+                f"{ga} x world size {world} ({world_how}) = {per_step * ga}")]
+        return ga, b.global_batch_size, []
+    if b.global_batch_size % per_step:
+        return 1, per_step, [(("batch", "global_batch_size"),
+            f"{b.global_batch_size} is not a multiple of micro_batch_size {b.micro_batch_size} x world size "
+            f"{world} ({world_how}) = {per_step}, so no whole gradient_accumulation_steps gives it")]
+    return b.global_batch_size // per_step, b.global_batch_size, []
+
+
+def _training_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
+    t = cfg.training
+    out: list[tuple[tuple, str]] = []
+    if t.max_steps is not None and t.warmup_steps > t.max_steps:
+        out.append((("training", "warmup_steps"), f"{t.warmup_steps} warm-up steps exceed max_steps {t.max_steps}"))
+    if t.model.path is not None and t.model.config is not None:
+        out.append((("training", "model", "config"), "set either 'path' or 'config', not both"))
+    return out
+
+
+def resolve(
+    cfg: HfscaleConfig,
+    source: str,
+    line_of: LineOf,
+    file_hosts: tuple[HostSpec, ...] | None = None,
+    extra: list[Problem] | None = None,
+) -> Job:
+    """Check ``cfg`` across fields and derive the job; raise one ConfigError with every problem.
+
+    ``file_hosts`` are the hosts read from ``cluster.hostfile`` (the caller reads the file);
+    ``extra`` are problems found while reading it.
+    """
+    hosts = cfg.cluster.hosts if cfg.cluster.hosts is not None else (file_hosts or ())
+    hosts_key = "hosts" if cfg.cluster.hosts is not None else "hostfile"
+    if hosts:
+        procs = hosts[0].slots
+        world_how = f"sum of slots in cluster.{hosts_key}"
+    else:
+        procs = cfg.cluster.nproc_per_node or 1
+        world_how = "cluster.nproc_per_node" if cfg.cluster.nproc_per_node else "one local process"
+    world = sum(h.slots for h in hosts) if hosts else procs
+    ga, global_batch, batch_problems = _batch(cfg, world, world_how)
+    found = _cluster_problems(cfg, hosts, hosts_key) + _engine_problems(cfg) + batch_problems
+    found += _training_problems(cfg)
+    problems = list(extra or []) + [Problem(dotted(p), m, line_of(p)) for p, m in found]
+    if problems:
+        raise ConfigError(source, problems)
+    master = cfg.cluster.master_addr or (hosts[0].host if hosts else "127.0.0.1")
+    return Job(cfg, source, tuple(hosts), procs, master, ga, global_batch)
