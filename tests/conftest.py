@@ -1,0 +1,35 @@
+"""Shared test helpers: the repo root, the CLI as a real subprocess, CPU DeepSpeed settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# DeepSpeed on this CPU-only machine: CPU accelerator, and one build of its C++ op per checkout.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m hfscale ARGS`` as users do; capture text output."""
+    return subprocess.run(
+        [sys.executable, "-m", "hfscale", *args],
+        cwd=cwd or ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
