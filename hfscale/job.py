@@ -162,6 +162,7 @@ def resolve(
     found = _cluster_problems(cfg, hosts, hosts_key) + _engine_problems(cfg) + batch_problems
     found += _training_problems(cfg)
     problems = list(extra or []) + [Problem(dotted(p), m, line_of(p)) for p, m in found]
+    problems.sort(key=lambda p: (p.line is None, p.line or 0))
     if problems:
         raise ConfigError(source, problems)
     master = cfg.cluster.master_addr or (hosts[0].host if hosts else "127.0.0.1")

@@ -17,16 +17,16 @@ from .yamlsource import parse
 
 def _read(path: Path) -> tuple[str | None, str | None]:
     """(text, None) or (None, why it cannot be read)."""
-    if not path.exists():
-        return None, f"no such file: {path}"
-    if path.is_dir():
-        return None, f"{path} is a directory, not a file"
     try:
+        if path.is_dir():
+            return None, f"{path} is a directory, not a file"
         return path.read_text(encoding="utf-8"), None
+    except FileNotFoundError:
+        return None, f"no such file: {path}"
     except UnicodeDecodeError:
         return None, f"{path} is not UTF-8 text"
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror or e}"
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        return None, f"cannot read {path}: {getattr(e, 'strerror', None) or e}"
 
 
 def load_text(text: str, source: str, base_dir: Path) -> Job:

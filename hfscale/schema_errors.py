@@ -45,6 +45,13 @@ _TYPE_WORDS = {
     "list_type": "a list",
 }
 
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"),
+    "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"),
+    "less_than": ("<", "lt"),
+}
+
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -124,10 +131,13 @@ def problems_from_validation(root: type[BaseModel], err: ValidationError, doc: D
             msg = f"must be {_TYPE_WORDS[kind]}, got {_describe(e.get('input'))}"
         elif kind == "literal_error":
             msg = f"must be one of {e['ctx']['expected']}, got {_describe(e.get('input'))}"
+        elif kind in _BOUNDS:
+            op, key = _BOUNDS[kind]
+            msg = f"must be {op} {e['ctx'][key]}, got {_describe(e.get('input'))}"
         elif kind == "value_error":
             msg = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
         else:
             msg = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {_describe(e.get('input'))}"
         out.append(Problem(dotted(loc), msg, doc.line(loc)))
-    return out
+    return sorted(out, key=lambda p: (p.line is None, p.line or 0))
 

@@ -67,7 +67,7 @@ def _line_map(node: yaml.Node, path: Path, lines: dict[Path, int], problems: lis
         for key_node, value_node in node.value:
             if not (isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str"):
                 problems.append(
-                    Problem(dotted(path), f"key {key_node.value!r} must be a string", key_node.start_mark.line + 1)
+                    Problem(dotted(path), f"key {key_node.value} must be a string (quote it)", key_node.start_mark.line + 1)
                 )
                 continue
             child = path + (key_node.value,)
