@@ -82,6 +82,62 @@ class ClusterConfig(Strict):
         return v
 
 
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]{0,31}$")
+
+
+def _env_value(value: Any) -> Any:
+    # YAML reads NCCL_IB_GID_INDEX: 3 as a number; environment values are text.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+EnvValue = Annotated[str, BeforeValidator(_env_value)]
+
+
+def _check_env_names(names: dict[str, Any]) -> dict[str, Any]:
+    for name in names:
+        if not ENV_NAME_RE.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+    return names
+
+
+class Mount(Strict):
+    """A host directory made visible inside the container."""
+
+    host: str = Field(description="Absolute path on every host.")
+    container: str = Field(description="Absolute path inside the container.")
+    readonly: bool = Field(False, description="Mount read-only.")
+
+    @field_validator("host", "container")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or "\n" in v or "," in v or ":" in v:
+            raise ValueError(f"{v!r} must be an absolute path without ',' or ':'")
+        return v
+
+
+class DockerConfig(Strict):
+    """The container each node runs its launcher in (runner type pdsh_docker)."""
+
+    image: str = Field(description="Image with your code and its Python environment, present on every host.")
+    binary: str = Field("docker", description="Container CLI: docker, or podman (same arguments).")
+    mounts: tuple[Mount, ...] = _seq(description="Host directories to mount, e.g. code, data, checkpoints.")
+    gpus: str | None = Field("all", description="Value of --gpus (all, or a device list). Null: no GPUs.")
+    shm_size: str = Field("64g", description="Shared memory for data loader workers and NCCL.")
+    python: str = Field("python", description="Interpreter inside the container.")
+    workdir: str | None = Field(None, description="Working directory inside the container. Default: runner.workdir.")
+    extra_args: tuple[str, ...] = _seq(description="More 'docker run' arguments, passed as separate words.")
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm(cls, v: str) -> str:
+        if not re.match(r"^[0-9]+[bkmgBKMG]?$", v):
+            raise ValueError(f"{v!r} is not a size like 64g")
+        return v
+
+
 class RunnerConfig(Strict):
     """How processes are started on the nodes."""
 
@@ -93,6 +149,81 @@ class RunnerConfig(Strict):
     launcher: Literal["accelerate", "torchrun"] = Field(
         "accelerate", description="Per-node launcher: 'accelerate launch' with the generated config, or torchrun."
     )
+    python: str | None = Field(
+        None, description="Python interpreter on every node. Default: the one running hfscale (same path everywhere)."
+    )
+    workdir: str | None = Field(
+        None, description="Working directory on every node. Default: the directory hfscale is started from."
+    )
+    setup: str | None = Field(
+        None,
+        description="Shell line run on each node before the launcher, as written "
+        "(e.g. 'source /opt/venv/bin/activate'). The only config value that is not quoted.",
+    )
+    ssh_port: int = Field(22, ge=1, le=65535, description="ssh port on every host.")
+    ssh_user: str | None = Field(None, description="ssh user. Default: your ssh config's.")
+    connect_timeout: PositiveInt = Field(10, description="Seconds to wait for ssh to connect to a host.")
+    run_dir: str = Field(
+        "runs",
+        description="Where run directories are made (one per launch). Multi-node: a path every node sees.",
+    )
+    docker: DockerConfig | None = Field(None, description="Container settings for runner type pdsh_docker.")
+
+    @field_validator("ssh_user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not USER_RE.match(v):
+            raise ValueError(f"{v!r} is not a user name")
+        return v
+
+
+class NetworkConfig(Strict):
+    """NCCL / UCX / libfabric settings for the interconnect."""
+
+    preset: Literal["none", "ethernet", "infiniband", "roce", "efa"] = Field(
+        "none", description="Known variables for the fabric: none, ethernet, infiniband, roce or efa."
+    )
+    env: dict[str, EnvValue | None] = Field(
+        default_factory=dict, description="Overrides of preset variables, e.g. NCCL_IB_HCA: mlx5_0. Null removes one."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, v: dict[str, str | None]) -> dict[str, str | None]:
+        return _check_env_names(v)
+
+
+class EnvConfig(Strict):
+    """Environment of every rank on every node."""
+
+    vars: dict[str, EnvValue] = Field(default_factory=dict, description="Literal values; always quoted, never expanded.")
+    forward: tuple[str, ...] = _seq(
+        description="Names copied from the launching shell, globs allowed (e.g. WANDB_*, HF_TOKEN). "
+        "Secrets are masked in every printout and file."
+    )
+    per_host: dict[str, dict[str, EnvValue]] = Field(
+        default_factory=dict, description="Per-host values on top of the rest, e.g. {node3: {NCCL_SOCKET_IFNAME: eth1}}."
+    )
+
+    @field_validator("vars")
+    @classmethod
+    def _vars(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env_names(v)
+
+    @field_validator("forward")
+    @classmethod
+    def _patterns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            if not re.match(r"^[A-Za-z_*?][A-Za-z0-9_*?]*$", p):
+                raise ValueError(f"{p!r} is not a variable name or glob (letters, digits, _, * and ?)")
+        return v
+
+    @field_validator("per_host")
+    @classmethod
+    def _per_host(cls, v: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        for values in v.values():
+            _check_env_names(values)
+        return v
 
 
 class OffloadConfig(Strict):
@@ -221,6 +352,8 @@ class HfscaleConfig(Strict):
     precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="Mixed precision: bf16, fp16 or no (fp32).")
     batch: BatchConfig = Field(description="Batch geometry.")
     gradient_clipping: float | None = Field(1.0, gt=0, description="Clip gradient norm to this value. Null: off.")
+    network: NetworkConfig = Field(default_factory=NetworkConfig, description="Interconnect presets (NCCL/UCX).")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Environment variables of the ranks.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Trainer settings.")
 
     @field_validator("name")

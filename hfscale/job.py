@@ -74,6 +74,22 @@ def _cluster_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...], hosts_key
     return out
 
 
+def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tuple[tuple, str]]:
+    out: list[tuple[tuple, str]] = []
+    r = cfg.runner
+    if r.type == "pdsh_docker" and r.docker is None:
+        out.append((("runner", "docker"), "runner type pdsh_docker needs a docker section (at least 'image')"))
+    if r.type != "pdsh_docker" and r.docker is not None:
+        out.append((("runner", "docker"), f"container settings but runner.type is {r.type!r}"))
+    if r.type == "pdsh" and not hosts:
+        out.append((("runner", "type"), "'pdsh' needs cluster.hosts or cluster.hostfile"))
+    names = {h.host for h in hosts}
+    for host in cfg.env.per_host:
+        if host not in names:
+            out.append((("env", "per_host", host), f"{host!r} is not a host of this cluster"))
+    return out
+
+
 def _engine_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
     out: list[tuple[tuple, str]] = []
     d = cfg.distributed
@@ -159,7 +175,8 @@ def resolve(
         world_how = "cluster.nproc_per_node" if cfg.cluster.nproc_per_node else "one local process"
     world = sum(h.slots for h in hosts) if hosts else procs
     ga, global_batch, batch_problems = _batch(cfg, world, world_how)
-    found = _cluster_problems(cfg, hosts, hosts_key) + _engine_problems(cfg) + batch_problems
+    found = _cluster_problems(cfg, hosts, hosts_key) + _launch_problems(cfg, hosts) + _engine_problems(cfg)
+    found += batch_problems
     found += _training_problems(cfg)
     problems = list(extra or []) + [Problem(dotted(p), m, line_of(p)) for p, m in found]
     problems.sort(key=lambda p: (p.line is None, p.line or 0))

@@ -1,0 +1,97 @@
+"""The job's environment: network presets, explicit values, names forwarded from the shell.
+
+Pure functions: the launching shell's environment comes in as a mapping, nothing is read here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Mapping
+
+from .config import HfscaleConfig
+
+# Known-good starting points; every key can be overridden in network.env (null removes it).
+NETWORK_PRESETS: dict[str, dict[str, str]] = {
+    "none": {},
+    "ethernet": {
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_SOCKET_IFNAME": "^lo,docker0",
+    },
+    "infiniband": {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_HCA": "mlx5",
+        "NCCL_SOCKET_IFNAME": "^lo,docker0",
+        "UCX_NET_DEVICES": "mlx5_0:1",
+    },
+    "roce": {
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_HCA": "mlx5",
+        # RoCE v2 needs a routable GID; index 3 is RoCE v2 over IPv4 on most Mellanox setups
+        "NCCL_IB_GID_INDEX": "3",
+        "NCCL_SOCKET_IFNAME": "^lo,docker0",
+        "UCX_NET_DEVICES": "mlx5_0:1",
+    },
+    "efa": {
+        "FI_PROVIDER": "efa",
+        "FI_EFA_USE_DEVICE_RDMA": "1",
+        "FI_EFA_FORK_SAFE": "1",
+        "NCCL_SOCKET_IFNAME": "^lo,docker0",
+    },
+}
+
+RDMA_PRESETS = frozenset({"infiniband", "roce"})
+
+_SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
+MASK = "***"
+
+
+def is_secret(name: str) -> bool:
+    """Names whose values are never printed or written to generated files."""
+    return bool(_SECRET.search(name))
+
+
+def forwarded(patterns: tuple[str, ...], shell_env: Mapping[str, str]) -> dict[str, str]:
+    """The launching shell's variables whose names match ``patterns`` (exact names or globs)."""
+    return {k: shell_env[k] for k in sorted(shell_env) if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+
+
+def job_env(cfg: HfscaleConfig, shell_env: Mapping[str, str]) -> dict[str, str]:
+    """Environment every rank gets, in order of precedence (later wins): network preset,
+    network.env overrides, names forwarded from the launching shell, env.vars."""
+    env = dict(NETWORK_PRESETS[cfg.network.preset])
+    for k, v in cfg.network.env.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    env.update(forwarded(cfg.env.forward, shell_env))
+    env.update(cfg.env.vars)
+    return env
+
+
+def host_env(cfg: HfscaleConfig, host: str) -> dict[str, str]:
+    """Per-host overrides for ``host`` (applied on top of ``job_env``)."""
+    return dict(cfg.env.per_host.get(host, {}))
+
+
+def masked(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with secret values replaced by ``***``."""
+    return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
+
+
+# DeepSpeed's launcher wraps values in double quotes when they hold anything beyond this set,
+# so `$`, backquote, `"` and `\` would still be expanded by the remote shell.
+_DS_SAFE = re.compile(r"^[^$`\"\\\n]*$")
+
+
+def deepspeed_env_file(env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """Text of a ``.deepspeed_env`` file, and the names left out (secrets, values DeepSpeed
+    cannot pass safely)."""
+    lines, left_out = [], []
+    for k, v in env.items():
+        if is_secret(k) or not _DS_SAFE.match(v):
+            left_out.append(k)
+        else:
+            lines.append(f"{k}={v}\n")
+    return "".join(lines), left_out
