@@ -1,6 +1,7 @@
 """The ``hfscale`` command: parse, call the library, print, map errors to exit codes.
 
-Exit codes: 0 ok, 2 bad input (config, arguments), 1 anything else.
+Exit codes: 0 ok, 2 bad input (config, arguments), 3 hosts not ready (unreachable, preflight
+failed); ``launch`` otherwise exits with the training's own code (128+N when stopped by signal N).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from . import __version__
 from .errors import ConfigError
 
 EXIT_BAD_INPUT = 2
+EXIT_UNREACHABLE = 3
 
 
 def _load(path: str):
@@ -121,6 +123,90 @@ def init(path: str, force: bool) -> None:
         sys.exit(EXIT_BAD_INPUT)
     write_files(dest.parent, {dest.name: text})
     click.echo(f"wrote {path}; check it with: hfscale check {path}")
+
+
+def _context(extra_args: tuple[str, ...]):
+    import os
+    import secrets
+    import time
+
+    from .plan import LaunchContext
+
+    job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+    return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args)
+
+
+def _unreachable(job) -> list[str]:
+    """Hosts ssh cannot run a command on, each with the reason (empty for one local node)."""
+    from .execute import run_probes
+    from .preflight import ssh_argv
+    from .shell import Command
+
+    if not job.hosts or job.config.runner.type == "local":
+        return []
+    cmds = {h.host: Command(tuple(ssh_argv(job, h.host) + ["true"])) for h in job.hosts}
+    results = run_probes(cmds, timeout=job.config.runner.connect_timeout + 5)
+    return [f"{h}: {(err.strip().splitlines() or [f'exit code {rc}'])[-1]}"
+            for h, (rc, _, err) in results.items() if rc != 0]
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("config_file", metavar="CONFIG")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, per-node commands, cleanup) and exit.")
+def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool) -> None:
+    """Start the training described by CONFIG on its node(s).
+
+    \b
+    Every run gets a directory (runner.run_dir/<name>-<job id>) holding the resolved config, the
+    generated files, the plan and one log per node. Arguments after -- go to the script.
+    Secrets (tokens, keys, passwords) are masked in everything printed or written.
+
+    \b
+    Examples:
+      hfscale launch job.yaml --dry-run
+      hfscale launch job.yaml -- --learning_rate 1e-4
+    """
+    from .plan import build_plan
+
+    job = _load(config_file)
+    ctx = _context(script_args)
+    shown = build_plan(job, ctx, mask=True)
+    record = shown.render()
+    if dry_run:
+        click.echo(record, nl=False)
+        return
+    bad = _unreachable(job)
+    if bad:
+        click.echo("error: cannot reach every host over ssh; nothing was started:", err=True)
+        for line in bad:
+            click.echo(f"  {line}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    from .execute import execute
+
+    plan = build_plan(job, ctx)
+    click.echo(f"hfscale: job {plan.job_id} on {', '.join(plan.hosts)}; run directory {plan.run_dir}", err=True)
+    rc = execute(plan, record, echo=lambda s: click.echo(s))
+    click.echo(f"hfscale: job {plan.job_id} ended with exit code {rc}; logs in {plan.run_dir}/logs", err=True)
+    sys.exit(rc)
+
+
+@main.command()
+@click.argument("config_file", metavar="CONFIG")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per host.")
+def preflight(config_file: str, timeout: float) -> None:
+    """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
+    from .execute import run_probes
+    from .preflight import evaluate, probes, render_table
+
+    job = _load(config_file)
+    reports = evaluate(job, run_probes(probes(job, sys.executable), timeout))
+    click.echo(render_table(reports), nl=False)
+    failed = [r.host for r in reports if r.problems]
+    if failed:
+        click.echo(f"preflight failed on: {', '.join(failed)}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    click.echo(f"preflight ok: {len(reports)} host(s)")
 
 
 @main.command()

@@ -1,0 +1,283 @@
+"""config -> an immutable launch plan (pure: no process is started and no file is written here).
+
+The plan is what ``--dry-run`` prints and what ``hfscale.execute`` runs, the same object.
+Build it with ``mask=True`` for anything shown or stored: secret values become ``***``.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import yaml
+
+from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
+from .config import HfscaleConfig
+from .envvars import MASK, RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, job_env
+from .job import Job
+from .shell import Command, Raw, exports, join
+
+BUILTIN_ENTRY = "hfscale.train"
+CONFIG_COPY = "config.yaml"
+EXIT_MARK = "HFSCALE_EXIT"
+RANK_VAR = "HFSCALE_NODE_RANK"
+LOCAL_HOST = "local"
+JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """Everything from outside the config that a plan depends on, gathered by the caller."""
+
+    cwd: str
+    python: str
+    job_id: str
+    shell_env: tuple[tuple[str, str], ...] = ()
+    extra_args: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=()) -> "LaunchContext":
+        if not JOB_ID_RE.match(job_id):
+            raise ValueError(f"job id {job_id!r}: lower-case letters, digits and '-' only")
+        return LaunchContext(cwd, python, job_id, tuple(sorted(shell_env.items())), tuple(extra_args))
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """What one node runs: its rank and the command line (remote shell line for pdsh)."""
+
+    host: str
+    node_rank: int
+    command: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    job_id: str
+    runner: str
+    run_dir: str
+    files: tuple[tuple[str, str], ...]
+    hosts: tuple[str, ...]
+    nodes: tuple[NodeLaunch, ...]
+    main: Command
+    cleanup: Command | None
+    notes: tuple[str, ...] = field(default=())
+
+    def render(self) -> str:
+        """The plan as text: files, per-node commands, the process hfscale starts, cleanup."""
+        out = [f"# hfscale launch plan: job {self.job_id}, runner {self.runner}", f"run directory: {self.run_dir}"]
+        out.append("files:")
+        out += [f"  {posixpath.join(self.run_dir, name)} ({len(text.splitlines())} lines)" for name, text in self.files]
+        out.append("nodes:")
+        out += [f"  [{n.node_rank}] {n.host}: {n.command}" for n in self.nodes]
+        out += ["run:", f"  {self.main.shell()}"]
+        if self.cleanup is not None:
+            out += ["on failure or Ctrl-C:", f"  {self.cleanup.shell()}"]
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out) + "\n"
+
+
+def _masked(env: Mapping[str, str], mask: bool) -> dict[str, str]:
+    return {k: (MASK if mask and is_secret(k) else v) for k, v in env.items()}
+
+
+def _target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
+    """(launcher flags that select the entry, [entry, *args])."""
+    t = job.config.training
+    if t.script is None:
+        return ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY), *ctx.extra_args]
+    return [], [t.script, *t.script_args, *ctx.extra_args]
+
+
+def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchContext) -> list[str]:
+    """argv of the per-node launcher (accelerate launch or torchrun) for node ``rank``."""
+    cfg = job.config
+    module_flag, target = _target(job, run_dir, ctx)
+    if cfg.runner.launcher == "accelerate":
+        argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
+        if job.num_nodes > 1:
+            argv += ["--machine_rank", rank]
+        return argv + module_flag + target
+    argv = [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(job.num_nodes),
+        "--nproc_per_node", str(job.procs_per_node),
+        "--node_rank", rank,
+        "--master_addr", job.master_addr,
+        "--master_port", str(cfg.cluster.master_port),
+    ]
+    return argv + (["-m"] if module_flag else []) + target
+
+
+def rank_env(job: Job, run_dir: str, ctx: LaunchContext, mask: bool) -> dict[str, str]:
+    """Environment of every rank: the job's variables plus hfscale's own."""
+    env = _masked(job_env(job.config, dict(ctx.shell_env)), mask)
+    env.update(
+        HFSCALE_JOB_ID=ctx.job_id,
+        HFSCALE_RUN_DIR=run_dir,
+        HFSCALE_CONFIG=posixpath.join(run_dir, CONFIG_COPY),
+        PYTHONUNBUFFERED="1",
+    )
+    if job.deepspeed is not None:
+        env["HFSCALE_DS_CONFIG"] = posixpath.join(run_dir, DEEPSPEED_FILE)
+    return env
+
+
+def _docker_argv(job: Job, env_names: list[str], rank: str, workdir: str, launcher: list[str], ctx: LaunchContext) -> list[str]:
+    cfg = job.config
+    d = cfg.runner.docker
+    assert d is not None
+    argv = [
+        d.binary, "run", "--rm",
+        "--name", Raw(f"hfscale-{ctx.job_id}-{rank}") if isinstance(rank, Raw) else f"hfscale-{ctx.job_id}-{rank}",
+        "--label", f"hfscale.job={ctx.job_id}",
+        "--network", "host", "--ipc", "host",
+        "--shm-size", d.shm_size,
+    ]
+    if d.gpus is not None:
+        argv += ["--gpus", d.gpus]
+    if cfg.network.preset in RDMA_PRESETS:
+        argv += ["--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1"]
+    for m in d.mounts:
+        argv += ["-v", f"{m.host}:{m.container}" + (":ro" if m.readonly else "")]
+    # names only: values come from the environment docker is started in, so they never sit on its argv
+    for name in env_names:
+        argv += ["-e", name]
+    argv += ["-w", d.workdir or workdir, *d.extra_args, d.image]
+    return argv + launcher
+
+
+def _node_line(job: Job, run_dir: str, workdir: str, python: str, env: dict[str, str], ctx: LaunchContext,
+               rank: str) -> tuple[str, str]:
+    """The shell line one node runs (after the per-host prelude sets the rank)."""
+    cfg = job.config
+    docker = cfg.runner.type == "pdsh_docker"
+    launcher = launcher_argv(job, cfg.runner.docker.python if docker else python, run_dir, rank, ctx)  # type: ignore[union-attr]
+    if docker:
+        names = list(env) + list({k for h in cfg.env.per_host.values() for k in h}) + [RANK_VAR]
+        launcher = _docker_argv(job, list(dict.fromkeys(names)), rank, workdir, launcher, ctx)
+    parts = [f"cd {join([workdir])}"]
+    if cfg.runner.setup:
+        parts.append("{ " + cfg.runner.setup + " ; }")
+    parts.append(exports(env))
+    return " && ".join(parts), join(launcher)
+
+
+def _pdsh_script(job: Job, prelude: str, launcher: str, hosts: tuple[str, ...], mask: bool) -> str:
+    """The one command line pdsh sends to every host; ``%h`` selects the host's rank and overrides.
+
+    pdsh expands ``%h``, ``%n`` and ``%u`` anywhere in the line, so every literal ``%`` is doubled
+    piece by piece and only hfscale's own ``%h`` is inserted afterwards.
+    """
+    cfg = job.config
+
+    def assigns(i: int, host: str) -> str:
+        extra = _masked(host_env(cfg, host), mask)
+        return _escape_pdsh(f"export {RANK_VAR}={i}" + "".join(f" {k}={join([v])}" for k, v in extra.items()))
+
+    if len(hosts) == 1:
+        rank_switch = assigns(0, hosts[0])
+    else:
+        cases = " ".join(f"{h}) {assigns(i, h)} ;;" for i, h in enumerate(hosts))
+        rank_switch = f"case %h in {cases} *) echo 'hfscale: host %h is not in the plan' >&2; exit 97 ;; esac"
+    tail = f'rc=$?; echo "{EXIT_MARK} rc=$rc"; exit $rc'
+    return f"{_escape_pdsh(prelude)} && {rank_switch} && {_escape_pdsh(launcher)}; {tail}"
+
+
+def _escape_pdsh(text: str) -> str:
+    return text.replace("%", "%%")
+
+
+def _kill_line(job_id: str) -> str:
+    # kill only processes whose environment carries this job's id: never a pattern match on names
+    probe = (
+        f"for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx 'HFSCALE_JOB_ID={job_id}' "
+        "&& kill -{sig} ${{p#/proc/}} 2>/dev/null; done"
+    )
+    return f"{probe.format(sig='TERM')}; sleep 3; {probe.format(sig='KILL')}; true"
+
+
+def _pdsh_base(job: Job, hosts: tuple[str, ...]) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    r = job.config.runner
+    argv = ["pdsh", "-R", "ssh", "-S", "-f", str(max(32, len(hosts))), "-w", ",".join(hosts)]
+    if r.ssh_user:
+        argv += ["-l", r.ssh_user]
+    ssh_args = f"-p {r.ssh_port} -o ConnectTimeout={r.connect_timeout} -o BatchMode=yes"
+    return argv, (("PDSH_SSH_ARGS_APPEND", ssh_args),)
+
+
+def resolved_config_yaml(job: Job, mask: bool = True) -> str:
+    """The config with hosts resolved (host file read) and secret values masked."""
+    data = job.config.model_dump(mode="json")
+    data["cluster"]["hosts"] = [{"host": h.host, "slots": h.slots} for h in job.hosts] or None
+    data["cluster"]["hostfile"] = None
+    if mask:
+        data["env"]["vars"] = _masked(data["env"]["vars"], True)
+        data["env"]["per_host"] = {h: _masked(v, True) for h, v in data["env"]["per_host"].items()}
+        data["network"]["env"] = {k: (MASK if v is not None and is_secret(k) else v) for k, v in data["network"]["env"].items()}
+    head = f"# Resolved from {job.source} by hfscale (host file read, secrets masked).\n"
+    return head + yaml.safe_dump(data, sort_keys=False)
+
+
+def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
+    """The launch plan for ``job``. ``mask=True`` replaces secret values by ``***`` (for display)."""
+    cfg: HfscaleConfig = job.config
+    r = cfg.runner
+    base = r.run_dir if os.path.isabs(r.run_dir) else posixpath.join(ctx.cwd, r.run_dir)
+    run_dir = posixpath.normpath(posixpath.join(base, f"{cfg.name}-{ctx.job_id}"))
+    workdir = r.workdir or ctx.cwd
+    python = r.python or ctx.python
+    env = rank_env(job, run_dir, ctx, mask)
+
+    files = dict(render_artifacts(job, posixpath.join(run_dir, DEEPSPEED_FILE)))
+    files[CONFIG_COPY] = resolved_config_yaml(job)
+    ds_env, left_out = deepspeed_env_file(env)
+    files[".deepspeed_env"] = ds_env
+    notes = []
+    if left_out:
+        notes.append(f".deepspeed_env leaves out {', '.join(left_out)} (secret, or a value DeepSpeed's launcher "
+                     "would pass to the shell unsafely)")
+
+    hosts = tuple(h.host for h in job.hosts)
+    remote = r.type in ("pdsh", "pdsh_docker") and bool(hosts)
+    if remote:
+        prelude, launcher = _node_line(job, run_dir, workdir, python, env, ctx, Raw(f'"${RANK_VAR}"'))
+        script = _pdsh_script(job, prelude, launcher, hosts, mask)
+        pdsh, pdsh_env = _pdsh_base(job, hosts)
+        main = Command(tuple(pdsh + [script]), pdsh_env)
+        if r.type == "pdsh_docker":
+            d = r.docker
+            assert d is not None
+            kill = f"{join([d.binary])} ps -q --filter label=hfscale.job={ctx.job_id} | xargs -r {join([d.binary])} rm -f"
+        else:
+            kill = _kill_line(ctx.job_id)
+        cleanup = Command(tuple(pdsh + [_escape_pdsh(kill)]), pdsh_env)
+        nodes = tuple(NodeLaunch(h, i, launcher.replace(f'"${RANK_VAR}"', str(i))) for i, h in enumerate(hosts))
+    elif r.type == "pdsh_docker":
+        # one local node in a container, no pdsh
+        launcher = launcher_argv(job, r.docker.python, run_dir, "0", ctx)  # type: ignore[union-attr]
+        names = list(env) + [RANK_VAR]
+        argv = _docker_argv(job, names, "0", workdir, launcher, ctx)
+        main = Command(tuple(argv), tuple(env.items()) + ((RANK_VAR, "0"),), workdir)
+        cleanup = Command((r.docker.binary, "rm", "-f", f"hfscale-{ctx.job_id}-0"))  # type: ignore[union-attr]
+        nodes = (NodeLaunch(LOCAL_HOST, 0, join(argv)),)
+    else:
+        argv = launcher_argv(job, python, run_dir, "0", ctx)
+        main = Command(tuple(argv), tuple(env.items()), workdir)
+        cleanup = None
+        nodes = (NodeLaunch(hosts[0] if hosts else LOCAL_HOST, 0, join(argv)),)
+
+    return LaunchPlan(
+        job_id=ctx.job_id,
+        runner=r.type,
+        run_dir=run_dir,
+        files=tuple(files.items()),
+        hosts=hosts if remote else (nodes[0].host,),
+        nodes=nodes,
+        main=main,
+        cleanup=cleanup,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,141 @@
+"""Preflight: what to ask every host before a launch, and what the answers mean (pure).
+
+``probes`` builds one ssh command per host (a local shell for one local node); ``evaluate``
+turns their outputs into a table and a list of failures naming each host. Running the probes
+is ``hfscale.execute.run_probes``' job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .envvars import RDMA_PRESETS
+from .job import Job
+from .shell import Command, join
+
+PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
+MARK = "HFSCALE_PROBE"
+
+
+def _script(python: str, port: int | None) -> str:
+    versions = (
+        "import importlib.metadata as m, sys\n"
+        "print('python=' + sys.version.split()[0])\n"
+        f"for p in {PACKAGES!r}:\n"
+        "    try: print(p + '=' + m.version(p))\n"
+        "    except m.PackageNotFoundError: print(p + '=missing')\n"
+    )
+    lines = [
+        f"echo {MARK}",
+        f"{join([python, '-c', versions])} || echo python=missing",
+        "if command -v nvidia-smi >/dev/null 2>&1; then echo gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); "
+        "else echo gpus=none; fi",
+        "echo ib=$(ls /sys/class/infiniband 2>/dev/null | tr '\\n' ',')",
+    ]
+    if port is not None:
+        bind = f"import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', {port}))"
+        lines.append(f"{join([python, '-c', bind])} 2>/dev/null && echo port=free || echo port=busy")
+    return "; ".join(lines)
+
+
+def ssh_argv(job: Job, host: str) -> list[str]:
+    """ssh with the config's port, user and timeout, never asking for a password."""
+    r = job.config.runner
+    argv = ["ssh", "-p", str(r.ssh_port), "-o", f"ConnectTimeout={r.connect_timeout}", "-o", "BatchMode=yes"]
+    if r.ssh_user:
+        argv += ["-l", r.ssh_user]
+    return argv + [host]
+
+
+def probes(job: Job, python: str) -> dict[str, Command]:
+    """Two probes per host: ``host`` (facts) and ``host/shell`` (a bare ``true``, whose output
+    must be empty: a chatty login shell breaks pdsh and scp)."""
+    py = job.config.runner.python or python
+    port = job.config.cluster.master_port
+    if not job.hosts:
+        return {"local": Command(("sh", "-c", _script(py, port)))}
+    out = {}
+    for i, h in enumerate(job.hosts):
+        ssh = ssh_argv(job, h.host)
+        out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None)]))
+        out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
+    return out
+
+
+@dataclass(frozen=True)
+class HostReport:
+    host: str
+    facts: dict[str, str]
+    problems: tuple[str, ...]
+
+
+def _facts(stdout: str) -> dict[str, str]:
+    facts = {}
+    seen = False
+    for line in stdout.splitlines():
+        if line.strip() == MARK:
+            seen = True
+            continue
+        if seen and "=" in line:
+            k, v = line.split("=", 1)
+            facts[k.strip()] = v.strip()
+    return facts
+
+
+def evaluate(job: Job, results: dict[str, tuple[int, str, str]]) -> list[HostReport]:
+    """One report per host, each problem phrased so the host and the fix are clear."""
+    hosts = [h.host for h in job.hosts] or ["local"]
+    slots = {h.host: h.slots for h in job.hosts} or {"local": job.procs_per_node}
+    reports: list[HostReport] = []
+    reference: dict[str, str] | None = None
+    for i, host in enumerate(hosts):
+        rc, out, err = results[host]
+        problems: list[str] = []
+        facts = _facts(out)
+        if rc != 0 or not facts:
+            why = (err.strip().splitlines() or [f"exit code {rc}"])[-1]
+            reports.append(HostReport(host, {}, (f"unreachable: {why}" if rc == 255 or rc == 124 else f"probe failed: {why}",)))
+            continue
+        shell = results.get(f"{host}/shell")
+        if shell is not None:
+            src, sout, serr = shell
+            if src != 0:
+                problems.append(f"'ssh {host} true' failed: {(serr.strip().splitlines() or [str(src)])[-1]}")
+            elif sout.strip() or serr.strip():
+                text = (sout.strip() or serr.strip()).splitlines()[0][:60]
+                problems.append(f"login shell prints output for non-interactive commands ({text!r}); "
+                                "silence it in the remote shell's rc files")
+        if facts.get("python") == "missing":
+            problems.append(f"python interpreter not found: {job.config.runner.python or 'hfscale default'}")
+        for p in PACKAGES:
+            if facts.get(p) == "missing":
+                problems.append(f"{p} is not installed")
+        if reference is None:
+            reference = facts
+        else:
+            for k in ("python",) + PACKAGES:
+                if facts.get(k) != reference.get(k):
+                    problems.append(f"{k} {facts.get(k)} differs from {hosts[0]}'s {reference.get(k)}")
+        gpus = facts.get("gpus", "none")
+        if gpus != "none" and gpus.isdigit() and int(gpus) < slots[host]:
+            problems.append(f"{slots[host]} slots but only {gpus} GPUs")
+        if job.config.network.preset in RDMA_PRESETS and not facts.get("ib", "").strip(","):
+            problems.append(f"no InfiniBand devices in /sys/class/infiniband (network preset {job.config.network.preset})")
+        if i == 0 and facts.get("port") == "busy":
+            problems.append(f"master port {job.config.cluster.master_port} is already in use")
+        reports.append(HostReport(host, facts, tuple(problems)))
+    return reports
+
+
+def render_table(reports: list[HostReport]) -> str:
+    """The per-host table people read before a launch."""
+    cols = ["python", *PACKAGES, "gpus", "ib", "port"]
+    rows = [["host", *cols, "status"]]
+    for r in reports:
+        status = "ok" if not r.problems else "FAIL"
+        rows.append([r.host, *[r.facts.get(c, "-").strip(",") or "-" for c in cols], status])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    for r in reports:
+        lines += [f"{r.host}: {p}" for p in r.problems]
+    return "\n".join(lines) + "\n"
