@@ -1,0 +1,230 @@
+"""Launch plans as data: exact commands for every runner, quoting, secrets masked."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hfscale.load import load_text
+from hfscale.plan import LaunchContext, build_plan, launcher_argv
+
+CTX = LaunchContext.of("/work", "/opt/py/bin/python", "20261122-120000-abcdef", {
+    "WANDB_API_KEY": "wk-secret", "WANDB_PROJECT": "proj", "HOME": "/root", "HF_TOKEN": "hf_secret"})
+RUN = "/work/runs/demo-20261122-120000-abcdef"
+
+
+def job_of(text: str):
+    return load_text(textwrap.dedent(text), "job.yaml", Path("."))
+
+
+LOCAL = """
+    name: demo
+    cluster: {nproc_per_node: 2}
+    batch: {micro_batch_size: 1}
+    training: {script: train.py, script_args: [--epochs, "2"]}
+"""
+
+
+def test_local_accelerate_plan_exact():
+    plan = build_plan(job_of(LOCAL), CTX)
+    assert plan.main.argv == (
+        "/opt/py/bin/python", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
+        "train.py", "--epochs", "2",
+    )
+    assert plan.main.cwd == "/work"
+    assert dict(plan.main.env) == {
+        "HFSCALE_JOB_ID": "20261122-120000-abcdef",
+        "HFSCALE_RUN_DIR": RUN,
+        "HFSCALE_CONFIG": f"{RUN}/config.yaml",
+        "PYTHONUNBUFFERED": "1",
+        "HFSCALE_DS_CONFIG": f"{RUN}/ds_config.json",
+    }
+    assert plan.cleanup is None and plan.hosts == ("local",)
+    assert [name for name, _ in plan.files] == [
+        "accelerate_config.yaml", "ds_config.json", "config.yaml", ".deepspeed_env"]
+
+
+def test_local_torchrun_and_builtin_entry():
+    job = job_of("name: demo\ncluster: {nproc_per_node: 4}\nrunner: {launcher: torchrun}\nbatch: {micro_batch_size: 1}\n")
+    assert launcher_argv(job, "py", RUN, "0", CTX) == [
+        "py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "4", "--node_rank", "0",
+        "--master_addr", "127.0.0.1", "--master_port", "29500", "-m", "hfscale.train", "--config", f"{RUN}/config.yaml",
+    ]
+    acc = job_of("name: demo\nbatch: {micro_batch_size: 1}\n")
+    assert launcher_argv(acc, "py", RUN, "0", CTX)[-4:] == ["--module", "hfscale.train", "--config", f"{RUN}/config.yaml"]
+
+
+PDSH = """
+    name: demo
+    cluster:
+      hosts: [{host: node0, slots: 2}, {host: node1, slots: 2}]
+      master_port: 29600
+    runner: {type: pdsh, ssh_port: 2222, ssh_user: alice, workdir: /shared/code, connect_timeout: 7}
+    network: {preset: roce, env: {NCCL_IB_HCA: mlx5_0, UCX_NET_DEVICES: null}}
+    env:
+      vars:
+        SPACES: "a b  c"
+        QUOTES: "it's \\"q\\""
+        DOLLAR: "$(touch /tmp/pwned) $HOME `id`"
+        JSON: '{"a": [1, 2]}'
+        PAREN: 64(x2)
+        PCT: "100%h %n"
+      forward: [WANDB_*]
+      per_host: {node1: {NCCL_SOCKET_IFNAME: eth1}}
+    batch: {micro_batch_size: 1}
+    training: {script: train.py, script_args: ["--name", "x; rm -rf /"]}
+"""
+
+EXPORTS = (
+    "export NCCL_IB_DISABLE=0 NCCL_IB_HCA=mlx5_0 NCCL_IB_GID_INDEX=3 NCCL_SOCKET_IFNAME='^lo,docker0' "
+    "WANDB_API_KEY={key} WANDB_PROJECT=proj SPACES='a b  c' QUOTES='it'\"'\"'s \"q\"' "
+    "DOLLAR='$(touch /tmp/pwned) $HOME `id`' JSON='{{\"a\": [1, 2]}}' PAREN='64(x2)' PCT='100%%h %%n' "
+    f"HFSCALE_JOB_ID=20261122-120000-abcdef HFSCALE_RUN_DIR={RUN} HFSCALE_CONFIG={RUN}/config.yaml "
+    f"PYTHONUNBUFFERED=1 HFSCALE_DS_CONFIG={RUN}/ds_config.json"
+)
+
+
+def test_pdsh_plan_exact():
+    plan = build_plan(job_of(PDSH), CTX)
+    launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
+                "--machine_rank \"$HFSCALE_NODE_RANK\" train.py --name 'x; rm -rf /'")
+    script = (
+        "cd /shared/code && " + EXPORTS.format(key="wk-secret") + " && case %h in "
+        "node0) export HFSCALE_NODE_RANK=0 ;; node1) export HFSCALE_NODE_RANK=1 NCCL_SOCKET_IFNAME=eth1 ;; "
+        "*) echo 'hfscale: host %h is not in the plan' >&2; exit 97 ;; esac && " + launcher +
+        '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc'
+    )
+    assert plan.main.argv == ("pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node0,node1", "-l", "alice", script)
+    assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o ConnectTimeout=7 -o BatchMode=yes"),)
+    assert [(n.host, n.node_rank) for n in plan.nodes] == [("node0", 0), ("node1", 1)]
+    assert plan.nodes[1].command == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
+    assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
+    assert "grep -qx 'HFSCALE_JOB_ID=20261122-120000-abcdef' && kill -TERM" in plan.cleanup.argv[-1]
+    assert "pkill" not in plan.cleanup.argv[-1]
+
+
+def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
+    """pdsh's own exec module substitutes %h like ssh does; the shell must then see every value intact."""
+    job = job_of(PDSH)
+    plan = build_plan(job, CTX)
+    script = plan.main.argv[-1]
+    # run the line locally with pdsh's exec backend: replace the launcher by printing the environment
+    probe = script.split(" && /opt/py/bin/python")[0].replace("cd /shared/code", f"cd {tmp_path}")
+    probe += f" && {sys.executable} -c 'import json, os; print(json.dumps(dict(os.environ)))'"
+    r = subprocess.run(["pdsh", "-R", "exec", "-w", "node1", "sh", "-c", probe], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout.split("node1: ", 1)[1])
+    assert env["SPACES"] == "a b  c"
+    assert env["QUOTES"] == "it's \"q\""
+    assert env["DOLLAR"] == "$(touch /tmp/pwned) $HOME `id`"
+    assert env["JSON"] == '{"a": [1, 2]}'
+    assert env["PAREN"] == "64(x2)"
+    assert env["PCT"] == "100%h %n"
+    assert env["HFSCALE_NODE_RANK"] == "1" and env["NCCL_SOCKET_IFNAME"] == "eth1"
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_masked_plan_hides_secrets_everywhere():
+    shown = build_plan(job_of(PDSH), CTX, mask=True)
+    text = shown.render()
+    assert "wk-secret" not in text and "WANDB_API_KEY='***'" in shown.main.argv[-1]
+    for _, content in shown.files:
+        assert "wk-secret" not in content and "hf_secret" not in content
+    real = build_plan(job_of(PDSH), CTX)
+    assert "WANDB_API_KEY=wk-secret" in real.main.argv[-1]  # the real plan carries it to the nodes
+    assert "HF_TOKEN" not in real.main.argv[-1]  # never forwarded unless asked for
+
+
+def test_secret_in_yaml_is_masked_in_resolved_config():
+    job = job_of(LOCAL + "    env: {vars: {HF_TOKEN: hf_yaml_secret, OK: visible}}\n")
+    files = dict(build_plan(job, CTX).files)
+    assert "hf_yaml_secret" not in files["config.yaml"] and "HF_TOKEN: '***'" in files["config.yaml"]
+    assert "OK: visible" in files["config.yaml"]
+    assert "HF_TOKEN" not in files[".deepspeed_env"] and "OK=visible\n" in files[".deepspeed_env"]
+
+
+def test_deepspeed_env_leaves_out_values_deepspeed_would_expand():
+    plan = build_plan(job_of(PDSH), CTX)
+    files = dict(plan.files)
+    assert "DOLLAR" not in files[".deepspeed_env"] and "QUOTES" not in files[".deepspeed_env"]
+    assert "SPACES=a b  c\n" in files[".deepspeed_env"] and "PAREN=64(x2)\n" in files[".deepspeed_env"]
+    assert "QUOTES" in plan.notes[0] and "DOLLAR" in plan.notes[0] and "WANDB_API_KEY" in plan.notes[0]
+
+
+def test_single_host_pdsh_has_no_host_switch():
+    job = job_of("name: one\ncluster: {hosts: [{host: gpu7, slots: 8}]}\nrunner: {type: pdsh}\nbatch: {micro_batch_size: 1}\n"
+                 "training: {script: t.py}\n")
+    script = build_plan(job, CTX).main.argv[-1]
+    assert "case %h" not in script and "&& export HFSCALE_NODE_RANK=0 && " in script
+    assert "--machine_rank" not in script  # one node: the accelerate config says it all
+
+
+DOCKER = """
+    name: demo
+    cluster: {hosts: [{host: node0, slots: 8}, {host: node1, slots: 8}]}
+    runner:
+      type: pdsh_docker
+      docker:
+        image: registry.local/train:1.0
+        mounts:
+          - {host: /data, container: /data, readonly: true}
+          - {host: /ckpt, container: /ckpt}
+        shm_size: 32g
+        workdir: /code
+        extra_args: [--ulimit, "nofile=4096:4096"]
+    network: {preset: infiniband}
+    env: {vars: {A: "x y"}}
+    batch: {micro_batch_size: 1}
+    training: {script: train.py}
+"""
+
+
+def test_pdsh_docker_plan_exact():
+    plan = build_plan(job_of(DOCKER), CTX)
+    script = plan.main.argv[-1]
+    docker = script.split(" esac && ", 1)[1].split("; rc=$?", 1)[0]
+    names = ["NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "A", "HFSCALE_JOB_ID",
+             "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "HFSCALE_NODE_RANK"]
+    assert docker == (
+        'docker run --rm --name hfscale-20261122-120000-abcdef-"$HFSCALE_NODE_RANK" '
+        "--label hfscale.job=20261122-120000-abcdef --network host --ipc host --shm-size 32g --gpus all "
+        "--device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1:-1 "
+        "-v /data:/data:ro -v /ckpt:/ckpt " + " ".join(f"-e {n}" for n in names) +
+        " -w /code --ulimit nofile=4096:4096 registry.local/train:1.0 "
+        f"python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
+        '--machine_rank "$HFSCALE_NODE_RANK" train.py'
+    )
+    assert "A='x y'" in script.split(" && case")[0]  # values only in the shell's export, not on docker's argv
+    assert plan.cleanup.argv[-1] == (
+        "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f")
+
+
+def test_local_docker_runs_without_pdsh():
+    text = DOCKER.replace("cluster: {hosts: [{host: node0, slots: 8}, {host: node1, slots: 8}]}",
+                          "cluster: {nproc_per_node: 8}").replace("network: {preset: infiniband}", "")
+    plan = build_plan(job_of(text), CTX)
+    assert plan.main.argv[:4] == ("docker", "run", "--rm", "--name")
+    assert plan.main.argv[4] == "hfscale-20261122-120000-abcdef-0"
+    assert "--device" not in plan.main.argv
+    assert dict(plan.main.env)["A"] == "x y" and dict(plan.main.env)["HFSCALE_NODE_RANK"] == "0"
+    assert plan.cleanup.argv == ("docker", "rm", "-f", "hfscale-20261122-120000-abcdef-0")
+
+
+def test_dry_run_text_is_shell_quoted_and_parseable():
+    text = build_plan(job_of(PDSH), CTX, mask=True).render()
+    run_line = text.split("\nrun:\n  ", 1)[1].split("\n", 1)[0]
+    words = shlex.split(run_line)
+    assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o ConnectTimeout=7 -o BatchMode=yes"
+    assert words[1:9] == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node0,node1"]
+
+
+@pytest.mark.parametrize("bad", ["", "UPPER", "a b", "a;b", "x" * 65])
+def test_job_ids_are_validated(bad):
+    with pytest.raises(ValueError):
+        LaunchContext.of("/w", "py", bad, {})
