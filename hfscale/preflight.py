@@ -114,7 +114,7 @@ def evaluate(job: Job, results: dict[str, tuple[int, str, str]]) -> list[HostRep
             reference = facts
         else:
             for k in ("python",) + PACKAGES:
-                if facts.get(k) != reference.get(k):
+                if facts.get(k) != reference.get(k) and facts.get(k) != "missing":
                     problems.append(f"{k} {facts.get(k)} differs from {hosts[0]}'s {reference.get(k)}")
         gpus = facts.get("gpus", "none")
         if gpus != "none" and gpus.isdigit() and int(gpus) < slots[host]:

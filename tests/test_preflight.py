@@ -1,0 +1,112 @@
+"""Preflight: probes as data, verdicts from their outputs, and a real local run."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from hfscale.load import load_text
+from hfscale.preflight import MARK, evaluate, probes, render_table
+
+from conftest import run_cli
+
+TWO = """
+    name: pf
+    cluster: {hosts: [{host: node0, slots: 4}, {host: node1, slots: 4}], master_port: 29555}
+    runner: {type: pdsh, ssh_port: 2200, ssh_user: bob, connect_timeout: 3}
+    network: {preset: infiniband}
+    batch: {micro_batch_size: 1}
+"""
+
+
+def job_of(text):
+    return load_text(textwrap.dedent(text), "pf.yaml", Path("."))
+
+
+def facts(**over):
+    base = dict(python="3.11.7", torch="2.13.0", transformers="5.23.0", deepspeed="0.19.8", accelerate="1.15.0",
+                gpus="4", ib="mlx5_0,mlx5_1,", port="free")
+    base.update(over)
+    return (0, f"{MARK}\n" + "".join(f"{k}={v}\n" for k, v in base.items()), "")
+
+
+def test_probe_commands():
+    cmds = probes(job_of(TWO), "/py")
+    assert sorted(cmds) == ["node0", "node0/shell", "node1", "node1/shell"]
+    ssh = ["ssh", "-p", "2200", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", "-l", "bob"]
+    assert list(cmds["node1/shell"].argv) == ssh + ["node1", "true"]
+    assert list(cmds["node0"].argv[:-1]) == ssh + ["node0"]
+    assert "port=free" in cmds["node0"].argv[-1] and "29555" in cmds["node0"].argv[-1]
+    assert "port=" not in cmds["node1"].argv[-1]  # the port is only probed on the master
+
+
+def test_all_good():
+    results = {"node0": facts(), "node1": facts(port=""), "node0/shell": (0, "", ""), "node1/shell": (0, "", "")}
+    reports = evaluate(job_of(TWO), results)
+    assert [r.problems for r in reports] == [(), ()]
+    table = render_table(reports)
+    assert table.splitlines()[0].split() == ["host", "python", "torch", "transformers", "deepspeed", "accelerate",
+                                             "gpus", "ib", "port", "status"]
+    assert table.splitlines()[1].split() == ["node0", "3.11.7", "2.13.0", "5.23.0", "0.19.8", "1.15.0", "4",
+                                             "mlx5_0,mlx5_1", "free", "ok"]
+
+
+def test_every_failure_names_its_host():
+    results = {
+        "node0": facts(port="busy", gpus="2"),
+        "node0/shell": (0, "Welcome to node0!\n", ""),
+        "node1": facts(torch="2.12.0", ib="", deepspeed="missing"),
+        "node1/shell": (0, "", ""),
+    }
+    reports = {r.host: r.problems for r in evaluate(job_of(TWO), results)}
+    assert reports["node0"] == (
+        "login shell prints output for non-interactive commands ('Welcome to node0!'); silence it in the remote shell's rc files",
+        "4 slots but only 2 GPUs",
+        "master port 29555 is already in use",
+    )
+    assert reports["node1"] == (
+        "deepspeed is not installed",
+        "torch 2.12.0 differs from node0's 2.13.0",
+        "no InfiniBand devices in /sys/class/infiniband (network preset infiniband)",
+    )
+
+
+def test_unreachable_host():
+    results = {
+        "node0": facts(), "node0/shell": (0, "", ""),
+        "node1": (255, "", "ssh: connect to host node1 port 2200: Connection refused\n"),
+        "node1/shell": (255, "", "ssh: connect to host node1 port 2200: Connection refused\n"),
+    }
+    reports = evaluate(job_of(TWO), results)
+    assert reports[1].problems == ("unreachable: ssh: connect to host node1 port 2200: Connection refused",)
+    assert "node1: unreachable" in render_table(reports)
+
+
+def test_real_local_preflight(tmp_path):
+    cfg = tmp_path / "local.yaml"
+    cfg.write_text("name: pf\ncluster: {nproc_per_node: 2, master_port: 29557}\nbatch: {micro_batch_size: 1}\n")
+    r = run_cli("preflight", str(cfg))
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = r.stdout.splitlines()[1].split()
+    import torch  # the versions preflight reports are the installed ones
+
+    assert row[0] == "local" and row[2] == torch.__version__ and row[-1] == "ok"
+    assert r.stdout.strip().endswith("preflight ok: 1 host(s)")
+
+
+def test_real_local_preflight_sees_a_busy_port(tmp_path):
+    import socket
+
+    s = socket.socket()
+    s.bind(("", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    cfg = tmp_path / "local.yaml"
+    cfg.write_text(f"name: pf\ncluster: {{master_port: {port}}}\nbatch: {{micro_batch_size: 1}}\n")
+    try:
+        r = run_cli("preflight", str(cfg))
+    finally:
+        s.close()
+    assert r.returncode == 3
+    assert f"local: master port {port} is already in use" in r.stdout
+    assert "preflight failed on: local" in r.stderr
