@@ -1,0 +1,271 @@
+"""A real multi-host cluster on one Linux machine, for hfscale's launcher tests.
+
+Each node is a network namespace with its own UTS/mount/PID namespaces and its own sshd
+(see ``cluster_up.sh``).  The filesystem is shared, so the same interpreter and checkout are
+visible on every node; every ssh session gets PATH=<dir of sys.executable>:<cluster bin>:/usr/...
+and HOME=<cluster dir>/home, so remote commands find this Python and never run root's ~/.bashrc.
+
+IDs: a cluster takes the lowest free ID in 1..199 (subnet 10.78.ID.0/24) by holding an flock on
+/run/hfscale-test-clusters/ID.lock for its lifetime.  An ID whose lock is free but which still has
+namespaces/bridge is a leftover of a crashed run and is torn down first.  For clusters made by hand
+with cluster_up.sh, use IDs 200..254.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+UP = HERE / "cluster_up.sh"
+DOWN = HERE / "cluster_down.sh"
+LOCK_DIR = Path("/run/hfscale-test-clusters")
+AUTO_IDS = range(1, 200)
+APT_INSTALL = "apt-get install -y --no-install-recommends openssh-server openssh-client pdsh iproute2 util-linux"
+REQUIRED_BINARIES = ("sshd", "ssh", "scp", "ssh-keygen", "pdsh", "ip", "unshare", "nsenter", "setsid")
+STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot host a test cluster (kind is 'not-root', 'no-namespaces' or 'missing-binaries')."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    id: int
+    nodes: list[str]
+    addresses: dict[str, str]
+    ssh_config: Path
+    bin: Path
+    home: Path
+    bridge_address: str
+    _launcher_pids: list[int] = field(default_factory=list, repr=False)
+    _lock_fd: int | None = field(default=None, repr=False)
+
+    @property
+    def hostlist(self) -> str:
+        """``node0,node1,...`` for ``pdsh -w``."""
+        return ",".join(self.nodes)
+
+    def netns(self, node: str) -> str:
+        return f"hfs{self.id}-{node}"
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment for client commands (ssh, pdsh, launchers) run from the root namespace."""
+        env = dict(os.environ if base is None else base)
+        env["PATH"] = f"{self.bin}:{env.get('PATH', STD_PATH)}"
+        env["PDSH_RCMD_TYPE"] = "ssh"
+        return env
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
+_preflight_cache: ClusterUnavailable | None | bool = False
+
+
+def preflight() -> ClusterUnavailable | None:
+    """Why this machine cannot run a cluster, or None.  Cached: probing creates a netns once."""
+    global _preflight_cache
+    if _preflight_cache is not False:
+        return _preflight_cache  # type: ignore[return-value]
+    problem: ClusterUnavailable | None = None
+    if os.geteuid() != 0:
+        problem = ClusterUnavailable("not-root", "the multi-host test cluster needs root (network namespaces, sshd)")
+    else:
+        missing = [b for b in REQUIRED_BINARIES if _which(b) is None]
+        if missing:
+            problem = ClusterUnavailable(
+                "missing-binaries", f"missing {', '.join(missing)}; install with: apt-get update && {APT_INSTALL}"
+            )
+        else:
+            probe = f"hfsprobe{os.getpid()}"
+            steps = [
+                [_which("ip"), "netns", "add", probe],
+                [_which("unshare"), "--uts", "--mount", "--pid", "--fork", "--mount-proc", "true"],
+            ]
+            try:
+                for cmd in steps:
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                    if r.returncode != 0:
+                        problem = ClusterUnavailable(
+                            "no-namespaces",
+                            f"namespaces not permitted here: `{' '.join(cmd)}` failed: {r.stderr.strip()}",
+                        )
+                        break
+            finally:
+                subprocess.run([_which("ip"), "netns", "del", probe], capture_output=True)
+    _preflight_cache = problem
+    return problem
+
+
+def _try_lock(cluster_id: int) -> int | None:
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(LOCK_DIR / f"{cluster_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def start_cluster(
+    n: int,
+    workdir: Path | str,
+    *,
+    setenv: dict[str, str] | None = None,
+    cluster_id: int | None = None,
+) -> Cluster:
+    """Start an ``n``-node cluster with its files under ``workdir`` (must not contain whitespace).
+
+    ``setenv`` adds/overrides variables of every remote ssh session.  ``cluster_id`` forces an ID
+    (its lock must be free); by default the lowest free ID in 1..199 is taken.
+    Raises ClusterUnavailable if the machine cannot do it, RuntimeError if starting failed.
+    """
+    problem = preflight()
+    if problem is not None:
+        raise problem
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if cluster_id is None:
+        for cid in AUTO_IDS:
+            fd = _try_lock(cid)
+            if fd is not None:
+                cluster_id = cid
+                break
+        else:
+            raise RuntimeError(f"no free cluster ID in {AUTO_IDS} (locks under {LOCK_DIR})")
+    else:
+        fd = _try_lock(cluster_id)
+        if fd is None:
+            raise RuntimeError(f"cluster ID {cluster_id} is held by another live process ({LOCK_DIR})")
+    env_entries = {
+        "PATH": f"{os.path.dirname(sys.executable)}:{workdir / 'bin'}:{STD_PATH}",
+        "HOME": str(workdir / "home"),
+        **(setenv or {}),
+    }
+    cmd = [str(UP), "-f", "-d", str(workdir), "-i", str(cluster_id), "-n", str(n)]
+    for k, v in env_entries.items():
+        cmd += ["-e", f"{k}={v}"]
+    try:
+        # -f: the lock is ours, so anything left with this ID is from a crashed run: tear it down first.
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    except BaseException:
+        subprocess.run([str(DOWN), "-d", str(workdir), "-i", str(cluster_id)], capture_output=True)
+        os.close(fd)
+        raise
+    if r.returncode != 0:
+        os.close(fd)
+        raise RuntimeError(f"cluster_up.sh failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr}")
+    net = f"10.78.{cluster_id}"
+    nodes = [f"node{i}" for i in range(n)]
+    cluster = Cluster(
+        dir=workdir,
+        id=cluster_id,
+        nodes=nodes,
+        addresses={f"node{i}": f"{net}.{i + 1}" for i in range(n)},
+        ssh_config=workdir / "ssh_config",
+        bin=workdir / "bin",
+        home=workdir / "home",
+        bridge_address=f"{net}.254",
+        _launcher_pids=[int(p) for p in (workdir / "pids").read_text().split()],
+        _lock_fd=fd,
+    )
+    atexit.register(stop_cluster, cluster)
+    return cluster
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    """Tear the cluster down and release its ID.  Idempotent: once stopped (ID released, maybe
+    already reused by another run), later calls do nothing."""
+    if cluster._lock_fd is None:
+        return
+    subprocess.run(
+        [str(DOWN), "-d", str(cluster.dir), "-i", str(cluster.id)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    if cluster._lock_fd is not None:
+        os.close(cluster._lock_fd)
+        cluster._lock_fd = None
+
+
+def run_on(
+    cluster: Cluster, node: str, cmd: str, *, timeout: float = 60, check: bool = False, input: str | None = None
+) -> subprocess.CompletedProcess:
+    """``ssh node cmd`` through the cluster's ssh config; text output captured."""
+    return subprocess.run(
+        [str(cluster.bin / "ssh"), node, cmd],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=check,
+        input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+    )
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _is_infra(pid: int, cmd: str, cluster: Cluster) -> bool:
+    return pid in cluster._launcher_pids or cmd.startswith("sshd:") or cmd.split(" ", 1)[0].endswith("/sshd")
+
+
+def pids_in_node(cluster: Cluster, node: str, *, include_infra: bool = False) -> dict[int, str]:
+    """Processes living in ``node`` (pid in the root PID namespace -> command line).
+
+    Without ``include_infra`` the node's own machinery (its launcher, sshd and sshd session
+    processes) is left out, so what remains is what commands started there.
+    """
+    r = subprocess.run(["ip", "netns", "pids", cluster.netns(node)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ip netns pids {cluster.netns(node)}: {r.stderr.strip()}")
+    out: dict[int, str] = {}
+    for tok in r.stdout.split():
+        pid = int(tok)
+        cmd = _cmdline(pid)
+        if cmd is None or (not include_infra and _is_infra(pid, cmd, cluster)):
+            continue
+        out[pid] = cmd
+    return out
+
+
+def leftover_processes(cluster: Cluster, *, timeout: float = 0, contains: str = "") -> dict[str, dict[int, str]]:
+    """Non-infrastructure processes on any node whose command line contains ``contains``.
+
+    Polls up to ``timeout`` seconds for them to go; returns {node: {pid: cmdline}} ({} when clean).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {}
+        for node in cluster.nodes:
+            procs = {p: c for p, c in pids_in_node(cluster, node).items() if contains in c}
+            if procs:
+                found[node] = procs
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
