@@ -202,10 +202,12 @@ def _kill_line(job_id: str) -> str:
 
 def _pdsh_base(job: Job, hosts: tuple[str, ...]) -> tuple[list[str], tuple[tuple[str, str], ...]]:
     r = job.config.runner
-    argv = ["pdsh", "-R", "ssh", "-S", "-f", str(max(32, len(hosts))), "-w", ",".join(hosts)]
+    # pdsh puts its own -oConnectTimeout (from -t) first and ssh keeps the first value: use -t
+    argv = ["pdsh", "-R", "ssh", "-S", "-t", str(r.connect_timeout), "-f", str(max(32, len(hosts))),
+            "-w", ",".join(hosts)]
     if r.ssh_user:
         argv += ["-l", r.ssh_user]
-    ssh_args = f"-p {r.ssh_port} -o ConnectTimeout={r.connect_timeout} -o BatchMode=yes"
+    ssh_args = f"-p {r.ssh_port} -o BatchMode=yes"
     return argv, (("PDSH_SSH_ARGS_APPEND", ssh_args),)
 
 

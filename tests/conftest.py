@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # tests/cluster/ is importable as "cluster"
+pytest_plugins = ["cluster.fixtures"]  # fixtures: cluster2 (session, 2 nodes), make_cluster(n)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # DeepSpeed on this CPU-only machine: CPU accelerator, and one build of its C++ op per checkout.

@@ -100,8 +100,9 @@ def test_pdsh_plan_exact():
         "*) echo 'hfscale: host %h is not in the plan' >&2; exit 97 ;; esac && " + launcher +
         '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc'
     )
-    assert plan.main.argv == ("pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node0,node1", "-l", "alice", script)
-    assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o ConnectTimeout=7 -o BatchMode=yes"),)
+    assert plan.main.argv == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "32", "-w", "node0,node1", "-l", "alice",
+                              script)
+    assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o BatchMode=yes"),)
     assert [(n.host, n.node_rank) for n in plan.nodes] == [("node0", 0), ("node1", 1)]
     assert plan.nodes[1].command == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
@@ -220,8 +221,8 @@ def test_dry_run_text_is_shell_quoted_and_parseable():
     text = build_plan(job_of(PDSH), CTX, mask=True).render()
     run_line = text.split("\nrun:\n  ", 1)[1].split("\n", 1)[0]
     words = shlex.split(run_line)
-    assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o ConnectTimeout=7 -o BatchMode=yes"
-    assert words[1:9] == ["pdsh", "-R", "ssh", "-S", "-f", "32", "-w", "node0,node1"]
+    assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o BatchMode=yes"
+    assert words[1:11] == ["pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "32", "-w", "node0,node1"]
 
 
 @pytest.mark.parametrize("bad", ["", "UPPER", "a b", "a;b", "x" * 65])

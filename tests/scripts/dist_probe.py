@@ -1,0 +1,41 @@
+"""A distributed probe for launcher tests: joins the process group, reports, then behaves as told.
+
+    --mode ok        barrier, print PROBE_DONE, exit 0
+    --mode crash     rank --rank exits 3 after the group formed; the others block in all_reduce
+    --mode hang      every rank loops on all_reduce until it is killed
+Each rank prints ``PROBE_READY {json}`` with its rank, world size, host, argv and $PROBE_VALUE.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mode", default="ok", choices=["ok", "crash", "hang"])
+ap.add_argument("--rank", type=int, default=1)
+args, rest = ap.parse_known_args()
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+info = {"rank": rank, "world": world, "host": socket.gethostname(), "argv": rest,
+        "value": os.environ.get("PROBE_VALUE"), "job": os.environ.get("HFSCALE_JOB_ID"),
+        "node_rank": os.environ.get("HFSCALE_NODE_RANK"), "pid": os.getpid()}
+print("PROBE_READY " + json.dumps(info, sort_keys=True), flush=True)
+dist.barrier()
+if args.mode == "crash" and rank == args.rank:
+    print(f"PROBE_CRASH rank={rank}", flush=True)
+    sys.exit(3)
+if args.mode in ("crash", "hang"):
+    t = torch.zeros(1)
+    while True:
+        dist.all_reduce(t)
+        time.sleep(0.2)
+dist.barrier()
+print(f"PROBE_DONE rank={rank}", flush=True)
+dist.destroy_process_group()

@@ -1,0 +1,192 @@
+"""hfscale launch on a real multi-host cluster: network namespaces, one sshd each, real pdsh.
+
+Uses the ``cluster2`` / ``make_cluster`` fixtures (tests/cluster): they skip with the reason when
+this machine cannot make namespaces (not root), and fail instead under CI=true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import leftover_processes
+from conftest import ROOT
+
+PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
+pytestmark = pytest.mark.slow
+
+
+def node_env() -> dict[str, str]:
+    # what every rank needs on this CPU-only machine; TORCH_EXTENSIONS_DIR is on the shared filesystem
+    return {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
+            "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def write_config(tmp_path: Path, hosts: list[str], *, slots: int = 1, port: int, launcher: str = "torchrun",
+                 script: str = PROBE, script_args: list[str] | None = None, env: dict | None = None,
+                 extra: dict | None = None) -> Path:
+    cfg = {
+        "name": "cl",
+        "cluster": {"hosts": [{"host": h, "slots": slots} for h in hosts], "master_port": port},
+        "runner": {"type": "pdsh", "launcher": launcher, "run_dir": str(tmp_path / "runs"), "connect_timeout": 5},
+        "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}},
+        "precision": "no",
+        "batch": {"micro_batch_size": 2},
+        "env": {"vars": {**node_env(), **(env or {})}},
+        "training": {"script": script, "script_args": script_args or []},
+    }
+    for key, value in (extra or {}).items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def launch(cluster, config: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config), *args], cwd=ROOT,
+                          env=cluster.env(), capture_output=True, text=True, timeout=timeout)
+
+
+def ready_lines(text: str) -> list[dict]:
+    return [json.loads(line.split("PROBE_READY ", 1)[1]) for line in text.splitlines() if "PROBE_READY " in line]
+
+
+def run_dir_of(tmp_path: Path) -> Path:
+    (d,) = list((tmp_path / "runs").iterdir())
+    return d
+
+
+def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
+    """A real 2-node ZeRO-2 training (tiny GPT-2, gloo on CPU) through pdsh and accelerate launch."""
+    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0}
+    config = tmp_path / "job.yaml"
+    cfg_path = write_config(tmp_path, cluster2.nodes, port=29611, launcher="accelerate",
+                            script=str(ROOT / "examples" / "tiny_cpu" / "train.py"),
+                            script_args=["--config", str(config), "--max-steps", "4"],
+                            extra={"training": {"model": {"config": model}, "data": {"block_size": 32}}})
+    assert cfg_path == config
+    r = launch(cluster2, config)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    ranks = [line for line in r.stdout.splitlines() if "HFSCALE_RANK " in line]
+    assert sorted(line.split(": ", 1)[0] for line in ranks) == ["node0", "node1"]
+    for line in ranks:
+        fields = dict(kv.split("=", 1) for kv in line.split("HFSCALE_RANK ", 1)[1].split())
+        assert fields["world_size"] == "2" and fields["steps"] == "4" and fields["zero_stage"] == "2"
+    run_dir = run_dir_of(tmp_path)
+    for i, node in enumerate(cluster2.nodes):
+        log = (run_dir / "logs" / f"{node}.log").read_text()
+        assert f"HFSCALE_RANK rank={i} world_size=2" in log
+        assert "HFSCALE_EXIT rc=0" in log
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "hostfile", "logs", "plan.txt"]
+    assert leftover_processes(cluster2, timeout=5) == {}
+
+
+def test_ranks_follow_the_host_list_and_values_arrive_verbatim(cluster2, tmp_path):
+    """node1 listed first gets rank 0; shell metacharacters in values and args execute nothing."""
+    marker = tmp_path / "PWNED"
+    evil_value = f"$(touch {marker}) `touch {marker}` ; touch {marker}\nsecond line 100%h"
+    evil_args = [f"; touch {marker}", f"$(touch {marker})", f"`touch {marker}`", "a\nb", "64(x2)", "{\"j\": 1}"]
+    config = write_config(tmp_path, ["node1", "node0"], port=29612, script_args=["--mode", "ok", *evil_args],
+                          env={"PROBE_VALUE": evil_value})
+    r = launch(cluster2, config)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    ready = sorted(ready_lines(r.stdout), key=lambda d: d["rank"])
+    assert [(d["rank"], d["host"], d["node_rank"]) for d in ready] == [(0, "node1", "0"), (1, "node0", "1")]
+    for d in ready:
+        assert d["value"] == evil_value
+        assert d["argv"] == evil_args
+    assert not marker.exists()
+
+
+def test_a_crashing_rank_stops_every_node(cluster2, tmp_path):
+    config = write_config(tmp_path, cluster2.nodes, port=29613, script_args=["--mode", "crash", "--rank", "1"])
+    t0 = time.monotonic()
+    r = launch(cluster2, config, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "PROBE_CRASH rank=1" in r.stdout
+    assert "hfscale: node1 failed" in r.stdout
+    assert leftover_processes(cluster2, timeout=10) == {}, "a rank was left running"
+    assert took < 60, f"the surviving rank blocked in all_reduce should be killed promptly, took {took:.0f}s"
+    log0 = (run_dir_of(tmp_path) / "logs" / "node0.log").read_text()
+    assert "PROBE_READY" in log0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_every_node(cluster2, tmp_path, sig):
+    port = 29614 if sig == signal.SIGINT else 29618
+    config = write_config(tmp_path, cluster2.nodes, port=port, script_args=["--mode", "hang"])
+    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster2.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while sum("PROBE_READY" in line for line in seen) < 2:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
+        seen.append(line)
+    assert leftover_processes(cluster2, contains="dist_probe") != {}  # the job really runs on the nodes
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, "".join(seen) + out
+    assert f"got {sig.name}; stopping the job on every node" in out
+    assert leftover_processes(cluster2, timeout=10) == {}
+
+
+def test_unrelated_processes_survive_cleanup(cluster2, tmp_path):
+    """Cleanup matches this job's id only: a python process of another job on the node lives on."""
+    other = subprocess.Popen(["ip", "netns", "exec", cluster2.netns("node0"), sys.executable, "-c",
+                              "import time; time.sleep(300)  # dist_probe.py bystander"],
+                             env={**os.environ, "HFSCALE_JOB_ID": "some-other-job"})
+    try:
+        config = write_config(tmp_path, cluster2.nodes, port=29615, script_args=["--mode", "crash", "--rank", "0"])
+        r = launch(cluster2, config, timeout=120)
+        assert r.returncode != 0
+        time.sleep(4)  # the cleanup's KILL pass runs 3 s after TERM
+        assert other.poll() is None, "cleanup killed a process of another job"
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_unreachable_host_fails_fast_naming_it(cluster2, tmp_path):
+    conf = cluster2.dir / "ssh_config.d" / "ghost.conf"
+    conf.write_text(f"Host ghost\n  HostName {cluster2.bridge_address}\n  Port 1\n")
+    try:
+        config = write_config(tmp_path, ["node0", "ghost"], port=29616)
+        t0 = time.monotonic()
+        r = launch(cluster2, config, timeout=60)
+        assert r.returncode == 3, r.stdout + r.stderr
+        assert "cannot reach every host over ssh; nothing was started" in r.stderr
+        assert "ghost: ssh: connect to host" in r.stderr and "node0" not in r.stderr.split("started:", 1)[1]
+        assert time.monotonic() - t0 < 30
+        assert not (tmp_path / "runs").exists()
+        pf = subprocess.run([sys.executable, "-m", "hfscale", "preflight", str(config)], cwd=ROOT,
+                            env=cluster2.env(), capture_output=True, text=True, timeout=60)
+        assert pf.returncode == 3
+        assert "ghost: unreachable: ssh: connect to host" in pf.stdout
+        assert "preflight failed on: ghost" in pf.stderr
+    finally:
+        conf.unlink()
+
+
+def test_preflight_on_the_cluster(cluster2, tmp_path):
+    config = write_config(tmp_path, cluster2.nodes, port=29617)
+    r = subprocess.run([sys.executable, "-m", "hfscale", "preflight", str(config)], cwd=ROOT, env=cluster2.env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()[1:3]]
+    import torch
+
+    assert [row[0] for row in rows] == cluster2.nodes
+    assert all(row[2] == torch.__version__ and row[-1] == "ok" for row in rows)
