@@ -40,9 +40,12 @@ def stdlib_blocks(block_size: int, n_blocks: int) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="the hfscale YAML this job was generated from")
+    ap.add_argument("--config", default=os.environ.get("HFSCALE_CONFIG"),
+                    help="the hfscale YAML this job was generated from (default: $HFSCALE_CONFIG, set by hfscale launch)")
     ap.add_argument("--max-steps", type=int, help="optimizer steps (default: training.max_steps)")
     args = ap.parse_args()
+    if not args.config:
+        ap.error("--config is required outside hfscale launch")
 
     job = load_job(args.config)
     cfg, t = job.config, job.config.training
