@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from hfscale.errors import ConfigError
 from hfscale.load import load_job, load_text
@@ -37,7 +38,7 @@ def test_global_batch_derives_accumulation():
 
 def test_config_model_is_frozen():
     job = load_text("name: x\nbatch: {micro_batch_size: 3}\n", "t.yaml", Path("."))
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         job.config.batch.micro_batch_size = 4  # type: ignore[misc]
 
 
