@@ -338,6 +338,9 @@ class TrainingConfig(Strict):
     save_steps: PositiveInt = Field(500, description="Save a checkpoint every N steps.")
     save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
     report_to: tuple[str, ...] = _seq(("none",), description="Trainer loggers: tensorboard, wandb, mlflow, or none.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak dense TFLOP/s of one device at the training precision, for MFU "
+        "(989 for an H100 SXM in bf16). Null: looked up for known GPUs, else MFU is not reported.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model for the built-in entry point.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data for the built-in entry point.")
 
