@@ -94,6 +94,7 @@ def _env_value(value: Any) -> Any:
 
 
 EnvValue = Annotated[str, BeforeValidator(_env_value)]
+Word = EnvValue  # a command-line word: numbers written without quotes become their text
 
 
 def _check_env_names(names: dict[str, Any]) -> dict[str, Any]:
@@ -160,6 +161,9 @@ class RunnerConfig(Strict):
         description="Shell line run on each node before the launcher, as written "
         "(e.g. 'source /opt/venv/bin/activate'). The only config value that is not quoted.",
     )
+    max_restarts: int = Field(
+        0, ge=0, description="Times torchrun restarts all local workers after one fails; the training "
+        "resumes from the newest complete checkpoint.")
     ssh_port: int = Field(22, ge=1, le=65535, description="ssh port on every host.")
     ssh_user: str | None = Field(None, description="ssh user. Default: your ssh config's.")
     connect_timeout: PositiveInt = Field(10, description="Seconds to wait for ssh to connect to a host.")
@@ -320,7 +324,7 @@ class TrainingConfig(Strict):
     """What the Trainer does; also the source of the TrainingArguments."""
 
     script: str | None = Field(None, description="Your training script. Null: hfscale's built-in entry point.")
-    script_args: tuple[str, ...] = _seq(description="Arguments passed to the script.")
+    script_args: tuple[Word, ...] = _seq(description="Arguments passed to the script (numbers become text).")
     output_dir: str = Field("output", description="Checkpoints and logs, relative to the working directory.")
     max_steps: PositiveInt | None = Field(None, description="Optimizer steps to run. Null: num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs, when max_steps is null.")

@@ -83,6 +83,9 @@ def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tu
         out.append((("runner", "docker"), f"container settings but runner.type is {r.type!r}"))
     if r.type == "pdsh" and not hosts:
         out.append((("runner", "type"), "'pdsh' needs cluster.hosts or cluster.hostfile"))
+    if r.max_restarts and r.launcher != "torchrun":
+        out.append((("runner", "max_restarts"), "restarts need launcher: torchrun (a c10d rendezvous per round); "
+                                                "accelerate launch's static rendezvous does not reconnect restarted workers"))
     names = {h.host for h in hosts}
     for host in cfg.env.per_host:
         if host not in names:

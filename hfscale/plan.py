@@ -12,13 +12,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import yaml
-
 from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
 from .config import HfscaleConfig
 from .envvars import MASK, RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, job_env
 from .job import Job
 from .shell import Command, Raw, exports, join
+from .yamlsource import dump
 
 BUILTIN_ENTRY = "hfscale.train"
 CONFIG_COPY = "config.yaml"
@@ -96,19 +95,21 @@ def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchCon
     """argv of the per-node launcher (accelerate launch or torchrun) for node ``rank``."""
     cfg = job.config
     module_flag, target = _target(job, run_dir, ctx)
+    restarts = cfg.runner.max_restarts
     if cfg.runner.launcher == "accelerate":
         argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
         if job.num_nodes > 1:
             argv += ["--machine_rank", rank]
         return argv + module_flag + target
-    argv = [
-        python, "-m", "torch.distributed.run",
-        "--nnodes", str(job.num_nodes),
-        "--nproc_per_node", str(job.procs_per_node),
-        "--node_rank", rank,
-        "--master_addr", job.master_addr,
-        "--master_port", str(cfg.cluster.master_port),
-    ]
+    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(job.num_nodes),
+            "--nproc_per_node", str(job.procs_per_node)]
+    endpoint = f"{job.master_addr}:{cfg.cluster.master_port}"
+    if restarts:
+        # a restart needs a fresh rendezvous round: c10d with a job-unique id (static reuses stale keys)
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", ctx.job_id,
+                 "--max-restarts", str(restarts)]
+    else:
+        argv += ["--node_rank", rank, "--master_addr", job.master_addr, "--master_port", str(cfg.cluster.master_port)]
     return argv + (["-m"] if module_flag else []) + target
 
 
@@ -123,6 +124,10 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext, mask: bool) -> dict[str
     )
     if job.deepspeed is not None:
         env["HFSCALE_DS_CONFIG"] = posixpath.join(run_dir, DEEPSPEED_FILE)
+    if job.config.runner.max_restarts:
+        # restarted workers reconnecting through a shared rendezvous store fail intermittently
+        # with gloo (pytorch/pytorch#135712); a separate store per round avoids it
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -221,7 +226,7 @@ def resolved_config_yaml(job: Job, mask: bool = True) -> str:
         data["env"]["per_host"] = {h: _masked(v, True) for h, v in data["env"]["per_host"].items()}
         data["network"]["env"] = {k: (MASK if v is not None and is_secret(k) else v) for k, v in data["network"]["env"].items()}
     head = f"# Resolved from {job.source} by hfscale (host file read, secrets masked).\n"
-    return head + yaml.safe_dump(data, sort_keys=False)
+    return head + dump(data)
 
 
 def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:

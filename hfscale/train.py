@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
 from pathlib import Path
@@ -126,6 +127,13 @@ def _ds_config_path(job: Job) -> str | None:
     return str(path)
 
 
+def _step_of(checkpoint: str | None) -> int:
+    if checkpoint is None:
+        return 0
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return int(state["global_step"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hfscale.train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.environ.get("HFSCALE_CONFIG"),
@@ -148,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
 
     t = job.config.training
     args = training_arguments(job, _ds_config_path(job), use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    resume = latest_checkpoint(t.output_dir)
+    done = _step_of(resume)
+    if t.max_steps is not None and done >= t.max_steps:
+        # resumed at max_steps, the Trainer would still take one more step
+        if args.process_index == 0:
+            print(f"HFSCALE_TRAIN already done step={done} resumed_from={resume}", flush=True)
+        return 0
     model, tokenizer = build_model(t.model, t.seed)
     if tokenizer is None and model.config.vocab_size < BYTE_VOCAB:
         print(f"error: byte-level tokens need vocab_size >= {BYTE_VOCAB}, the model has "
@@ -171,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
                StragglerCallback(trainer=trainer), preemption, CheckpointCompleteCallback(), SaveAtEnd()):
         trainer.add_callback(cb)
 
-    resume = latest_checkpoint(t.output_dir)
     if resume and trainer.is_world_process_zero():
         print(f"hfscale.train: resuming from {resume}", flush=True)
     result = trainer.train(resume_from_checkpoint=resume)

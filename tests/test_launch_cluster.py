@@ -70,7 +70,7 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
              "bos_token_id": 0, "eos_token_id": 0}
     config = tmp_path / "job.yaml"
     cfg_path = write_config(tmp_path, cluster2.nodes, port=29611, launcher="accelerate",
-                            script=str(ROOT / "examples" / "tiny_cpu" / "train.py"),
+                            script=str(ROOT / "examples" / "accelerate_loop" / "train.py"),
                             script_args=["--config", str(config), "--max-steps", "4"],
                             extra={"training": {"model": {"config": model}, "data": {"block_size": 32}}})
     assert cfg_path == config

@@ -229,3 +229,20 @@ def test_dry_run_text_is_shell_quoted_and_parseable():
 def test_job_ids_are_validated(bad):
     with pytest.raises(ValueError):
         LaunchContext.of("/w", "py", bad, {})
+
+
+def test_restarts_use_a_c10d_rendezvous_with_the_job_id():
+    job = job_of("name: r\ncluster: {nproc_per_node: 2}\nrunner: {launcher: torchrun, max_restarts: 2}\n"
+                 "batch: {micro_batch_size: 1}\ntraining: {script: t.py}\n")
+    plan = build_plan(job, CTX)
+    assert plan.main.argv == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
+                              "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",
+                              "--rdzv-id", "20261122-120000-abcdef", "--max-restarts", "2", "t.py")
+    assert dict(plan.main.env)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_restarts_with_accelerate_are_refused():
+    from hfscale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="restarts need launcher: torchrun"):
+        job_of("name: r\nrunner: {max_restarts: 1}\nbatch: {micro_batch_size: 1}\n")

@@ -1,4 +1,4 @@
-"""Real 2-process training: `hfscale config`, then `accelerate launch` of examples/tiny_cpu/train.py.
+"""Real 2-process training: `hfscale config`, then `accelerate launch` of examples/accelerate_loop/train.py.
 
 DeepSpeed runs on the CPU (DS_ACCELERATOR=cpu) with gloo; each run takes about 15 s on 2 cores, plus
 about 30 s once per checkout while DeepSpeed builds its C++ op into TORCH_EXTENSIONS_DIR.
@@ -20,7 +20,7 @@ from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = ROOT / "examples" / "tiny_cpu"
+EXAMPLE = ROOT / "examples" / "accelerate_loop"
 STEPS = 5
 RANK_LINE = re.compile(
     r"HFSCALE_RANK rank=(\d+) world_size=(\d+) steps=(\d+) loss=(\S+) distributed_type=(\w+) zero_stage=(\d+|-)"
@@ -46,7 +46,7 @@ def _variant(tmp_path: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_tiny_cpu_trains_on_two_ranks(stage, tmp_path):
+def test_accelerate_loop_trains_on_two_ranks(stage, tmp_path):
     if stage == 2:
         config = EXAMPLE / "config.yaml"  # the example exactly as users run it
     else:
@@ -74,7 +74,7 @@ def test_tiny_cpu_trains_on_two_ranks(stage, tmp_path):
     assert float(last.group(1)) < float(first.group(1)), "rank 0's loss did not go down"
 
 
-def test_tiny_cpu_refuses_fsdp_on_cpu(tmp_path):
+def test_accelerate_loop_refuses_fsdp_on_cpu(tmp_path):
     """accelerate runs an FSDP config on CPU-only ranks with no engine at all (distributed_type NO):
     each rank would train its own model. The example must stop instead of pretending."""
     config = _variant(tmp_path, distributed={"backend": "fsdp", "fsdp": {"cpu_ram_efficient_loading": False}})

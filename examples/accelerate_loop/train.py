@@ -1,8 +1,8 @@
 """Train a tiny GPT-2 with a plain accelerate loop; batch geometry comes from an hfscale config.
 
-    hfscale config examples/tiny_cpu/config.yaml --out generated/tiny_cpu
-    DS_ACCELERATOR=cpu accelerate launch --config_file generated/tiny_cpu/accelerate_config.yaml \
-        examples/tiny_cpu/train.py --config examples/tiny_cpu/config.yaml
+    hfscale config examples/accelerate_loop/config.yaml --out generated/accelerate_loop
+    DS_ACCELERATOR=cpu accelerate launch --config_file generated/accelerate_loop/accelerate_config.yaml \
+        examples/accelerate_loop/train.py --config examples/accelerate_loop/config.yaml
 
 The model is built from ``training.model.config`` (random init, nothing downloaded). The data are
 the bytes of the Python standard library's own source files (token = byte value, vocabulary 256).

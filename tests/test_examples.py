@@ -1,0 +1,140 @@
+"""The examples as users run them: every config checks and plans; the README's main job trains,
+checkpoints and resumes; the existing-script example; a rank killed under the restart budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+
+EXAMPLES = sorted((ROOT / "examples").glob("*/config.yaml"))
+
+
+def test_the_examples_the_issue_asks_for_exist():
+    assert {p.parent.name for p in EXAMPLES} >= {"tiny_cpu", "multinode_infiniband", "docker", "existing_script",
+                                                  "accelerate_loop"}
+
+
+@pytest.mark.parametrize("config", EXAMPLES, ids=lambda p: p.parent.name)
+def test_every_example_checks_and_plans(config):
+    r = run_cli("check", str(config))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("launch", str(config), "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# hfscale launch plan: job ")
+
+
+def test_infiniband_example_plan():
+    r = run_cli("launch", str(ROOT / "examples/multinode_infiniband/config.yaml"), "--dry-run",
+                env={"WANDB_API_KEY": "wandb-secret-value", "HF_TOKEN": "hf-secret-value"})
+    assert r.returncode == 0, r.stderr
+    assert "secret-value" not in r.stdout
+    assert "-w gpu-node-01,gpu-node-02,gpu-node-03,gpu-node-04" in r.stdout
+    assert "NCCL_IB_HCA=mlx5_0,mlx5_1" in r.stdout and "gpu-node-04) export HFSCALE_NODE_RANK=3 NCCL_SOCKET_IFNAME=ens2f0" in r.stdout
+    assert "{ source /shared/venv/bin/activate ; }" in r.stdout
+
+
+def _launch(config: Path, cwd: Path, timeout: float = 400, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.slow
+def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
+    """`hfscale launch examples/tiny_cpu/config.yaml`, exactly as in the README (run from a scratch dir)."""
+    config = ROOT / "examples" / "tiny_cpu" / "config.yaml"
+    r = _launch(config, tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert "HFSCALE_TRAIN done step=300" in r.stdout
+    out = tmp_path / "output" / "tiny_cpu"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-200", "checkpoint-300"]  # limit 2
+    assert all((p / "hfscale_complete.json").is_file() for p in out.glob("checkpoint-*"))
+    records = [json.loads(line) for line in (out / "hfscale_metrics.jsonl").read_text().splitlines()]
+    metrics = [m for m in records if m["event"] == "metrics"]
+    assert [m["step"] for m in metrics] == [50, 100, 150, 200, 250, 300]
+    assert all(m["world_size"] == 2 and m["tokens_per_s"] > 0 for m in metrics)
+    losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", r.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses  # it learns
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "HFSCALE_TRAIN done step=300" in (run_dir / "logs" / "local.log").read_text()
+
+    again = _launch(config, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"HFSCALE_TRAIN already done step=300 resumed_from=output/tiny_cpu/checkpoint-300" in again.stdout
+
+
+@pytest.mark.slow
+def test_existing_script_example(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples/existing_script/config.yaml").read_text())
+    doc["training"]["script"] = str(ROOT / doc["training"]["script"])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    r = _launch(config, tmp_path)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    out = tmp_path / "output" / "existing_script"
+    marker = json.loads((out / "checkpoint-40" / "hfscale_complete.json").read_text())
+    assert marker["global_step"] == 40 and marker["world_size"] == 2
+    assert any(name.startswith("global_step40/") for name in marker["files"])  # DeepSpeed shards listed
+    assert (out / "hfscale_metrics.jsonl").read_text().count('"event": "metrics"') == 4
+
+
+def _workers(job_id: str) -> list[int]:
+    """PIDs of this job's training processes (their environment carries the job id)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            env = (p / "environ").read_bytes().split(b"\0")
+            cmd = (p / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"HFSCALE_JOB_ID={job_id}".encode() in env and b"hfscale.train" in cmd and b"torch.distributed.run" not in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_resumes_from_last_complete_checkpoint(tmp_path):
+    doc = yaml.safe_load((ROOT / "examples/tiny_cpu/config.yaml").read_text())
+    doc["runner"].update(max_restarts=1, launcher="torchrun")
+    doc["cluster"]["master_port"] = 29531
+    doc["training"].update(max_steps=60, save_steps=20, logging_steps=20, save_total_limit=None)
+    doc["training"]["model"]["config"].update(n_layer=2, n_embd=64, n_head=2)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        job_id = None
+        while job_id is None:
+            line = proc.stderr.readline()
+            assert line and time.monotonic() < deadline
+            m = re.match(r"hfscale: job (\S+) on", line)
+            job_id = m.group(1) if m else None
+        marker = tmp_path / "output/tiny_cpu/checkpoint-20/hfscale_complete.json"
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before its first checkpoint"
+            time.sleep(0.2)
+        workers = _workers(job_id)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:] + err[-3000:]
+    resumed = re.findall(r"hfscale.train: resuming from output/tiny_cpu/checkpoint-(\d+)", out)
+    assert resumed and int(resumed[-1]) >= 20
+    assert "HFSCALE_TRAIN done step=60" in out
