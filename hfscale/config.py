@@ -66,9 +66,15 @@ class ClusterConfig(Strict):
         None,
         description="Processes on the local node when neither 'hosts' nor 'hostfile' is set (default 1).",
     )
+    num_nodes: PositiveInt | None = Field(
+        None,
+        description="Nodes a scheduler allocates (runner slurm or kubernetes), each running nproc_per_node "
+        "processes; the scheduler picks the hosts.",
+    )
     master_addr: str | None = Field(
         None,
-        description="Address every rank connects to. Default: the first host, or 127.0.0.1 on one local node.",
+        description="Address every rank connects to. Default: the first host, or 127.0.0.1 on one local node "
+        "(schedulers: the first node of the allocation, found at run time).",
     )
     master_port: int = Field(
         29500, ge=1, le=65535, description="Fixed rendezvous port on the master (never random)."
@@ -139,13 +145,91 @@ class DockerConfig(Strict):
         return v
 
 
+class SlurmConfig(Strict):
+    """sbatch settings (runner type slurm); written as literal #SBATCH lines."""
+
+    partition: str | None = Field(None, description="Partition (queue) to submit to.")
+    account: str | None = Field(None, description="Account to charge.")
+    time: str | None = Field(None, description="Time limit, e.g. 2-00:00:00 or 04:00:00.")
+    gpus_per_node: PositiveInt | None = Field(None, description="GPUs to request per node. Null: none requested.")
+    cpus_per_task: PositiveInt | None = Field(None, description="CPUs for each node's launcher task.")
+    job_name: str | None = Field(None, description="Job name. Default: the config's name.")
+    signal: str | None = Field(
+        "USR1@120", description="Preemption notice: signal and seconds before the time limit (sbatch --signal); "
+        "the ranks save a checkpoint and stop. Null: none.")
+    requeue: bool = Field(False, description="Let Slurm requeue the job (preemption, node failure); it resumes "
+                          "from the newest complete checkpoint.")
+    extra: tuple[str, ...] = _seq(description="More sbatch options, one per item, e.g. --qos=high.")
+
+    @field_validator("partition", "account", "job_name")
+    @classmethod
+    def _word(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._,-]*$", v):
+            raise ValueError(f"{v!r}: letters, digits, '.', '_', ',' and '-' only")
+        return v
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$", v):
+            raise ValueError(f"{v!r} is not a Slurm time such as 04:00:00 or 2-00:00:00")
+        return v
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(B:)?(SIG)?[A-Z0-9]+(@\d+)?$", v):
+            raise ValueError(f"{v!r} is not a signal spec such as USR1@120")
+        return v
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for item in v:
+            if not re.match(r"^--[a-z][a-z0-9-]*(=[^\s'\"`$\\;&|<>]+)?$", item):
+                raise ValueError(f"{item!r} is not an sbatch option like --qos=high (no spaces or shell characters)")
+        return v
+
+
+class K8sMount(Strict):
+    """A volume in every pod: a host path or a persistent volume claim."""
+
+    container: str = Field(description="Absolute path inside the container.")
+    host_path: str | None = Field(None, description="Directory on the Kubernetes node (hostPath).")
+    claim: str | None = Field(None, description="Name of a PersistentVolumeClaim.")
+    readonly: bool = Field(False, description="Mount read-only.")
+
+
+class ElasticConfig(Strict):
+    """Elastic training (Kubeflow elasticPolicy; torchrun c10d rendezvous)."""
+
+    min_nodes: PositiveInt = Field(description="Fewest nodes to train with.")
+    max_nodes: PositiveInt = Field(description="Most nodes to train with.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of the worker group before the job fails.")
+
+
+class KubernetesConfig(Strict):
+    """Kubeflow PyTorchJob settings (runner type kubernetes)."""
+
+    image: str = Field(description="Image with your code, Python, torch, transformers, accelerate, deepspeed, hfscale.")
+    namespace: str = Field("default", description="Namespace of the PyTorchJob.")
+    mounts: tuple[K8sMount, ...] = _seq(description="Volumes mounted in every pod.")
+    shm_size: str = Field("64Gi", description="Size of the memory-backed /dev/shm.")
+    gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name of a GPU.")
+    rdma_resource: str = Field("rdma/hca", description="RDMA device resource requested with the infiniband/roce presets.")
+    service_account: str | None = Field(None, description="Service account of the pods.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="When to pull.")
+    elastic: ElasticConfig | None = Field(None, description="Elastic policy. Null: a fixed number of nodes.")
+
+
 class RunnerConfig(Strict):
     """How processes are started on the nodes."""
 
-    type: Literal["local", "pdsh", "pdsh_docker"] = Field(
+    type: Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"] = Field(
         "local",
         description="local: this node only; pdsh: one launcher per host over ssh; "
-        "pdsh_docker: the same inside a container on each host.",
+        "pdsh_docker: the same inside a container on each host; slurm: an sbatch job; "
+        "kubernetes: a Kubeflow PyTorchJob.",
     )
     launcher: Literal["accelerate", "torchrun"] = Field(
         "accelerate", description="Per-node launcher: 'accelerate launch' with the generated config, or torchrun."
@@ -172,6 +256,8 @@ class RunnerConfig(Strict):
         description="Where run directories are made (one per launch). Multi-node: a path every node sees.",
     )
     docker: DockerConfig | None = Field(None, description="Container settings for runner type pdsh_docker.")
+    slurm: SlurmConfig | None = Field(None, description="sbatch settings for runner type slurm.")
+    kubernetes: KubernetesConfig | None = Field(None, description="PyTorchJob settings for runner type kubernetes.")
 
     @field_validator("ssh_user")
     @classmethod

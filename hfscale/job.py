@@ -15,6 +15,7 @@ from .errors import ConfigError, Problem
 from .yamlsource import dotted
 
 LineOf = Callable[[tuple], "int | None"]
+SCHEDULERS = ("slurm", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -23,15 +24,17 @@ class Job:
 
     config: HfscaleConfig
     source: str
-    hosts: tuple[HostSpec, ...]  # empty: one local node
+    hosts: tuple[HostSpec, ...]  # empty: one local node, or nodes a scheduler picks
+    num_nodes: int
     procs_per_node: int
-    master_addr: str
+    master_addr: str  # "" when a scheduler decides it at run time
     gradient_accumulation_steps: int
     global_batch_size: int
 
     @property
-    def num_nodes(self) -> int:
-        return max(1, len(self.hosts))
+    def scheduled(self) -> bool:
+        """True when Slurm or Kubernetes, not hfscale, places the nodes."""
+        return self.config.runner.type in SCHEDULERS
 
     @property
     def world_size(self) -> int:
@@ -83,6 +86,26 @@ def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tu
         out.append((("runner", "docker"), f"container settings but runner.type is {r.type!r}"))
     if r.type == "pdsh" and not hosts:
         out.append((("runner", "type"), "'pdsh' needs cluster.hosts or cluster.hostfile"))
+    for kind in ("slurm", "kubernetes"):
+        if r.type == kind and kind == "kubernetes" and r.kubernetes is None:
+            out.append((("runner", "kubernetes"), "runner type kubernetes needs a kubernetes section (at least 'image')"))
+        if r.type != kind and getattr(r, kind) is not None:
+            out.append((("runner", kind), f"{kind} settings but runner.type is {r.type!r}"))
+    c = cfg.cluster
+    if r.type in SCHEDULERS:
+        for key in ("hosts", "hostfile"):
+            if getattr(c, key) is not None:
+                out.append((("cluster", key), f"{r.type} picks the hosts; give cluster.num_nodes instead"))
+    elif c.num_nodes is not None:
+        out.append((("cluster", "num_nodes"), "only for runner types slurm and kubernetes; list hosts instead"))
+    k = r.kubernetes
+    if k is not None:
+        for i, m in enumerate(k.mounts):
+            if (m.host_path is None) == (m.claim is None):
+                out.append((("runner", "kubernetes", "mounts", i), "set exactly one of host_path and claim"))
+        if k.elastic is not None and not (k.elastic.min_nodes <= (c.num_nodes or 1) <= k.elastic.max_nodes):
+            out.append((("runner", "kubernetes", "elastic"),
+                        f"cluster.num_nodes {c.num_nodes or 1} must lie within min_nodes..max_nodes"))
     if r.max_restarts and r.launcher != "torchrun":
         out.append((("runner", "max_restarts"), "restarts need launcher: torchrun (a c10d rendezvous per round); "
                                                 "accelerate launch's static rendezvous does not reconnect restarted workers"))
@@ -170,13 +193,20 @@ def resolve(
     """
     hosts = cfg.cluster.hosts if cfg.cluster.hosts is not None else (file_hosts or ())
     hosts_key = "hosts" if cfg.cluster.hosts is not None else "hostfile"
-    if hosts:
+    nodes = max(1, len(hosts))
+    if cfg.runner.type in SCHEDULERS:
+        hosts, nodes = (), cfg.cluster.num_nodes or 1
+        procs = cfg.cluster.nproc_per_node or 1
+        world_how = "cluster.num_nodes x cluster.nproc_per_node"
+        world = nodes * procs
+    elif hosts:
         procs = hosts[0].slots
         world_how = f"sum of slots in cluster.{hosts_key}"
+        world = sum(h.slots for h in hosts)
     else:
         procs = cfg.cluster.nproc_per_node or 1
         world_how = "cluster.nproc_per_node" if cfg.cluster.nproc_per_node else "one local process"
-    world = sum(h.slots for h in hosts) if hosts else procs
+        world = procs
     ga, global_batch, batch_problems = _batch(cfg, world, world_how)
     found = _cluster_problems(cfg, hosts, hosts_key) + _launch_problems(cfg, hosts) + _engine_problems(cfg)
     found += batch_problems
@@ -185,5 +215,8 @@ def resolve(
     problems.sort(key=lambda p: (p.line is None, p.line or 0))
     if problems:
         raise ConfigError(source, problems)
-    master = cfg.cluster.master_addr or (hosts[0].host if hosts else "127.0.0.1")
-    return Job(cfg, source, tuple(hosts), procs, master, ga, global_batch)
+    if cfg.runner.type in SCHEDULERS:
+        master = cfg.cluster.master_addr or ""
+    else:
+        master = cfg.cluster.master_addr or (hosts[0].host if hosts else "127.0.0.1")
+    return Job(cfg, source, tuple(hosts), nodes, procs, master, ga, global_batch)

@@ -68,7 +68,7 @@ def accelerate_config(job: Job, deepspeed_config_file: str) -> dict[str, Any]:
     else:
         out.update(distributed_type="MULTI_GPU" if job.world_size > 1 else "NO", mixed_precision=cfg.precision)
     out.update(downcast_bf16="no", machine_rank=0)
-    if job.num_nodes > 1:
+    if job.num_nodes > 1 and job.master_addr:  # schedulers: given at run time (--main_process_ip)
         out["main_process_ip"] = job.master_addr
     out.update(
         main_process_port=cfg.cluster.master_port,
