@@ -35,6 +35,8 @@ def summary(job) -> str:
     if job.hosts:
         names = ", ".join(h.host for h in job.hosts[:4]) + (", ..." if len(job.hosts) > 4 else "")
         nodes = f"{job.num_nodes} ({names}) x {job.procs_per_node} processes"
+    elif job.scheduled:
+        nodes = f"{job.num_nodes} (allocated by {cfg.runner.type}) x {job.procs_per_node} processes"
     else:
         nodes = f"1 (local) x {job.procs_per_node} processes"
     backend = cfg.distributed.backend

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -105,10 +106,32 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
+    """Hand the job to its scheduler (sbatch, kubectl apply); record and print what it answered."""
+    m = plan.main
+    if shutil.which(m.argv[0], path=_env(m).get("PATH")) is None:
+        if plan.runner == "kubernetes":
+            echo(f"hfscale: {m.argv[0]} not found; the manifests are written. Apply them with:\n  {m.shell()}")
+            return 0
+        echo(f"hfscale: {m.argv[0]} not found on this machine; submit by hand with:\n  {m.shell()}")
+        return 3
+    r = subprocess.run(list(m.argv), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, errors="replace")
+    for line in (r.stdout + r.stderr).splitlines():
+        echo(line)
+    if r.returncode == 0 and plan.runner == "slurm":
+        job = r.stdout.strip().split(";")[0]
+        write_files(run_dir, {"slurm_job_id": job + "\n"})
+        echo(f"hfscale: submitted Slurm job {job}; output in {run_dir}/slurm-{job}.out")
+    return r.returncode
+
+
 def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None, grace: float = 30.0) -> int:
     """Run ``plan``; return its exit code (the failing node's, or 128+signal when stopped)."""
     echo = echo or (lambda s: print(s, flush=True))
     run_dir = write_run_dir(plan, record)
+    if plan.mode == "submit":
+        return submit(plan, run_dir, echo)
     run = _Run(plan, run_dir, echo, grace)
 
     def on_signal(signum, _frame):

@@ -16,6 +16,8 @@ from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
 from .config import HfscaleConfig
 from .envvars import MASK, RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, job_env
 from .job import Job
+from .render_slurm import MASTER, NODE_RANK, render_sbatch
+from .render_slurm import SCRIPT as SBATCH_FILE
 from .shell import Command, Raw, exports, join
 from .yamlsource import dump
 
@@ -64,6 +66,9 @@ class LaunchPlan:
     main: Command
     cleanup: Command | None
     notes: tuple[str, ...] = field(default=())
+    # stream: run main, relay its output per node; submit: main hands the job to a scheduler and returns
+    mode: str = "stream"
+    show: tuple[str, ...] = ()  # files printed in full by render() (the sbatch script, manifests)
 
     def render(self) -> str:
         """The plan as text: files, per-node commands, the process hfscale starts, cleanup."""
@@ -72,6 +77,9 @@ class LaunchPlan:
         out += [f"  {posixpath.join(self.run_dir, name)} ({len(text.splitlines())} lines)" for name, text in self.files]
         out.append("nodes:")
         out += [f"  [{n.node_rank}] {n.host}: {n.command}" for n in self.nodes]
+        for name in self.show:
+            text = dict(self.files)[name]
+            out += [f"--- {posixpath.join(self.run_dir, name)}", text.rstrip("\n"), "---"]
         out += ["run:", f"  {self.main.shell()}"]
         if self.cleanup is not None:
             out += ["on failure or Ctrl-C:", f"  {self.cleanup.shell()}"]
@@ -91,25 +99,30 @@ def _target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list
     return [], [t.script, *t.script_args, *ctx.extra_args]
 
 
-def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchContext) -> list[str]:
-    """argv of the per-node launcher (accelerate launch or torchrun) for node ``rank``."""
+def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchContext, master: str | None = None
+                  ) -> list[str]:
+    """argv of the per-node launcher (accelerate launch or torchrun) for node ``rank``;
+    ``master`` overrides the master address (a shell reference when a scheduler decides it)."""
     cfg = job.config
     module_flag, target = _target(job, run_dir, ctx)
     restarts = cfg.runner.max_restarts
+    master = master or job.master_addr
     if cfg.runner.launcher == "accelerate":
         argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
         if job.num_nodes > 1:
             argv += ["--machine_rank", rank]
+            if master != job.master_addr:
+                argv += ["--main_process_ip", master]
         return argv + module_flag + target
     argv = [python, "-m", "torch.distributed.run", "--nnodes", str(job.num_nodes),
             "--nproc_per_node", str(job.procs_per_node)]
-    endpoint = f"{job.master_addr}:{cfg.cluster.master_port}"
+    endpoint = Raw(f"{master}:{cfg.cluster.master_port}") if isinstance(master, Raw) else f"{master}:{cfg.cluster.master_port}"
     if restarts:
         # a restart needs a fresh rendezvous round: c10d with a job-unique id (static reuses stale keys)
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", ctx.job_id,
                  "--max-restarts", str(restarts)]
     else:
-        argv += ["--node_rank", rank, "--master_addr", job.master_addr, "--master_port", str(cfg.cluster.master_port)]
+        argv += ["--node_rank", rank, "--master_addr", master, "--master_port", str(cfg.cluster.master_port)]
     return argv + (["-m"] if module_flag else []) + target
 
 
@@ -263,6 +276,8 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
             kill = _kill_line(ctx.job_id)
         cleanup = Command(tuple(pdsh + [_escape_pdsh(kill)]), pdsh_env)
         nodes = tuple(NodeLaunch(h, i, launcher.replace(f'"${RANK_VAR}"', str(i))) for i, h in enumerate(hosts))
+    elif r.type == "slurm":
+        return _slurm_plan(job, ctx, mask, run_dir, workdir, python, env, files, tuple(notes))
     elif r.type == "pdsh_docker":
         # one local node in a container, no pdsh
         launcher = launcher_argv(job, r.docker.python, run_dir, "0", ctx)  # type: ignore[union-attr]
@@ -288,3 +303,23 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
         cleanup=cleanup,
         notes=tuple(notes),
     )
+
+
+def _slurm_plan(job: Job, ctx: LaunchContext, mask: bool, run_dir: str, workdir: str, python: str,
+                env: dict[str, str], files: dict[str, str], notes: tuple[str, ...]) -> LaunchPlan:
+    """sbatch submission, or the same script run directly inside an existing allocation."""
+    launcher = launcher_argv(job, python, run_dir, Raw(NODE_RANK), ctx, master=Raw(MASTER))
+    # secret values never go into the script file: sbatch passes them on from its own environment
+    plain = {k: v for k, v in env.items() if not is_secret(k)}
+    secret = tuple((k, v) for k, v in env.items() if is_secret(k))
+    files[SBATCH_FILE] = render_sbatch(job, run_dir, workdir, plain, launcher)
+    script = posixpath.join(run_dir, SBATCH_FILE)
+    inside = dict(ctx.shell_env).get("SLURM_JOB_ID")
+    if inside:
+        main, mode = Command(("bash", script), secret, workdir), "stream"
+        notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
+    else:
+        main, mode = Command(("sbatch", "--parsable", script), secret, workdir), "submit"
+    node = NodeLaunch("each node ($SLURM_NODEID)", 0, join(launcher))
+    return LaunchPlan(ctx.job_id, "slurm", run_dir, tuple(files.items()), ("slurm",), (node,), main, None,
+                      notes, mode=mode, show=(SBATCH_FILE,))
