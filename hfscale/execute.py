@@ -109,13 +109,19 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
     """Hand the job to its scheduler (sbatch, kubectl apply); record and print what it answered."""
     m = plan.main
-    if shutil.which(m.argv[0], path=_env(m).get("PATH")) is None:
+    missing = shutil.which(m.argv[0], path=_env(m).get("PATH")) is None
+    if plan.runner == "kubernetes" and not missing:
+        # "configured" means a current context; without one kubectl can only fail
+        probe = run_probe(Command(("kubectl", "config", "current-context"), m.env, m.cwd), timeout=20)
+        missing = probe[0] != 0
+    if missing:
         if plan.runner == "kubernetes":
-            echo(f"hfscale: {m.argv[0]} not found; the manifests are written. Apply them with:\n  {m.shell()}")
+            echo(f"hfscale: no configured kubectl (no current context); the manifests are in {run_dir}/pytorchjob.yaml (secrets as ***: "
+                 f"fill them in first). Apply them with:\n  kubectl apply -f {run_dir}/pytorchjob.yaml")
             return 0
         echo(f"hfscale: {m.argv[0]} not found on this machine; submit by hand with:\n  {m.shell()}")
         return 3
-    r = subprocess.run(list(m.argv), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, capture_output=True,
+    r = subprocess.run(list(m.argv), env=_env(m), cwd=m.cwd, input=m.stdin or "", capture_output=True,
                        text=True, errors="replace")
     for line in (r.stdout + r.stderr).splitlines():
         echo(line)

@@ -99,6 +99,10 @@ def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tu
     elif c.num_nodes is not None:
         out.append((("cluster", "num_nodes"), "only for runner types slurm and kubernetes; list hosts instead"))
     k = r.kubernetes
+    if r.type == "kubernetes" and r.setup:
+        out.append((("runner", "setup"), "the kubernetes runner starts no shell; put setup steps in the image"))
+    if k is not None and k.elastic is not None and r.launcher != "torchrun":
+        out.append((("runner", "kubernetes", "elastic"), "elastic training needs runner.launcher: torchrun"))
     if k is not None:
         for i, m in enumerate(k.mounts):
             if (m.host_path is None) == (m.claim is None):

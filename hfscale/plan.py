@@ -278,6 +278,8 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
         nodes = tuple(NodeLaunch(h, i, launcher.replace(f'"${RANK_VAR}"', str(i))) for i, h in enumerate(hosts))
     elif r.type == "slurm":
         return _slurm_plan(job, ctx, mask, run_dir, workdir, python, env, files, tuple(notes))
+    elif r.type == "kubernetes":
+        return _kubernetes_plan(job, ctx, mask, run_dir)
     elif r.type == "pdsh_docker":
         # one local node in a container, no pdsh
         launcher = launcher_argv(job, r.docker.python, run_dir, "0", ctx)  # type: ignore[union-attr]
@@ -323,3 +325,29 @@ def _slurm_plan(job: Job, ctx: LaunchContext, mask: bool, run_dir: str, workdir:
     node = NodeLaunch("each node ($SLURM_NODEID)", 0, join(launcher))
     return LaunchPlan(ctx.job_id, "slurm", run_dir, tuple(files.items()), ("slurm",), (node,), main, None,
                       notes, mode=mode, show=(SBATCH_FILE,))
+
+
+MANIFESTS = "pytorchjob.yaml"
+
+
+def _kubernetes_plan(job: Job, ctx: LaunchContext, mask: bool, run_dir: str) -> LaunchPlan:
+    """ConfigMap (+ Secret) + PyTorchJob, applied with ``kubectl apply -f -``.
+
+    The pods read the generated files from the ConfigMap at ``CONFIG_DIR``, so the run directory
+    only keeps a record: its copy of the manifests always has the secrets masked; the real ones
+    reach kubectl on stdin."""
+    from .render_kubernetes import CONFIG_DIR, kubernetes_manifests, render_manifests
+
+    pod_files = dict(render_artifacts(job, posixpath.join(CONFIG_DIR, DEEPSPEED_FILE)))
+    pod_files[CONFIG_COPY] = resolved_config_yaml(job)
+
+    def manifests(masked: bool) -> str:
+        return render_manifests(kubernetes_manifests(job, ctx, pod_files, rank_env(job, CONFIG_DIR, ctx, masked)))
+
+    record = manifests(True)
+    main = Command(("kubectl", "apply", "-f", "-"), stdin=record if mask else manifests(False))
+    notes = (f"kubectl reads the manifests on stdin ({MANIFESTS} with the secrets' real values)",)
+    node = NodeLaunch(f"{job.num_nodes} pod(s)", 0, "see the PyTorchJob's container command")
+    files = (*pod_files.items(), (MANIFESTS, record))
+    return LaunchPlan(ctx.job_id, "kubernetes", run_dir, files, ("kubernetes",), (node,), main, None,
+                      notes, mode="submit", show=(MANIFESTS,))

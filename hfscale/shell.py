@@ -36,6 +36,7 @@ class Command:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     cwd: str | None = None
+    stdin: str | None = None  # text fed to the process (kept off disk: it may hold secrets)
 
     def shell(self) -> str:
         """The command as one shell line a person can read and paste."""

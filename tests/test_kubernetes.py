@@ -503,6 +503,7 @@ def test_values_yaml_readers_could_retype_are_quoted():
      "launcher: torchrun"),
 ])
 def test_settings_a_pod_cannot_honour_are_refused(change, message):
-    job = job_of(change(ONE_NODE))
-    with pytest.raises(ValueError, match=re.escape(message)):
-        manifests(job)
+    from hfscale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):  # refused when the config is loaded
+        job_of(change(ONE_NODE))
