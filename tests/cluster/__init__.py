@@ -1,4 +1,4 @@
-"""A real multi-host cluster on one Linux machine, for hfscale's launcher tests.
+"""A real multi-host cluster on one Linux machine, for hfscale's launcher tests (and a Slurm on it).
 
 Each node is a network namespace with its own UTS/mount/PID namespaces and its own sshd
 (see ``cluster_up.sh``).  The filesystem is shared, so the same interpreter and checkout are
@@ -269,3 +269,139 @@ def leftover_processes(cluster: Cluster, *, timeout: float = 0, contains: str = 
         if not found or time.monotonic() >= deadline:
             return found
         time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm on the cluster (slurm_up.sh / slurm_down.sh): munged + slurmctld on node0, one slurmd per
+# node, node names = the nodes' hostnames. Clients (sbatch, squeue, scontrol, scancel, sinfo) run
+# in the root namespace with Slurm.env(): SLURM_CONF points at this Slurm's config.
+# ---------------------------------------------------------------------------------------------
+
+SLURM_UP = HERE / "slurm_up.sh"
+SLURM_DOWN = HERE / "slurm_down.sh"
+SLURM_APT_INSTALL = "apt-get install -y --no-install-recommends slurm-wlm munge"
+SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
+SLURM_FINISHED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
+
+
+class SlurmUnavailable(ClusterUnavailable):
+    """This machine cannot run the test Slurm (kind 'missing-slurm', or a ClusterUnavailable kind)."""
+
+
+def slurm_preflight() -> ClusterUnavailable | None:
+    """Why this machine cannot run a Slurm test cluster, or None."""
+    problem = preflight()
+    if problem is not None:
+        return problem
+    missing = [b for b in SLURM_BINARIES if _which(b) is None]
+    if missing:
+        return SlurmUnavailable(
+            "missing-slurm", f"missing {', '.join(missing)}; install with: apt-get update && {SLURM_APT_INSTALL}")
+    return None
+
+
+@dataclass
+class Slurm:
+    cluster: Cluster
+    dir: Path
+    conf: Path
+    nodes: list[str]
+    partition: str = "debug"
+    requeue_delay: int = 10
+    _up: bool = field(default=False, repr=False)
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment for Slurm clients and for ``hfscale launch`` from the root namespace.
+
+        SLURM_CONF selects this Slurm; this Python's directory comes first in PATH (a batch job gets
+        the submitter's environment, so its ``python`` is this one); inherited SLURM_* variables
+        (pytest itself inside a Slurm job) are dropped so nothing believes it is in an allocation.
+        """
+        env = {k: v for k, v in self.cluster.env(base).items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = str(self.conf)
+        env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+        return env
+
+    def run(self, *argv: str, timeout: float = 60, check: bool = True, cwd: Path | str | None = None
+            ) -> subprocess.CompletedProcess:
+        """A Slurm client command (``sbatch ...``, ``scontrol ...``) with this Slurm's environment."""
+        r = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL, cwd=cwd)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed (rc={r.returncode}):\n{r.stdout}{r.stderr}")
+        return r
+
+    def sbatch(self, *args: str, cwd: Path | str | None = None) -> str:
+        """``sbatch --parsable ARGS``; returns the job id."""
+        return self.run("sbatch", "--parsable", *args, cwd=cwd).stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, NodeList, StdOut, ...).
+        Finished jobs stay visible for an hour (MinJobAge)."""
+        text = self.run("scontrol", "show", "job", "--oneliner", str(job_id)).stdout
+        out: dict[str, str] = {}
+        for word in text.split():
+            if "=" in word:
+                key, _, value = word.partition("=")
+                out.setdefault(key, value)
+        return out
+
+    def state(self, job_id: str) -> str:
+        return self.job(job_id).get("JobState", "")
+
+    def wait(self, job_id: str, states=SLURM_FINISHED, *, timeout: float = 120, poll: float = 0.2
+             ) -> dict[str, str]:
+        """Poll until the job's state is one of ``states`` (default: any finished state); returns
+        the job's fields. Raises TimeoutError with the last state and the controller log tail."""
+        states = {states} if isinstance(states, str) else set(states)
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout:.0f}s: "
+                                   f"{info.get('JobState')} ({info.get('Reason')})\n{self.log_tail()}")
+            time.sleep(poll)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of slurmctld's and every slurmd's log, for failure messages."""
+        out = []
+        for log in sorted((self.dir / "log").glob("slurm*.log")):
+            out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(out)
+
+
+def start_slurm(cluster: Cluster, workdir: Path | str | None = None, *, cpus: int | None = None,
+                requeue_delay: int = 10) -> Slurm:
+    """Start Slurm on a running cluster; its files go to ``workdir`` (default ``<cluster dir>/slurm``).
+
+    ``cpus``: CPUs declared per node (default this machine's count). ``requeue_delay``: seconds a
+    requeued job waits before it may start again (Slurm's job credential lifetime; its default is 120).
+    Raises ClusterUnavailable/SlurmUnavailable if the machine cannot do it, RuntimeError if starting failed.
+    """
+    problem = slurm_preflight()
+    if problem is not None:
+        raise problem
+    sdir = Path(workdir).resolve() if workdir is not None else cluster.dir / "slurm"
+    cmd = [str(SLURM_UP), "-c", str(cluster.dir), "-s", str(sdir), "-r", str(requeue_delay)]
+    if cpus is not None:
+        cmd += ["-p", str(cpus)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise RuntimeError(f"slurm_up.sh failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr}")
+    slurm = Slurm(cluster=cluster, dir=sdir, conf=sdir / "slurm.conf", nodes=list(cluster.nodes),
+                  requeue_delay=requeue_delay, _up=True)
+    atexit.register(stop_slurm, slurm)  # runs before the cluster's own atexit stop (LIFO)
+    return slurm
+
+
+def stop_slurm(slurm: Slurm) -> None:
+    """Stop jobs and daemons of this Slurm and remove its state (logs stay); the cluster stays up.
+    Idempotent."""
+    if not slurm._up:
+        return
+    subprocess.run([str(SLURM_DOWN), "-c", str(slurm.cluster.dir), "-s", str(slurm.dir)],
+                   capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    slurm._up = False

@@ -2,9 +2,13 @@
 
 * ``cluster2``: a 2-node cluster shared by the whole session.
 * ``make_cluster(n, **kw)``: a fresh n-node cluster, torn down at the end of the requesting test.
+* ``slurm2``: Slurm (slurmctld + one slurmd per node, see ``start_slurm``) on its own 2-node cluster,
+  shared by the whole session; ``slurm2.env()`` runs sbatch/squeue/scontrol/scancel and hfscale.
+  Its own cluster, not ``cluster2``: tests there assert that nothing but their ranks runs on the nodes.
 
 Outside CI they skip (with the reason) when the machine cannot host a cluster: not root,
-namespaces not permitted, or sshd/pdsh/... missing (the reason gives the apt-get line).
+namespaces not permitted, or sshd/pdsh/... (for ``slurm2`` also slurm-wlm/munge) missing (the reason
+gives the apt-get line).
 With CI=true every such case, and any failure to start, is a test failure instead.
 """
 
@@ -15,11 +19,26 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from . import Cluster, ClusterUnavailable, start_cluster, stop_cluster
+from . import (
+    Cluster,
+    ClusterUnavailable,
+    Slurm,
+    slurm_preflight,
+    start_cluster,
+    start_slurm,
+    stop_cluster,
+    stop_slurm,
+)
 
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _unavailable(what: str, e: ClusterUnavailable):
+    if in_ci():
+        pytest.fail(f"CI=true and the {what} cannot be created: {e}", pytrace=False)
+    pytest.skip(f"{what} unavailable: {e}")
 
 
 def _start(n: int, workdir, **kw) -> Cluster:
@@ -56,3 +75,24 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     finally:
         for cluster in reversed(made):
             stop_cluster(cluster)
+
+
+@pytest.fixture(scope="session")
+def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    problem = slurm_preflight()  # before making a cluster it could not use
+    if problem is not None:
+        _unavailable("Slurm test cluster", problem)
+    cluster = _start(2, tmp_path_factory.mktemp("slurm2-"))
+    try:
+        try:
+            slurm = start_slurm(cluster)
+        except ClusterUnavailable as e:
+            _unavailable("Slurm test cluster", e)
+        except Exception as e:
+            pytest.fail(f"could not start Slurm on a 2-node test cluster: {e}", pytrace=False)
+        try:
+            yield slurm
+        finally:
+            stop_slurm(slurm)
+    finally:
+        stop_cluster(cluster)
