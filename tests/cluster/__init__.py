@@ -365,6 +365,24 @@ class Slurm:
                                    f"{info.get('JobState')} ({info.get('Reason')})\n{self.log_tail()}")
             time.sleep(poll)
 
+    def job_processes(self, *, timeout: float = 0) -> dict[str, dict[int, str]]:
+        """Processes of Slurm jobs still on the nodes (slurmstepd, or SLURM_JOB_ID in the environment),
+        as {node: {pid: cmdline}}; polls up to ``timeout`` seconds for them to go ({} when none)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found: dict[str, dict[int, str]] = {}
+            for node in self.nodes:
+                for pid, cmd in pids_in_node(self.cluster, node).items():
+                    try:
+                        environ = Path(f"/proc/{pid}/environ").read_bytes()
+                    except OSError:
+                        continue
+                    if cmd.startswith("slurmstepd") or b"\0SLURM_JOB_ID=" in b"\0" + environ:
+                        found.setdefault(node, {})[pid] = cmd
+            if not found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.1)
+
     def log_tail(self, lines: int = 30) -> str:
         """The end of slurmctld's and every slurmd's log, for failure messages."""
         out = []

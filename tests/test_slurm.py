@@ -1,0 +1,183 @@
+"""hfscale launch with runner type slurm on a real Slurm: 2 namespace nodes, the built-in entry point.
+
+Uses the ``slurm2`` fixture (tests/cluster: slurmctld + munged on node0, one slurmd per node); it
+skips with the reason when this machine cannot host it (not root, slurm-wlm/munge missing) and
+fails instead under CI=true. ``hfscale launch`` runs in the root namespace with ``slurm2.env()``
+(SLURM_CONF, this Python first in PATH); sbatch hands the job that environment.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS, SAVE_STEPS = 40, 10
+# ~0.2 s per step on this 2-core machine: a signal sent once checkpoint-10 is complete lands
+# seconds before the last step.
+MODEL = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 256, "n_positions": 128,
+         "bos_token_id": 0, "eos_token_id": 0}
+
+
+def write_config(tmp_path: Path, *, port: int, requeue: bool = False) -> Path:
+    cfg = {
+        "name": "sl",
+        "cluster": {"num_nodes": 2, "nproc_per_node": 1, "master_port": port},
+        "runner": {"type": "slurm", "launcher": "torchrun", "run_dir": str(tmp_path / "runs"),
+                   "slurm": {"job_name": "hfs-test", "requeue": requeue}},
+        "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2, "steps_per_print": 100000}},
+        "precision": "no",
+        "batch": {"micro_batch_size": 8, "gradient_accumulation_steps": 1},
+        "env": {"vars": {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions"),
+                         "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                         "HF_DATASETS_OFFLINE": "1"}},
+        "training": {"script": None, "output_dir": str(tmp_path / "out"), "max_steps": MAX_STEPS,
+                     "save_steps": SAVE_STEPS, "logging_steps": 10, "learning_rate": 1e-3,
+                     "model": {"config": MODEL}, "data": {"block_size": 128}},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@dataclass
+class Submitted:
+    job: str
+    run_dir: Path
+    out_dir: Path
+    launch_output: str
+    t0: float
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / f"slurm-{self.job}.out"
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else "(no output file)"
+
+
+def submit(slurm, tmp_path: Path, **kw) -> Submitted:
+    config = write_config(tmp_path, **kw)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=tmp_path, env=slurm.env(),
+                       capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    m = re.search(r"hfscale: submitted Slurm job (\d+); output in (\S+)/slurm-\1\.out", out)
+    assert m, out
+    run_dir = Path(m.group(2))
+    assert (run_dir / "slurm_job_id").read_text().strip() == m.group(1)
+    return Submitted(m.group(1), run_dir, tmp_path / "out", out, t0)
+
+
+def finish(slurm, sub: Submitted, timeout: float = 400) -> dict[str, str]:
+    try:
+        info = slurm.wait(sub.job, timeout=timeout)
+    except TimeoutError:
+        slurm.run("scancel", sub.job, check=False)
+        raise
+    print(f"SLURM_TIMING job {sub.job}: submit to {info['JobState']} {time.monotonic() - sub.t0:.1f}s", flush=True)
+    return info
+
+
+def trainer_losses(checkpoint: Path) -> dict[int, float]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm2, tmp_path_factory):
+    """One uninterrupted run, shared: test 1 checks it, the preemption tests compare against it."""
+    tmp = tmp_path_factory.mktemp("slurm-plain-")
+    sub = submit(slurm2, tmp, port=29721)
+    return sub, finish(slurm2, sub)
+
+
+def test_two_node_training_runs_to_completion(slurm2, uninterrupted):
+    sub, info = uninterrupted
+    text = sub.text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert info["NodeList"] == "node[0-1]" and info["Restarts"] == "0" and info["JobName"] == "hfs-test"
+    assert f"hfscale: job {sub.job} on node[0-1], master node0, restart 0" in text
+    assert f"HFSCALE_TRAIN done step={MAX_STEPS} " in text and "resumed_from=-" in text
+    assert text.rstrip().endswith("HFSCALE_EXIT rc=0"), text[-3000:]
+    # both ranks took part: per-rank RNG states and ZeRO optimizer shards, world size 2 in the metrics
+    last = sub.out_dir / f"checkpoint-{MAX_STEPS}"
+    assert (last / "hfscale_complete.json").exists()
+    assert {p.name for p in last.glob("rng_state_*.pth")} == {"rng_state_0.pth", "rng_state_1.pth"}
+    shards = {p.name for p in (last / f"global_step{MAX_STEPS}").glob("zero_pp_rank_*_optim_states.pt")}
+    assert shards == {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    metrics = [json.loads(line) for line in (sub.out_dir / "hfscale_metrics.jsonl").read_text().splitlines()]
+    assert {m["world_size"] for m in metrics} == {2}
+    assert sorted(p.name for p in sub.out_dir.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (10, 20, 30, 40)]
+    assert slurm2.job_processes(timeout=10) == {}
+
+
+@pytest.mark.parametrize("how", ["usr1-notice", "scontrol-requeue"])
+def test_preempted_job_saves_requeues_and_resumes_to_the_same_result(slurm2, uninterrupted, tmp_path, how):
+    """usr1-notice: the preemption notice (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@N``
+    sends before the time limit) reaches the batch script, which forwards it to the ranks and requeues
+    the job itself. scontrol-requeue: an outside requeue, Slurm sends SIGTERM to every process."""
+    port = 29722 if how == "usr1-notice" else 29723
+    sub = submit(slurm2, tmp_path, port=port, requeue=True)
+    first = sub.out_dir / f"checkpoint-{SAVE_STEPS}"
+    deadline = time.monotonic() + 300
+    while not (first / "hfscale_complete.json").exists():
+        state = slurm2.state(sub.job)
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"{state} before checkpoint-10:\n{sub.text()[-4000:]}"
+        assert time.monotonic() < deadline, sub.text()[-4000:]
+        time.sleep(0.1)
+    print(f"SLURM_TIMING job {sub.job}: submit to checkpoint-{SAVE_STEPS} {time.monotonic() - sub.t0:.1f}s")
+    t_signal = time.monotonic()
+    if how == "usr1-notice":
+        slurm2.run("scancel", "--signal=USR1", "--batch", sub.job)
+    else:
+        slurm2.run("scontrol", "requeue", sub.job)
+    info = finish(slurm2, sub)
+    print(f"SLURM_TIMING job {sub.job}: signal to {info['JobState']} {time.monotonic() - t_signal:.1f}s")
+    text = sub.text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-5000:]
+    assert info["Restarts"] == "1", text[-5000:]
+
+    # the first run saved a checkpoint at the next step boundary and stopped
+    saved = re.search(r"HFSCALE_TRAIN preempted, checkpoint saved step=(\d+) ", text)
+    assert saved, text[-5000:]
+    step = int(saved.group(1))
+    assert SAVE_STEPS < step < MAX_STEPS
+    signame = "SIGUSR1" if how == "usr1-notice" else "SIGTERM"
+    assert f"preemption: saving checkpoint-{step} and stopping ({signame})" in text
+    assert (sub.out_dir / f"checkpoint-{step}" / "hfscale_complete.json").exists()
+    if how == "usr1-notice":
+        assert "hfscale: preemption notice, the ranks save and stop" in text
+        assert "hfscale: requeueing" in text  # the script's own requeue may end it before it exits
+    else:
+        assert f"JOB {sub.job} ON node0 CANCELLED AT" in text and "DUE TO JOB REQUEUE" in text
+
+    # the requeued run (appended to the same output file) resumed from it and finished
+    first_run, _, second_run = text.partition(f"hfscale: job {sub.job} on node[0-1], master node0, restart 1")
+    assert second_run, text[-5000:]
+    assert "HFSCALE_TRAIN done" not in first_run
+    resumed_from = sub.out_dir / f"checkpoint-{step}"
+    assert f"hfscale.train: resuming from {resumed_from}" in second_run
+    assert f"HFSCALE_TRAIN done step={MAX_STEPS} " in second_run and f"resumed_from={resumed_from}" in second_run
+    assert second_run.rstrip().endswith("HFSCALE_EXIT rc=0"), second_run[-3000:]
+
+    # same final step, and the same losses after the interruption as the uninterrupted run
+    ref, _ = uninterrupted
+    last = sub.out_dir / f"checkpoint-{MAX_STEPS}"
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == MAX_STEPS
+    got, want = trainer_losses(last), trainer_losses(ref.out_dir / f"checkpoint-{MAX_STEPS}")
+    for s in (30, 40):  # the step-20 entry averages fewer steps after a resume (logging, not training)
+        assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got, want)
+    assert slurm2.job_processes(timeout=10) == {}
