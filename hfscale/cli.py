@@ -189,7 +189,11 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool) -> Non
     plan = build_plan(job, ctx)
     click.echo(f"hfscale: job {plan.job_id} on {', '.join(plan.hosts)}; run directory {plan.run_dir}", err=True)
     rc = execute(plan, record, echo=lambda s: click.echo(s))
-    click.echo(f"hfscale: job {plan.job_id} ended with exit code {rc}; logs in {plan.run_dir}/logs", err=True)
+    if plan.mode == "submit":
+        what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
+        click.echo(f"hfscale: job {plan.job_id} {what}; run directory {plan.run_dir}", err=True)
+    else:
+        click.echo(f"hfscale: job {plan.job_id} ended with exit code {rc}; logs in {plan.run_dir}/logs", err=True)
     sys.exit(rc)
 
 

@@ -52,7 +52,7 @@ def render_sbatch(job: Job, run_dir: str, workdir: str, env: dict[str, str], lau
     cfg = job.config
     requeue = cfg.runner.slurm is not None and cfg.runner.slurm.requeue
     node_line = f"cd {join([workdir])} && exec {join(launcher)}"
-    srun = join(["srun", f"--nodes={job.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    srun = join(["srun", f"--nodes={job.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
                  "bash", "-c", node_line])
     lines = [
         "#!/bin/bash",

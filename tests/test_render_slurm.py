@@ -60,7 +60,7 @@ echo "hfscale: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, master $MASTER_ADDR, re
 preempted=0
 on_notice() {{ preempted=1; echo "hfscale: preemption notice, the ranks save and stop"; kill -USR1 "$step" 2>/dev/null; }}
 trap on_notice USR1
-srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'cd /work && exec /opt/py/bin/python -m \
+srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label bash -c 'cd /work && exec /opt/py/bin/python -m \
 torch.distributed.run --nnodes 2 --nproc_per_node 4 --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" \
 --master_port 29600 train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $5'"'"'' &
 step=$!
