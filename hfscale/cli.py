@@ -206,6 +206,10 @@ def preflight(config_file: str, timeout: float) -> None:
     from .preflight import evaluate, probes, render_table
 
     job = _load(config_file)
+    if job.scheduled:
+        click.echo(f"error: preflight checks hosts over ssh; with runner {job.config.runner.type} the scheduler "
+                   "picks the nodes (use its own tools, e.g. sinfo or kubectl get nodes)", err=True)
+        sys.exit(EXIT_BAD_INPUT)
     reports = evaluate(job, run_probes(probes(job, sys.executable), timeout))
     click.echo(render_table(reports), nl=False)
     failed = [r.host for r in reports if r.problems]
