@@ -110,3 +110,8 @@ def test_real_local_preflight_sees_a_busy_port(tmp_path):
     assert r.returncode == 3
     assert f"local: master port {port} is already in use" in r.stdout
     assert "preflight failed on: local" in r.stderr
+
+
+def test_preflight_refuses_scheduler_runners(repo_root):
+    r = run_cli("preflight", str(repo_root / "examples" / "slurm" / "config.yaml"))
+    assert r.returncode == 2 and "with runner slurm the scheduler picks the nodes" in r.stderr
