@@ -326,6 +326,7 @@ class StragglerCallback(_Reporter):
         self._t_fwd: float | None = None
         self._events: list[tuple[Any, Any]] = []
         self._open_event: Any = None
+        self._cuda = False
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
@@ -339,6 +340,8 @@ class StragglerCallback(_Reporter):
             self.hosts = [host]
         self._remove_hooks()
         if model is not None:
+            # looked up once: a per-forward next(parameters()) costs more than the timing itself
+            self._cuda = next(model.parameters()).device.type == "cuda" if any(True for _ in model.parameters()) else False
             self._hooks = [
                 model.register_forward_pre_hook(self._before_forward),
                 model.register_forward_hook(self._after_forward),
@@ -356,8 +359,7 @@ class StragglerCallback(_Reporter):
     def _before_forward(self, module, inputs):
         if not module.training:
             return
-        device = next(module.parameters(), torch.empty(0)).device
-        if device.type == "cuda":
+        if self._cuda:
             self._open_event = torch.cuda.Event(enable_timing=True)
             self._open_event.record()
         else:
@@ -557,8 +559,14 @@ class CheckpointCompleteCallback(TrainerCallback):
         self.marked: list[str] = []
         self._args_limit: int | None = None
         self._took_over = False
+        self._marked_steps: set[int] = set()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._marked_steps = {
+            int(name.removeprefix("checkpoint-"))
+            for name in (os.listdir(args.output_dir) if os.path.isdir(args.output_dir) else [])
+            if name.removeprefix("checkpoint-").isdigit() and os.path.exists(os.path.join(args.output_dir, name, MARKER))
+        }
         self._args_limit = args.save_total_limit
         self.keep = self.save_total_limit if self.save_total_limit is not None else args.save_total_limit
         if args.save_total_limit is not None:
@@ -571,7 +579,9 @@ class CheckpointCompleteCallback(TrainerCallback):
             self._took_over = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if args.should_save:
+        # steps only go forward, so the markers that can go stale are known at train begin
+        if state.global_step in self._marked_steps and args.should_save:
+            self._marked_steps.discard(state.global_step)
             stale = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", MARKER)
             if os.path.exists(stale):
                 os.remove(stale)
