@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -103,6 +104,10 @@ def main() -> None:
     accelerator.end_training()
     if not math.isfinite(value):
         raise SystemExit(f"rank {accelerator.process_index}: loss is {value}")
+    # Skip interpreter teardown: under load, gloo/DeepSpeed threads still alive there can abort a
+    # finished rank (SIGABRT, "terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
