@@ -341,7 +341,8 @@ class StragglerCallback(_Reporter):
         self._remove_hooks()
         if model is not None:
             # looked up once: a per-forward next(parameters()) costs more than the timing itself
-            self._cuda = next(model.parameters()).device.type == "cuda" if any(True for _ in model.parameters()) else False
+            first = next(model.parameters(), None)
+            self._cuda = first is not None and first.device.type == "cuda"
             self._hooks = [
                 model.register_forward_pre_hook(self._before_forward),
                 model.register_forward_hook(self._after_forward),
