@@ -132,7 +132,7 @@ def _context(extra_args: tuple[str, ...]):
     import secrets
     import time
 
-    from .plan import LaunchContext
+    from .launcher import LaunchContext
 
     job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
     return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args)

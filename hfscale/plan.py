@@ -8,42 +8,22 @@ from __future__ import annotations
 
 import os
 import posixpath
-import re
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
+from .artifacts import DEEPSPEED_FILE, render_artifacts
 from .config import HfscaleConfig
-from .envvars import MASK, RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, job_env
+from .envvars import MASK, RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, masked
 from .job import Job
+from .launcher import CONFIG_COPY, LaunchContext, launcher_argv, rank_env
+from .render_kubernetes import CONFIG_DIR, kubernetes_manifests, render_manifests
 from .render_slurm import MASTER, NODE_RANK, render_sbatch
 from .render_slurm import SCRIPT as SBATCH_FILE
 from .shell import Command, Raw, exports, join
 from .yamlsource import dump
 
-BUILTIN_ENTRY = "hfscale.train"
-CONFIG_COPY = "config.yaml"
 EXIT_MARK = "HFSCALE_EXIT"
 RANK_VAR = "HFSCALE_NODE_RANK"
 LOCAL_HOST = "local"
-JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-
-
-@dataclass(frozen=True)
-class LaunchContext:
-    """Everything from outside the config that a plan depends on, gathered by the caller."""
-
-    cwd: str
-    python: str
-    job_id: str
-    shell_env: tuple[tuple[str, str], ...] = ()
-    extra_args: tuple[str, ...] = ()
-
-    @staticmethod
-    def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=()) -> "LaunchContext":
-        if not JOB_ID_RE.match(job_id):
-            raise ValueError(f"job id {job_id!r}: lower-case letters, digits and '-' only")
-        return LaunchContext(cwd, python, job_id, tuple(sorted(shell_env.items())), tuple(extra_args))
 
 
 @dataclass(frozen=True)
@@ -87,63 +67,6 @@ class LaunchPlan:
         return "\n".join(out) + "\n"
 
 
-def _masked(env: Mapping[str, str], mask: bool) -> dict[str, str]:
-    return {k: (MASK if mask and is_secret(k) else v) for k, v in env.items()}
-
-
-def _target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
-    """(launcher flags that select the entry, [entry, *args])."""
-    t = job.config.training
-    if t.script is None:
-        return ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY), *ctx.extra_args]
-    return [], [t.script, *t.script_args, *ctx.extra_args]
-
-
-def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchContext, master: str | None = None
-                  ) -> list[str]:
-    """argv of the per-node launcher (accelerate launch or torchrun) for node ``rank``;
-    ``master`` overrides the master address (a shell reference when a scheduler decides it)."""
-    cfg = job.config
-    module_flag, target = _target(job, run_dir, ctx)
-    restarts = cfg.runner.max_restarts
-    master = master or job.master_addr
-    if cfg.runner.launcher == "accelerate":
-        argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
-        if job.num_nodes > 1:
-            argv += ["--machine_rank", rank]
-            if master != job.master_addr:
-                argv += ["--main_process_ip", master]
-        return argv + module_flag + target
-    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(job.num_nodes),
-            "--nproc_per_node", str(job.procs_per_node)]
-    endpoint = Raw(f"{master}:{cfg.cluster.master_port}") if isinstance(master, Raw) else f"{master}:{cfg.cluster.master_port}"
-    if restarts:
-        # a restart needs a fresh rendezvous round: c10d with a job-unique id (static reuses stale keys)
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", ctx.job_id,
-                 "--max-restarts", str(restarts)]
-    else:
-        argv += ["--node_rank", rank, "--master_addr", master, "--master_port", str(cfg.cluster.master_port)]
-    return argv + (["-m"] if module_flag else []) + target
-
-
-def rank_env(job: Job, run_dir: str, ctx: LaunchContext, mask: bool) -> dict[str, str]:
-    """Environment of every rank: the job's variables plus hfscale's own."""
-    env = _masked(job_env(job.config, dict(ctx.shell_env)), mask)
-    env.update(
-        HFSCALE_JOB_ID=ctx.job_id,
-        HFSCALE_RUN_DIR=run_dir,
-        HFSCALE_CONFIG=posixpath.join(run_dir, CONFIG_COPY),
-        PYTHONUNBUFFERED="1",
-    )
-    if job.deepspeed is not None:
-        env["HFSCALE_DS_CONFIG"] = posixpath.join(run_dir, DEEPSPEED_FILE)
-    if job.config.runner.max_restarts:
-        # restarted workers reconnecting through a shared rendezvous store fail intermittently
-        # with gloo (pytorch/pytorch#135712); a separate store per round avoids it
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
-
-
 def _docker_argv(job: Job, env_names: list[str], rank: str, workdir: str, launcher: list[str], ctx: LaunchContext) -> list[str]:
     cfg = job.config
     d = cfg.runner.docker
@@ -175,7 +98,7 @@ def _node_line(job: Job, run_dir: str, workdir: str, python: str, env: dict[str,
     docker = cfg.runner.type == "pdsh_docker"
     launcher = launcher_argv(job, cfg.runner.docker.python if docker else python, run_dir, rank, ctx)  # type: ignore[union-attr]
     if docker:
-        names = list(env) + list({k for h in cfg.env.per_host.values() for k in h}) + [RANK_VAR]
+        names = [*env, *(k for values in cfg.env.per_host.values() for k in values), RANK_VAR]
         launcher = _docker_argv(job, list(dict.fromkeys(names)), rank, workdir, launcher, ctx)
     parts = [f"cd {join([workdir])}"]
     if cfg.runner.setup:
@@ -193,7 +116,7 @@ def _pdsh_script(job: Job, prelude: str, launcher: str, hosts: tuple[str, ...], 
     cfg = job.config
 
     def assigns(i: int, host: str) -> str:
-        extra = _masked(host_env(cfg, host), mask)
+        extra = masked(host_env(cfg, host)) if mask else host_env(cfg, host)
         return _escape_pdsh(f"export {RANK_VAR}={i}" + "".join(f" {k}={join([v])}" for k, v in extra.items()))
 
     if len(hosts) == 1:
@@ -229,15 +152,14 @@ def _pdsh_base(job: Job, hosts: tuple[str, ...]) -> tuple[list[str], tuple[tuple
     return argv, (("PDSH_SSH_ARGS_APPEND", ssh_args),)
 
 
-def resolved_config_yaml(job: Job, mask: bool = True) -> str:
+def resolved_config_yaml(job: Job) -> str:
     """The config with hosts resolved (host file read) and secret values masked."""
     data = job.config.model_dump(mode="json")
     data["cluster"]["hosts"] = [{"host": h.host, "slots": h.slots} for h in job.hosts] or None
     data["cluster"]["hostfile"] = None
-    if mask:
-        data["env"]["vars"] = _masked(data["env"]["vars"], True)
-        data["env"]["per_host"] = {h: _masked(v, True) for h, v in data["env"]["per_host"].items()}
-        data["network"]["env"] = {k: (MASK if v is not None and is_secret(k) else v) for k, v in data["network"]["env"].items()}
+    data["env"]["vars"] = masked(data["env"]["vars"])
+    data["env"]["per_host"] = {h: masked(v) for h, v in data["env"]["per_host"].items()}
+    data["network"]["env"] = {k: (MASK if v is not None and is_secret(k) else v) for k, v in data["network"]["env"].items()}
     head = f"# Resolved from {job.source} by hfscale (host file read, secrets masked).\n"
     return head + dump(data)
 
@@ -336,8 +258,6 @@ def _kubernetes_plan(job: Job, ctx: LaunchContext, mask: bool, run_dir: str) -> 
     The pods read the generated files from the ConfigMap at ``CONFIG_DIR``, so the run directory
     only keeps a record: its copy of the manifests always has the secrets masked; the real ones
     reach kubectl on stdin."""
-    from .render_kubernetes import CONFIG_DIR, kubernetes_manifests, render_manifests
-
     pod_files = dict(render_artifacts(job, posixpath.join(CONFIG_DIR, DEEPSPEED_FILE)))
     pod_files[CONFIG_COPY] = resolved_config_yaml(job)
 

@@ -41,8 +41,8 @@ import yaml
 from .artifacts import ACCELERATE_FILE
 from .envvars import RDMA_PRESETS, is_secret
 from .job import Job
-from .plan import LaunchContext, _target
-from .yamlsource import _Dumper
+from .launcher import LaunchContext, training_target
+from .yamlsource import Dumper
 
 CONFIG_DIR = "/etc/hfscale"
 API_VERSION = "kubeflow.org/v1"
@@ -105,7 +105,7 @@ def launcher_command(job: Job, ctx: LaunchContext) -> list[str]:
     k = cfg.runner.kubernetes
     assert k is not None
     python = cfg.runner.python or "python"
-    module_flag, target = _target(job, CONFIG_DIR, ctx)
+    module_flag, target = training_target(job, CONFIG_DIR, ctx)
     if cfg.runner.launcher == "accelerate":
         if k.elastic is not None:
             raise ValueError("runner.kubernetes.elastic needs runner.launcher: torchrun "
@@ -266,7 +266,7 @@ def kubernetes_manifests(job: Job, ctx: LaunchContext, files: Mapping[str, str],
     return out
 
 
-class _ManifestDumper(_Dumper):
+class _ManifestDumper(Dumper):
     """Strings that YAML 1.1 or 1.2 readers (kubectl's included) could take for anything else
     are double-quoted; multi-line texts are literal blocks."""
 

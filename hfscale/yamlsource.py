@@ -43,12 +43,12 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-class _Dumper(yaml.SafeDumper):
+class Dumper(yaml.SafeDumper):
     """SafeDumper that quotes strings _Loader would read as numbers (e.g. '1e-3')."""
 
 
 # YAML 1.2 floats without a dot (1e-4, 5E8): YAML 1.1 and so PyYAML read them as strings.
-for _cls in (_Loader, _Dumper):
+for _cls in (_Loader, Dumper):
     _cls.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -58,7 +58,7 @@ for _cls in (_Loader, _Dumper):
 
 def dump(data: Any) -> str:
     """YAML text that ``parse`` reads back as the same data."""
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False)
 
 
 def dotted(path: Path) -> str:

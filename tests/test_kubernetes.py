@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from hfscale.artifacts import render_artifacts
 from hfscale.load import load_text
-from hfscale.plan import LaunchContext, rank_env, resolved_config_yaml
+from hfscale.launcher import LaunchContext, rank_env
+from hfscale.plan import resolved_config_yaml
 from hfscale.render_kubernetes import (
     CONFIG_DIR,
     job_name,

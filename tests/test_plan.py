@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hfscale.load import load_text
-from hfscale.plan import LaunchContext, build_plan, launcher_argv
+from hfscale.launcher import LaunchContext, launcher_argv
+from hfscale.plan import build_plan
 
 CTX = LaunchContext.of("/work", "/opt/py/bin/python", "20261122-120000-abcdef", {
     "WANDB_API_KEY": "wk-secret", "WANDB_PROJECT": "proj", "HOME": "/root", "HF_TOKEN": "hf_secret"})
@@ -246,3 +248,12 @@ def test_restarts_with_accelerate_are_refused():
 
     with pytest.raises(ConfigError, match="restarts need launcher: torchrun"):
         job_of("name: r\nrunner: {max_restarts: 1}\nbatch: {micro_batch_size: 1}\n")
+
+
+def test_docker_env_names_keep_their_declared_order():
+    """-e names from per-host values follow the YAML's order (no set order that changes per run)."""
+    text = DOCKER.replace("env: {vars: {A: \"x y\"}}",
+                          "env: {vars: {A: \"x y\"}, per_host: {node1: {ZZ: '1', MM: '2', AA: '3'}, node0: {QQ: '4'}}}")
+    argv = build_plan(job_of(text), CTX).main.argv[-1]
+    e_names = re.findall(r" -e (\w+)", argv)
+    assert e_names[-5:] == ["ZZ", "MM", "AA", "QQ", "HFSCALE_NODE_RANK"]

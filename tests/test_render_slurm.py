@@ -7,7 +7,8 @@ import textwrap
 from pathlib import Path
 
 from hfscale.load import load_text
-from hfscale.plan import LaunchContext, build_plan
+from hfscale.launcher import LaunchContext
+from hfscale.plan import build_plan
 
 RUN = "/work/runs/sl-20261122-120000-abcdef"
 
@@ -120,7 +121,7 @@ def test_minimal_slurm_job_and_accelerate_launcher():
     script = dict(plan.files)["job.sbatch"]
     assert script.splitlines()[1:8] == [
         "#SBATCH --job-name=m", "#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --output=/work/runs/m-20261122-120000-abcdef/slurm-%j.out", "#SBATCH --open-mode=append",
+        "#SBATCH --output=/work/runs/m-20261122-120000-abcdef/slurm-%j.out", "#SBATCH --open-mode=append",
         "#SBATCH --signal=B:USR1@120", "#SBATCH --no-requeue"]
     assert ('--machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --module hfscale.train' in script)
     assert "requeueing" not in script
