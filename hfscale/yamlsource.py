@@ -109,9 +109,12 @@ class Document:
 
 def parse(text: str) -> tuple[Document | None, list[Problem]]:
     """Parse YAML text; problems (syntax, duplicates, non-mapping top level) come back as a list."""
+    loader = None
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
-        root = yaml.compose(text, Loader=_Loader)
+        loader = _Loader(text)  # reads the stream: bad characters raise here already
+        # one pass: the node tree gives the lines, the same tree is constructed into data
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         msg = " ".join(str(x) for x in (e.context, e.problem) if x) or str(e)
@@ -120,6 +123,9 @@ def parse(text: str) -> tuple[Document | None, list[Problem]]:
         return None, [Problem("", f"invalid YAML: {e}")]
     except RecursionError:
         return None, [Problem("", "invalid YAML: nested too deeply")]
+    finally:
+        if loader is not None:
+            loader.dispose()
     if data is None:
         return None, [Problem("", "the file is empty; `hfscale init` writes a template to start from")]
     if not isinstance(data, dict):
