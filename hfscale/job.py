@@ -86,9 +86,9 @@ def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tu
         out.append((("runner", "docker"), f"container settings but runner.type is {r.type!r}"))
     if r.type == "pdsh" and not hosts:
         out.append((("runner", "type"), "'pdsh' needs cluster.hosts or cluster.hostfile"))
+    if r.type == "kubernetes" and r.kubernetes is None:
+        out.append((("runner", "kubernetes"), "runner type kubernetes needs a kubernetes section (at least 'image')"))
     for kind in ("slurm", "kubernetes"):
-        if r.type == kind and kind == "kubernetes" and r.kubernetes is None:
-            out.append((("runner", "kubernetes"), "runner type kubernetes needs a kubernetes section (at least 'image')"))
         if r.type != kind and getattr(r, kind) is not None:
             out.append((("runner", kind), f"{kind} settings but runner.type is {r.type!r}"))
     c = cfg.cluster
