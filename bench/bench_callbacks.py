@@ -103,6 +103,7 @@ def _worker(a: argparse.Namespace) -> None:
     from hfscale.load import load_text
     from hfscale.render_deepspeed import render_deepspeed
     from hfscale.trainer_args import training_arguments
+    from hfscale.train import stdlib_bytes
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -112,13 +113,7 @@ def _worker(a: argparse.Namespace) -> None:
     max_steps = a.warmup + a.steps
 
     # byte-level data: the stdlib's .py files, sorted, packed into BLOCK-token blocks
-    need = N_BLOCKS * BLOCK
-    data = bytearray()
-    for path in sorted(Path(os.path.dirname(os.__file__)).glob("*.py")):
-        data += path.read_bytes()
-        if len(data) >= need:
-            break
-    blocks = torch.tensor(list(data[:need]), dtype=torch.long).view(N_BLOCKS, BLOCK)
+    blocks = torch.tensor(list(stdlib_bytes(N_BLOCKS * BLOCK)), dtype=torch.long).view(N_BLOCKS, BLOCK)
 
     class Blocks(torch.utils.data.Dataset):
         def __len__(self) -> int:

@@ -15,7 +15,6 @@ import argparse
 import math
 import os
 import sys
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -24,19 +23,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hfscale.load import load_job
+from hfscale.train import stdlib_bytes
 
 
 def stdlib_blocks(block_size: int, n_blocks: int) -> torch.Tensor:
     """``n_blocks`` rows of ``block_size`` byte tokens from the standard library's .py files (sorted)."""
-    need = block_size * n_blocks
-    data = bytearray()
-    for path in sorted(Path(os.path.dirname(os.__file__)).glob("*.py")):
-        data += path.read_bytes()
-        if len(data) >= need:
-            break
-    if len(data) < need:
-        raise SystemExit(f"the standard library has only {len(data)} bytes of source, {need} needed")
-    return torch.tensor(list(data[:need]), dtype=torch.long).view(n_blocks, block_size)
+    data = stdlib_bytes(block_size * n_blocks)
+    return torch.tensor(list(data), dtype=torch.long).view(n_blocks, block_size)
 
 
 def main() -> None:

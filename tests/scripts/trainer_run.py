@@ -40,6 +40,7 @@ from hfscale.callbacks import (
 from hfscale.load import load_text
 from hfscale.render_deepspeed import render_deepspeed
 from hfscale.resume import latest_checkpoint
+from hfscale.train import stdlib_bytes
 from hfscale.trainer_args import training_arguments
 
 BLOCK = 64
@@ -63,13 +64,7 @@ def _count_gathers() -> None:
 
 
 def stdlib_blocks(n_blocks: int = N_BLOCKS, block: int = BLOCK) -> torch.Tensor:
-    need = n_blocks * block
-    data = bytearray()
-    for path in sorted(Path(os.path.dirname(os.__file__)).glob("*.py")):
-        data += path.read_bytes()
-        if len(data) >= need:
-            break
-    return torch.tensor(list(data[:need]), dtype=torch.long).view(n_blocks, block)
+    return torch.tensor(list(stdlib_bytes(n_blocks * block)), dtype=torch.long).view(n_blocks, block)
 
 
 class Blocks(torch.utils.data.Dataset):
