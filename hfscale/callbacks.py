@@ -22,6 +22,14 @@ optimizer step (that is how every rank learns that any rank was signalled).
 CheckpointCompleteCallback runs one barrier per save. Tensors for collectives live on the GPU with
 NCCL and on the CPU otherwise (gloo, ccl).
 
+Exit. When training ends normally (``on_train_end``), each of these callbacks registers one
+``atexit`` hook that calls ``torch.distributed.destroy_process_group()`` if the script has not done
+so itself. The Trainer never leaves the process group; with gloo, a process group still alive at
+interpreter finalization can abort a rank that finished its work (SIGABRT, "terminate called
+without an active exception", pytorch/pytorch#190489), which the launcher then reports as a failed
+job. The hook is not registered when training raised: destroying a group while other ranks may
+still be inside a collective can hang.
+
 Loggers. The metrics are recorded in ``trainer.state.log_history`` and passed to the Trainer's logger
 callbacks (``report_to``: TensorBoard, W&B, MLflow, ...). The Trainer calls callbacks in the order
 they were added and creates its ``report_to`` loggers before any callback you add, so a callback
@@ -35,6 +43,7 @@ written at once.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -83,6 +92,22 @@ def _comm_device() -> torch.device:
     if "nccl" in backend and "gloo" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _leave_process_group_at_exit() -> None:
+    """Register (once per process) the atexit hook described in the module docstring."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_process_group)
+        _exit_hook_registered = True
 
 
 def _all_gather(values: list[float]) -> list[list[float]]:
@@ -164,6 +189,9 @@ class _Reporter(TrainerCallback):
 
     def on_evaluate(self, args, state, control, **kwargs):
         self._t_last = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        _leave_process_group_at_exit()
 
     def _report(self, args, state, **kwargs) -> None:
         raise NotImplementedError
@@ -351,6 +379,7 @@ class StragglerCallback(_Reporter):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._remove_hooks()
+        super().on_train_end(args, state, control, **kwargs)
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
@@ -510,6 +539,7 @@ class PreemptionCallback(TrainerCallback):
             self.stop_step = state.global_step
         if not self.preempted:
             self.restore()
+        _leave_process_group_at_exit()
 
     def exit_if_preempted(self, code: int = 0) -> None:
         """After ``train()``: end the process with ``code`` if training was stopped by a signal."""
@@ -578,6 +608,7 @@ class CheckpointCompleteCallback(TrainerCallback):
         if self._took_over:
             args.save_total_limit = self._args_limit
             self._took_over = False
+        _leave_process_group_at_exit()
 
     def on_step_end(self, args, state, control, **kwargs):
         # steps only go forward, so the markers that can go stale are known at train begin

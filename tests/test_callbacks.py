@@ -280,3 +280,38 @@ def test_two_rank_deepspeed_rotation_keeps_newest_complete(tmp_path_factory):
     assert marker["world_size"] == 2 and marker["global_step"] == 16
     assert {"global_step16/zero_pp_rank_0_mp_rank_00_optim_states.pt",
             "global_step16/zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(marker["files"])
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, types
+import torch.distributed as dist
+from transformers import TrainerControl, TrainerState
+import hfscale.callbacks as cb
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+# registered first, so it runs last (atexit is LIFO): what is left once every other hook ran
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+callback = getattr(cb, sys.argv[2])()
+if sys.argv[3] == "ended":
+    args = types.SimpleNamespace(save_total_limit=None, logging_steps=1, output_dir=sys.argv[1] + ".out")
+    callback.on_train_begin(args, TrainerState(), TrainerControl())
+    callback.on_train_end(args, TrainerState(), TrainerControl())
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "how", "still_initialized"),
+    [
+        ("MetricsCallback", "ended", False),
+        ("StragglerCallback", "ended", False),
+        ("PreemptionCallback", "ended", False),
+        ("CheckpointCompleteCallback", "ended", False),
+        ("MetricsCallback", "raised", True),  # training never ended: the group is left alone
+    ],
+)
+def test_process_group_left_at_exit_after_training_ends(tmp_path, name, how, still_initialized):
+    # Gloo groups alive at interpreter finalization can SIGABRT a finished rank (pytorch#190489).
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "store"), name, how],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == f"initialized at exit: {still_initialized}"
