@@ -132,15 +132,20 @@ class DockerConfig(Strict):
     binary: str = Field("docker", description="Container CLI: docker, or podman (same arguments).")
     mounts: tuple[Mount, ...] = _seq(description="Host directories to mount, e.g. code, data, checkpoints.")
     gpus: str | None = Field("all", description="Value of --gpus (all, or a device list). Null: no GPUs.")
-    shm_size: str = Field("64g", description="Shared memory for data loader workers and NCCL.")
+    ipc: Literal["host", "private", "shareable"] = Field(
+        "host", description="IPC namespace. host: the host's /dev/shm, unlimited, what NCCL and data loader "
+        "workers need; private/shareable: the container's own /dev/shm of shm_size.")
+    shm_size: str | None = Field(None, description="Size of the container's own /dev/shm (only with ipc: private "
+                                 "or shareable; docker ignores it and podman refuses it with ipc: host). "
+                                 "Null: the engine's default (64m).")
     python: str = Field("python", description="Interpreter inside the container.")
     workdir: str | None = Field(None, description="Working directory inside the container. Default: runner.workdir.")
     extra_args: tuple[str, ...] = _seq(description="More 'docker run' arguments, passed as separate words.")
 
     @field_validator("shm_size")
     @classmethod
-    def _shm(cls, v: str) -> str:
-        if not re.match(r"^[0-9]+[bkmgBKMG]?$", v):
+    def _shm(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[0-9]+[bkmgBKMG]?$", v):
             raise ValueError(f"{v!r} is not a size like 64g")
         return v
 

@@ -84,6 +84,9 @@ def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tu
         out.append((("runner", "docker"), "runner type pdsh_docker needs a docker section (at least 'image')"))
     if r.type != "pdsh_docker" and r.docker is not None:
         out.append((("runner", "docker"), f"container settings but runner.type is {r.type!r}"))
+    if r.docker is not None and r.docker.ipc == "host" and r.docker.shm_size is not None:
+        out.append((("runner", "docker", "shm_size"), "has no effect with ipc: host (the container uses the "
+                    "host's /dev/shm; podman refuses the pair): remove it, or set runner.docker.ipc: private"))
     if r.type == "pdsh" and not hosts:
         out.append((("runner", "type"), "'pdsh' needs cluster.hosts or cluster.hostfile"))
     if r.type == "kubernetes" and r.kubernetes is None:

@@ -75,9 +75,10 @@ def _docker_argv(job: Job, env_names: list[str], rank: str, workdir: str, launch
         d.binary, "run", "--rm",
         "--name", Raw(f"hfscale-{ctx.job_id}-{rank}") if isinstance(rank, Raw) else f"hfscale-{ctx.job_id}-{rank}",
         "--label", f"hfscale.job={ctx.job_id}",
-        "--network", "host", "--ipc", "host",
-        "--shm-size", d.shm_size,
+        "--network", "host", "--ipc", d.ipc,
     ]
+    if d.shm_size is not None:
+        argv += ["--shm-size", d.shm_size]
     if d.gpus is not None:
         argv += ["--gpus", d.gpus]
     if cfg.network.preset in RDMA_PRESETS:

@@ -1,7 +1,8 @@
 """hfscale launch on a real multi-host cluster: network namespaces, one sshd each, real pdsh.
 
-Uses the ``cluster2`` / ``make_cluster`` fixtures (tests/cluster): they skip with the reason when
-this machine cannot make namespaces (not root), and fail instead under CI=true.
+Uses the ``cluster2`` / ``make_cluster`` / ``podman2`` fixtures (tests/cluster): they skip with the
+reason when this machine cannot make namespaces (not root) or run containers (podman missing), and
+fail instead under CI=true.
 """
 
 from __future__ import annotations
@@ -190,3 +191,114 @@ def test_preflight_on_the_cluster(cluster2, tmp_path):
 
     assert [row[0] for row in rows] == cluster2.nodes
     assert all(row[2] == torch.__version__ and row[-1] == "ok" for row in rows)
+
+
+# ---- pdsh_docker: the same fan-out, each node's launcher inside a real container ----------------
+# podman stands in for docker (no docker engine runs here): tests/cluster/containers.py
+
+
+def docker_section(podman, tmp_path: Path) -> dict:
+    return {"image": podman.image, "binary": str(podman.binary), "gpus": None,
+            "python": sys.executable,
+            "mounts": podman.host_mounts(writable=(ROOT, tmp_path, os.environ["TORCH_EXTENSIONS_DIR"])),
+            # podman's default rlimits fail on this host (tests/cluster/containers.py)
+            "extra_args": ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]}
+
+
+def write_docker_config(podman, tmp_path: Path, hosts: list[str] | None, **kw) -> Path:
+    runner = {"type": "pdsh_docker", "docker": docker_section(podman, tmp_path)}
+    extra = {"runner": runner, **kw.pop("extra", {})}
+    config = write_config(tmp_path, hosts or [], **kw, extra=extra)
+    if hosts is None:  # one local node, no pdsh
+        doc = yaml.safe_load(config.read_text())
+        doc["cluster"] = {"nproc_per_node": 2, "master_port": kw["port"]}
+        config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return config
+
+
+def containers_left(podman, cluster) -> dict[str, list[str]]:
+    return {n: names for n in cluster.nodes if (names := podman.containers(cluster, n))}
+
+
+def test_two_node_deepspeed_training_in_containers(podman2, cluster2, tmp_path):
+    """pdsh_docker for real: a 2-node ZeRO-2 training, each node's launcher in its own container."""
+    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 64,
+             "bos_token_id": 0, "eos_token_id": 0}
+    config = tmp_path / "job.yaml"
+    write_docker_config(podman2, tmp_path, cluster2.nodes, port=29631, launcher="accelerate",
+                        script=str(ROOT / "examples" / "accelerate_loop" / "train.py"),
+                        script_args=["--config", str(config), "--max-steps", "4"],
+                        extra={"training": {"model": {"config": model}, "data": {"block_size": 32}}})
+    r = launch(cluster2, config)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    ranks = sorted(line for line in r.stdout.splitlines() if "HFSCALE_RANK " in line)
+    assert [line.split(": ", 1)[0] for line in ranks] == ["node0", "node1"]
+    for line in ranks:
+        fields = dict(kv.split("=", 1) for kv in line.split("HFSCALE_RANK ", 1)[1].split())
+        assert fields["world_size"] == "2" and fields["steps"] == "4" and fields["zero_stage"] == "2"
+    plan = (run_dir_of(tmp_path) / "plan.txt").read_text()
+    assert f"{podman2.binary} run --rm --name hfscale-" in plan
+    assert containers_left(podman2, cluster2) == {}  # --rm
+    assert leftover_processes(cluster2, timeout=5) == {}
+
+
+def test_containers_get_env_args_and_mounts_verbatim(podman2, cluster2, tmp_path):
+    """Inside the containers: ranks follow the host list, values with shell metacharacters arrive
+    unchanged through ``-e NAME`` (never on docker's argv), read-only mounts are read-only."""
+    marker = tmp_path / "PWNED"
+    evil_value = f"$(touch {marker}) `touch {marker}` ; touch {marker}\nsecond line 100%h"
+    evil_args = [f"; touch {marker}", f"$(touch {marker})", "64(x2)", "{\"j\": 1}"]
+    config = write_docker_config(podman2, tmp_path, ["node1", "node0"], port=29632,
+                                 script_args=["--mode", "ok", *evil_args], env={"PROBE_VALUE": evil_value})
+    r = launch(cluster2, config)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    ready = sorted(ready_lines(r.stdout), key=lambda d: d["rank"])
+    assert [(d["rank"], d["host"], d["container"]) for d in ready] == [(0, "node1", True), (1, "node0", True)]
+    assert all(d["value"] == evil_value and d["argv"] == evil_args for d in ready)
+    assert [d["prefix_writable"] for d in ready] == [False, False]  # mounted readonly: true
+    assert not marker.exists()
+    plan = (run_dir_of(tmp_path) / "plan.txt").read_text()
+    docker_lines = [line for line in plan.splitlines() if line.startswith(("  [0] node1: ", "  [1] node0: "))]
+    assert len(docker_lines) == 2
+    assert all(" -e PROBE_VALUE " in line and "touch" not in line.split(podman2.image)[0] for line in docker_lines)
+
+
+def test_a_crashing_rank_in_a_container_stops_every_container(podman2, cluster2, tmp_path):
+    config = write_docker_config(podman2, tmp_path, cluster2.nodes, port=29633,
+                                 script_args=["--mode", "crash", "--rank", "1"])
+    r = launch(cluster2, config, timeout=120)
+    assert r.returncode != 0
+    assert "PROBE_CRASH rank=1" in r.stdout and "hfscale: node1 failed" in r.stdout
+    assert containers_left(podman2, cluster2) == {}, "a container was left on a node"
+    assert leftover_processes(cluster2, timeout=10) == {}, "a rank was left running"
+
+
+def test_ctrl_c_removes_the_containers_on_every_node(podman2, cluster2, tmp_path):
+    config = write_docker_config(podman2, tmp_path, cluster2.nodes, port=29634, script_args=["--mode", "hang"])
+    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster2.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while sum("PROBE_READY" in line for line in seen) < 2:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
+        seen.append(line)
+    running = {n: podman2.containers(cluster2, n) for n in cluster2.nodes}
+    assert all(len(names) == 1 and names[0].startswith("hfscale-") for names in running.values()), running
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, "".join(seen) + out
+    assert containers_left(podman2, cluster2) == {}
+    assert leftover_processes(cluster2, timeout=10) == {}
+
+
+def test_one_local_node_runs_its_container_without_pdsh(podman2, cluster2, tmp_path):
+    config = write_docker_config(podman2, tmp_path, None, port=29635, script_args=["--mode", "ok"])
+    r = launch(cluster2, config, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    ready = sorted(ready_lines(r.stdout), key=lambda d: d["rank"])
+    assert [(d["rank"], d["world"], d["container"]) for d in ready] == [(0, 2, True), (1, 2, True)]
+    plan = (run_dir_of(tmp_path) / "plan.txt").read_text()
+    assert f"\n  [0] local: {podman2.binary} run --rm --name hfscale-" in plan
+    assert "pdsh -R ssh" not in plan

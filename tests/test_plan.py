@@ -178,6 +178,7 @@ DOCKER = """
         mounts:
           - {host: /data, container: /data, readonly: true}
           - {host: /ckpt, container: /ckpt}
+        ipc: private
         shm_size: 32g
         workdir: /code
         extra_args: [--ulimit, "nofile=4096:4096"]
@@ -196,7 +197,7 @@ def test_pdsh_docker_plan_exact():
              "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "HFSCALE_NODE_RANK"]
     assert docker == (
         'docker run --rm --name hfscale-20261122-120000-abcdef-"$HFSCALE_NODE_RANK" '
-        "--label hfscale.job=20261122-120000-abcdef --network host --ipc host --shm-size 32g --gpus all "
+        "--label hfscale.job=20261122-120000-abcdef --network host --ipc private --shm-size 32g --gpus all "
         "--device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1:-1 "
         "-v /data:/data:ro -v /ckpt:/ckpt " + " ".join(f"-e {n}" for n in names) +
         " -w /code --ulimit nofile=4096:4096 registry.local/train:1.0 "

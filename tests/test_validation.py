@@ -280,3 +280,21 @@ def test_yaml12_exponent_floats():
 def test_bucket_sizes_must_be_whole():
     got = problems("name: x\nbatch: {micro_batch_size: 1}\ndistributed: {deepspeed: {reduce_bucket_size: 1.5}}\n")
     assert got == [("distributed.deepspeed.reduce_bucket_size", 3, "must be a whole number, got 1.5 (a number)")]
+
+
+def test_shm_size_only_with_a_private_ipc_namespace():
+    doc = """\
+        name: x
+        cluster: {hosts: [{host: a, slots: 1}]}
+        runner:
+          type: pdsh_docker
+          docker:
+            image: img
+            shm_size: 64g
+        batch: {micro_batch_size: 1}
+        """
+    assert problems(doc) == [
+        ("runner.docker.shm_size", 7, "has no effect with ipc: host (the container uses the host's /dev/shm; "
+                                      "podman refuses the pair): remove it, or set runner.docker.ipc: private")]
+    job = load_text(textwrap.dedent(doc).replace("image: img", "image: img\n    ipc: private"), "t.yaml", Path("."))
+    assert (job.config.runner.docker.ipc, job.config.runner.docker.shm_size) == ("private", "64g")

@@ -5,10 +5,12 @@
 * ``slurm2``: Slurm (slurmctld + one slurmd per node, see ``start_slurm``) on its own 2-node cluster,
   shared by the whole session; ``slurm2.env()`` runs sbatch/squeue/scontrol/scancel and hfscale.
   Its own cluster, not ``cluster2``: tests there assert that nothing but their ranks runs on the nodes.
+* ``podman2``: ``cluster2`` with podman behind a docker-compatible wrapper on each node and a test
+  image imported there (see ``containers.py``); session-wide.
 
 Outside CI they skip (with the reason) when the machine cannot host a cluster: not root,
-namespaces not permitted, or sshd/pdsh/... (for ``slurm2`` also slurm-wlm/munge) missing (the reason
-gives the apt-get line).
+namespaces not permitted, or sshd/pdsh/... (for ``slurm2`` also slurm-wlm/munge, for ``podman2``
+podman/runc) missing (the reason gives the apt-get line).
 With CI=true every such case, and any failure to start, is a test failure instead.
 """
 
@@ -29,6 +31,7 @@ from . import (
     stop_cluster,
     stop_slurm,
 )
+from .containers import Podman, podman_preflight, start_podman, stop_podman
 
 
 def in_ci() -> bool:
@@ -96,3 +99,20 @@ def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
             stop_slurm(slurm)
     finally:
         stop_cluster(cluster)
+
+
+@pytest.fixture(scope="session")
+def podman2(cluster2: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
+    problem = podman_preflight()
+    if problem is not None:
+        _unavailable("container runtime", problem)
+    try:
+        podman = start_podman(cluster2, tmp_path_factory.mktemp("podman-"))
+    except ClusterUnavailable as e:
+        _unavailable("container runtime", e)
+    except Exception as e:
+        pytest.fail(f"could not set up podman on the 2-node test cluster: {e}", pytrace=False)
+    try:
+        yield podman
+    finally:
+        stop_podman(podman, cluster2)

@@ -3,7 +3,8 @@
     --mode ok        barrier, print PROBE_DONE, exit 0
     --mode crash     rank --rank exits 3 after the group formed; the others block in all_reduce
     --mode hang      every rank loops on all_reduce until it is killed
-Each rank prints ``PROBE_READY {json}`` with its rank, world size, host, argv and $PROBE_VALUE.
+Each rank prints ``PROBE_READY {json}`` with its rank, world size, host, argv, $PROBE_VALUE,
+whether it runs in a container and whether its interpreter's prefix is writable.
 """
 
 import argparse
@@ -16,6 +17,13 @@ import time
 import torch
 import torch.distributed as dist
 
+
+def say(line: str) -> None:
+    # one write per line: ranks of one node share a pipe, and under PYTHONUNBUFFERED (which hfscale
+    # sets) print() writes the text and its newline separately, so two ranks' lines could interleave
+    os.write(1, (line + "\n").encode())
+
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--mode", default="ok", choices=["ok", "crash", "hang"])
 ap.add_argument("--rank", type=int, default=1)
@@ -25,11 +33,13 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 info = {"rank": rank, "world": world, "host": socket.gethostname(), "argv": rest,
         "value": os.environ.get("PROBE_VALUE"), "job": os.environ.get("HFSCALE_JOB_ID"),
-        "node_rank": os.environ.get("HFSCALE_NODE_RANK"), "pid": os.getpid()}
-print("PROBE_READY " + json.dumps(info, sort_keys=True), flush=True)
+        "node_rank": os.environ.get("HFSCALE_NODE_RANK"), "pid": os.getpid(),
+        "container": os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv"),
+        "prefix_writable": os.access(sys.prefix, os.W_OK)}  # False on a read-only mount, even for root
+say("PROBE_READY " + json.dumps(info, sort_keys=True))
 dist.barrier()
 if args.mode == "crash" and rank == args.rank:
-    print(f"PROBE_CRASH rank={rank}", flush=True)
+    say(f"PROBE_CRASH rank={rank}")
     sys.exit(3)
 if args.mode in ("crash", "hang"):
     t = torch.zeros(1)
@@ -37,5 +47,5 @@ if args.mode in ("crash", "hang"):
         dist.all_reduce(t)
         time.sleep(0.2)
 dist.barrier()
-print(f"PROBE_DONE rank={rank}", flush=True)
+say(f"PROBE_DONE rank={rank}")
 dist.destroy_process_group()
