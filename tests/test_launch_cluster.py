@@ -60,6 +60,20 @@ def ready_lines(text: str) -> list[dict]:
     return [json.loads(line.split("PROBE_READY ", 1)[1]) for line in text.splitlines() if "PROBE_READY " in line]
 
 
+def launch_until_ready(cluster, config: Path, ranks: int) -> tuple[subprocess.Popen, list[str]]:
+    """Start ``hfscale launch`` and read its output until ``ranks`` PROBE_READY lines were seen."""
+    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
+    assert proc.stdout is not None
+    while sum("PROBE_READY" in line for line in seen) < ranks:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
+        seen.append(line)
+    return proc, seen
+
+
 def run_dir_of(tmp_path: Path) -> Path:
     (d,) = list((tmp_path / "runs").iterdir())
     return d
@@ -127,15 +141,7 @@ def test_a_crashing_rank_stops_every_node(cluster2, tmp_path):
 def test_ctrl_c_stops_every_node(cluster2, tmp_path, sig):
     port = 29614 if sig == signal.SIGINT else 29618
     config = write_config(tmp_path, cluster2.nodes, port=port, script_args=["--mode", "hang"])
-    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster2.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while sum("PROBE_READY" in line for line in seen) < 2:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
-        seen.append(line)
+    proc, seen = launch_until_ready(cluster2, config, ranks=2)
     assert leftover_processes(cluster2, contains="dist_probe") != {}  # the job really runs on the nodes
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
@@ -275,15 +281,7 @@ def test_a_crashing_rank_in_a_container_stops_every_container(podman2, cluster2,
 
 def test_ctrl_c_removes_the_containers_on_every_node(podman2, cluster2, tmp_path):
     config = write_docker_config(podman2, tmp_path, cluster2.nodes, port=29634, script_args=["--mode", "hang"])
-    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster2.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while sum("PROBE_READY" in line for line in seen) < 2:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
-        seen.append(line)
+    proc, seen = launch_until_ready(cluster2, config, ranks=2)
     running = {n: podman2.containers(cluster2, n) for n in cluster2.nodes}
     assert all(len(names) == 1 and names[0].startswith("hfscale-") for names in running.values()), running
     proc.send_signal(signal.SIGINT)

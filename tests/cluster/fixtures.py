@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import NoReturn, TypeVar
 
 import pytest
 
@@ -33,15 +34,27 @@ from . import (
 )
 from .containers import Podman, podman_preflight, start_podman, stop_podman
 
+T = TypeVar("T")
+
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-def _unavailable(what: str, e: ClusterUnavailable):
+def _unavailable(what: str, e: ClusterUnavailable) -> NoReturn:
     if in_ci():
         pytest.fail(f"CI=true and the {what} cannot be created: {e}", pytrace=False)
     pytest.skip(f"{what} unavailable: {e}")
+
+
+def _set_up(what: str, start: Callable[..., T], *args) -> T:
+    """``start(*args)`` on a running test cluster: unavailable -> skip (fail in CI), error -> fail."""
+    try:
+        return start(*args)
+    except ClusterUnavailable as e:
+        _unavailable(what, e)
+    except Exception as e:  # a real failure: never skip it
+        pytest.fail(f"could not set up the {what}: {e}", pytrace=False)
 
 
 def _start(n: int, workdir, **kw) -> Cluster:
@@ -87,12 +100,7 @@ def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         _unavailable("Slurm test cluster", problem)
     cluster = _start(2, tmp_path_factory.mktemp("slurm2-"))
     try:
-        try:
-            slurm = start_slurm(cluster)
-        except ClusterUnavailable as e:
-            _unavailable("Slurm test cluster", e)
-        except Exception as e:
-            pytest.fail(f"could not start Slurm on a 2-node test cluster: {e}", pytrace=False)
+        slurm = _set_up("Slurm test cluster", start_slurm, cluster)
         try:
             yield slurm
         finally:
@@ -106,12 +114,7 @@ def podman2(cluster2: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     problem = podman_preflight()
     if problem is not None:
         _unavailable("container runtime", problem)
-    try:
-        podman = start_podman(cluster2, tmp_path_factory.mktemp("podman-"))
-    except ClusterUnavailable as e:
-        _unavailable("container runtime", e)
-    except Exception as e:
-        pytest.fail(f"could not set up podman on the 2-node test cluster: {e}", pytrace=False)
+    podman = _set_up("container runtime", start_podman, cluster2, tmp_path_factory.mktemp("podman-"))
     try:
         yield podman
     finally:
