@@ -30,6 +30,7 @@ Targets are reported, never enforced: the exit code is non-zero only when a comm
     python bench/bench_launch.py                    # both parts, 3 cluster / 5 local repeats
     python bench/bench_launch.py --repeat 5 --local-repeat 9 --launchers torchrun
     python bench/bench_launch.py --skip-cluster     # part 2 only (no root needed)
+    python bench/bench_launch.py --skip-cluster --backend ddp   # part 2 without deepspeed installed
 """
 
 from __future__ import annotations
@@ -430,12 +431,13 @@ def report1(args, p1: dict) -> None:
 
 # ----------------------------------------------------------------------------- part 2
 
-def local_config(path: Path, tmp: Path, port: int) -> Path:
+def local_config(path: Path, tmp: Path, port: int, backend: str) -> Path:
+    engine = {"backend": "deepspeed", "deepspeed": {"stage": 2}} if backend == "deepspeed" else {"backend": backend}
     cfg = {
         "name": "benchlocal",
         "cluster": {"nproc_per_node": 2, "master_port": port},
         "runner": {"type": "local", "launcher": "accelerate", "run_dir": str(tmp / "runs")},
-        "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}},
+        "distributed": engine,
         "precision": "no",
         "batch": {"micro_batch_size": 2},
         "env": {"vars": rank_vars(cluster=False)},
@@ -447,7 +449,7 @@ def local_config(path: Path, tmp: Path, port: int) -> Path:
 
 def part2(args, tmp: Path) -> dict:
     print(f"\n== Part 2: hfscale launch vs accelerate launch on the generated config "
-          f"(local, 2 processes); load avg {load()}", flush=True)
+          f"(local, 2 processes, {args.backend}); load avg {load()}", flush=True)
     env = base_env()
     d = tmp / "local"
     d.mkdir()
@@ -458,8 +460,8 @@ def part2(args, tmp: Path) -> dict:
     busy: list[float] = []
     total = args.local_repeat + 1
     for i in range(total):
-        cfg_h = local_config(d / f"h{i}.yaml", d, free_port())
-        cfg_a = local_config(d / f"a{i}.yaml", d, free_port())
+        cfg_h = local_config(d / f"h{i}.yaml", d, free_port(), args.backend)
+        cfg_a = local_config(d / f"a{i}.yaml", d, free_port(), args.backend)
         gen = d / f"gen{i}"
         Timed(hfscale("config", str(cfg_a), "--out", str(gen)), env, label="hfscale config")
 
@@ -540,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip part 1's untimed warm-up launch")
     ap.add_argument("--timeout", type=float, default=300, help="seconds allowed per launch (default 300)")
     ap.add_argument("--skip-cluster", action="store_true", help="part 2 only")
+    ap.add_argument("--backend", default="deepspeed", choices=["deepspeed", "ddp"],
+                    help="part 2's distributed.backend (ddp where deepspeed is not installed; default deepspeed)")
     ap.add_argument("--skip-local", action="store_true", help="part 1 only")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (configs, run dirs, logs)")
     args = ap.parse_args(argv)
