@@ -28,7 +28,8 @@ so itself. The Trainer never leaves the process group; with gloo, a process grou
 interpreter finalization can abort a rank that finished its work (SIGABRT, "terminate called
 without an active exception", pytorch/pytorch#190489), which the launcher then reports as a failed
 job. The hook is not registered when training raised: destroying a group while other ranks may
-still be inside a collective can hang.
+still be inside a collective can hang. The hook makes that abort rarer, not impossible: end the
+script with ``exit_cleanly()`` (hfscale.shutdown) to skip interpreter teardown altogether.
 
 Loggers. The metrics are recorded in ``trainer.state.log_history`` and passed to the Trainer's logger
 callbacks (``report_to``: TensorBoard, W&B, MLflow, ...). The Trainer calls callbacks in the order
@@ -62,6 +63,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .resume import MARKER, rotate_checkpoints, write_marker
+from .shutdown import exit_cleanly
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ __all__ = [
     "MetricsCallback",
     "PreemptionCallback",
     "StragglerCallback",
+    "exit_cleanly",
 ]
 
 

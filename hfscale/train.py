@@ -27,6 +27,7 @@ from .config import DataConfig, ModelConfig
 from .errors import ConfigError
 from .job import Job
 from .load import load_job
+from .shutdown import exit_cleanly
 
 BYTE_VOCAB = 256
 
@@ -208,22 +209,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
-    """Flush, leave the process group, and end the process without interpreter teardown.
-
-    Under load, gloo/DeepSpeed background threads still alive during interpreter finalization can
-    abort a rank (SIGABRT, "terminate called without an active exception") after training has
-    finished, turning a finished run into a failed one; everything is saved by this point."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    finally:
-        os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    exit_cleanly(main())

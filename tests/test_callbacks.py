@@ -315,3 +315,27 @@ def test_process_group_left_at_exit_after_training_ends(tmp_path, name, how, sti
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == f"initialized at exit: {still_initialized}"
+
+
+_EXIT_CLEANLY_SCRIPT = """
+import atexit, os, sys
+import torch.distributed as dist
+from hfscale.callbacks import exit_cleanly
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+real = dist.destroy_process_group
+def spy(*a, **kw):
+    real(*a, **kw)
+    os.write(1, f"destroyed, still initialized: {dist.is_initialized()}; ".encode())
+dist.destroy_process_group = spy
+atexit.register(lambda: print("atexit ran"))
+print("buffered", end="; ")  # no newline, stdout a pipe: only the flush gets it out
+exit_cleanly(3)
+"""
+
+
+def test_exit_cleanly_flushes_leaves_the_group_and_skips_teardown(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _EXIT_CLEANLY_SCRIPT, str(tmp_path / "store")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert out.stdout == "buffered; destroyed, still initialized: False; "  # and no "atexit ran"

@@ -1,4 +1,4 @@
-"""An existing Hugging Face Trainer script that adopts hfscale with three lines (marked ``# hfscale``).
+"""An existing Hugging Face Trainer script that adopts hfscale with four lines (marked ``# hfscale``).
 
     hfscale launch examples/existing_script/config.yaml          # from the repository root
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
-from hfscale.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback  # hfscale
+from hfscale.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, exit_cleanly  # hfscale
 from hfscale.resume import latest_checkpoint  # hfscale
 
 
@@ -49,3 +49,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_cleanly(0)  # hfscale: everything is saved; skip the interpreter teardown gloo can abort in
