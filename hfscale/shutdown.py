@@ -4,12 +4,14 @@ Once ``trainer.train()`` has returned, gloo/DeepSpeed background threads that ar
 while the interpreter finalizes can abort a rank (SIGABRT, "terminate called without an active
 exception"), so a run that finished and saved everything is reported as failed. Leaving the
 process group first (pytorch/pytorch#190489) makes that rarer but, on CPU under load, not
-impossible: it was still seen once in three full test runs. Skipping finalization is what removes
-it. This module imports nothing heavy, so it can end a process that never imported torch.
+impossible: it was still seen once in three full test runs. Skipping finalization avoids the code
+where it happens (the built-in entry point has ended this way without a recurrence). This module
+imports nothing heavy, so it can end a process that never imported torch.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import NoReturn
@@ -18,15 +20,19 @@ __all__ = ["exit_cleanly"]
 
 
 def exit_cleanly(code: int = 0) -> NoReturn:
-    """Flush stdout/stderr, leave the process group if one is up, and end the process with ``code``.
+    """Run the ``atexit`` hooks, leave the process group, flush, and end the process with ``code``.
 
-    Call it last, after everything is saved: ``atexit`` hooks and ``finally`` blocks that have not
-    run yet are skipped (that is the point)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    Call it last, after everything is saved. The ``atexit`` hooks still run (W&B and MLflow finish
+    their runs there, and hfscale's callbacks leave the process group there), while the interpreter
+    is fully alive; what is skipped is the finalization after them, where the abort happens."""
     try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()  # noqa: SLF001 - CPython's own runner of the registered hooks
         dist = sys.modules.get("torch.distributed")
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
     finally:
         os._exit(code)

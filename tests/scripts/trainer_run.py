@@ -36,6 +36,7 @@ from hfscale.callbacks import (
     MetricsCallback,
     PreemptionCallback,
     StragglerCallback,
+    exit_cleanly,
 )
 from hfscale.load import load_text
 from hfscale.render_deepspeed import render_deepspeed
@@ -239,3 +240,4 @@ if __name__ == "__main__":
     finally:
         if EXIT_FILE:  # how this rank ended, for tests that cannot see a worker's status through torchrun
             Path(EXIT_FILE).write_text(str(exit_code))
+    exit_cleanly(0)  # main() returned: everything is saved (see hfscale.shutdown)
