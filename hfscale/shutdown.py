@@ -24,7 +24,8 @@ def exit_cleanly(code: int = 0) -> NoReturn:
 
     Call it last, after everything is saved. The ``atexit`` hooks still run (W&B and MLflow finish
     their runs there, and hfscale's callbacks leave the process group there), while the interpreter
-    is fully alive; what is skipped is the finalization after them, where the abort happens."""
+    is fully alive; what is skipped is the finalization after them, where the abort happens. Close
+    your own files first: Python-level buffers of files left open are not flushed."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
