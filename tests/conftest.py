@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def job_of(text: str, name: str = "job.yaml"):
+    """The validated Job of an (indented) YAML text, as ``hfscale`` loads a file called ``name``."""
+    from hfscale.load import load_text
+
+    return load_text(textwrap.dedent(text), name, Path("."))
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import textwrap
-from pathlib import Path
 
 import pytest
 import yaml
@@ -13,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hfscale.artifacts import render_artifacts
-from hfscale.load import load_text
 from hfscale.launcher import LaunchContext, rank_env
 from hfscale.plan import resolved_config_yaml
 from hfscale.render_kubernetes import (
@@ -25,16 +22,14 @@ from hfscale.render_kubernetes import (
     render_manifests,
 )
 
+from conftest import job_of
+
 JOB_ID = "20261122-120000-abcdef"
 CTX = LaunchContext.of("/work", "/py", JOB_ID, {
     "WANDB_API_KEY": "wk-secret", "WANDB_PROJECT": "proj", "HOME": "/root", "HF_TOKEN": "hf_secret"})
 FILES = {"accelerate_config.yaml": "a: 1\n", "config.yaml": "name: demo\n"}
 LABELS = {"hfscale.job": JOB_ID}
 ODD = "a b  $(HOME) $USER 'single' \"double\" $$ end$"
-
-
-def job_of(text: str):
-    return load_text(textwrap.dedent(text), "job.yaml", Path("."))
 
 
 def manifests(job, mask: bool = False, files=FILES) -> list[dict]:

@@ -7,22 +7,18 @@ import re
 import shlex
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from hfscale.load import load_text
 from hfscale.launcher import LaunchContext, launcher_argv
 from hfscale.plan import build_plan
+
+from conftest import job_of
 
 CTX = LaunchContext.of("/work", "/opt/py/bin/python", "20261122-120000-abcdef", {
     "WANDB_API_KEY": "wk-secret", "WANDB_PROJECT": "proj", "HOME": "/root", "HF_TOKEN": "hf_secret"})
 RUN = "/work/runs/demo-20261122-120000-abcdef"
-
-
-def job_of(text: str):
-    return load_text(textwrap.dedent(text), "job.yaml", Path("."))
 
 
 LOCAL = """

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import textwrap
-from pathlib import Path
 
-from hfscale.load import load_text
 from hfscale.preflight import MARK, evaluate, probes, render_table
 
-from conftest import run_cli
+from conftest import job_of, run_cli
 
 TWO = """
     name: pf
@@ -17,10 +14,6 @@ TWO = """
     network: {preset: infiniband}
     batch: {micro_batch_size: 1}
 """
-
-
-def job_of(text):
-    return load_text(textwrap.dedent(text), "pf.yaml", Path("."))
 
 
 def facts(**over):

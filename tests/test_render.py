@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import textwrap
-from pathlib import Path
 
 from hfscale.artifacts import render_artifacts
 from hfscale.hostfile import parse_hostfile, render_hostfile
-from hfscale.load import load_text
 from hfscale.render_accelerate import render_accelerate
 from hfscale.render_deepspeed import deepspeed_config
 from hfscale.trainer_args import training_arguments_kwargs
 
-
-def job_of(yaml_text: str):
-    return load_text(textwrap.dedent(yaml_text), "job.yaml", Path("."))
+from conftest import job_of
 
 
 TWO_NODE_ZERO2 = """

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import subprocess
-import textwrap
-from pathlib import Path
 
-from hfscale.load import load_text
 from hfscale.launcher import LaunchContext
 from hfscale.plan import build_plan
+
+from conftest import job_of
 
 RUN = "/work/runs/sl-20261122-120000-abcdef"
 
 
 def plan_of(text: str, shell_env: dict[str, str] | None = None, mask: bool = False):
-    job = load_text(textwrap.dedent(text), "sl.yaml", Path("."))
+    job = job_of(text, "sl.yaml")
     ctx = LaunchContext.of("/work", "/opt/py/bin/python", "20261122-120000-abcdef", shell_env or {})
     return build_plan(job, ctx, mask=mask)
 
