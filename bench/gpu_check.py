@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hfscale.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, StragglerCallback  # noqa: E402
 from hfscale.load import load_text  # noqa: E402
-from hfscale.train import PEAK_TFLOPS  # noqa: E402
+from hfscale.train import PEAK_TFLOPS, stdlib_bytes  # noqa: E402
 from hfscale.trainer_args import training_arguments  # noqa: E402
 
 BLOCK = 1024
@@ -36,12 +35,8 @@ BLOCK = 1024
 
 class Blocks(torch.utils.data.Dataset):
     def __init__(self, n: int):
-        data = bytearray()
-        for p in sorted(Path(os.path.dirname(os.__file__)).rglob("*.py")):
-            data += p.read_bytes()
-            if len(data) >= n * BLOCK:
-                break
-        self.t = torch.tensor(list(data[: n * BLOCK]), dtype=torch.long).view(n, BLOCK)
+        data = stdlib_bytes(n * BLOCK)
+        self.t = torch.tensor(list(data), dtype=torch.long).view(n, BLOCK)
 
     def __len__(self):
         return len(self.t)
