@@ -75,9 +75,9 @@ def host_env(cfg: HfscaleConfig, host: str) -> dict[str, str]:
     return dict(cfg.env.per_host.get(host, {}))
 
 
-def masked(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with secret values replaced by ``***``."""
-    return {k: (MASK if is_secret(k) else v) for k, v in env.items()}
+def masked(env: Mapping[str, str | None]) -> dict[str, str | None]:
+    """``env`` with secret values replaced by ``***`` (None, a preset variable removed, stays None)."""
+    return {k: (MASK if v is not None and is_secret(k) else v) for k, v in env.items()}
 
 
 # DeepSpeed's launcher wraps values in double quotes when they hold anything beyond this set,

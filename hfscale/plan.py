@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .artifacts import DEEPSPEED_FILE, render_artifacts
 from .config import HfscaleConfig
-from .envvars import MASK, RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, masked
+from .envvars import RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, masked
 from .job import Job
 from .launcher import CONFIG_COPY, LaunchContext, launcher_argv, rank_env
 from .render_kubernetes import CONFIG_DIR, kubernetes_manifests, render_manifests
@@ -160,7 +160,7 @@ def resolved_config_yaml(job: Job) -> str:
     data["cluster"]["hostfile"] = None
     data["env"]["vars"] = masked(data["env"]["vars"])
     data["env"]["per_host"] = {h: masked(v) for h, v in data["env"]["per_host"].items()}
-    data["network"]["env"] = {k: (MASK if v is not None and is_secret(k) else v) for k, v in data["network"]["env"].items()}
+    data["network"]["env"] = masked(data["network"]["env"])
     head = f"# Resolved from {job.source} by hfscale (host file read, secrets masked).\n"
     return head + dump(data)
 
@@ -200,7 +200,7 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
         cleanup = Command(tuple(pdsh + [_escape_pdsh(kill)]), pdsh_env)
         nodes = tuple(NodeLaunch(h, i, launcher.replace(f'"${RANK_VAR}"', str(i))) for i, h in enumerate(hosts))
     elif r.type == "slurm":
-        return _slurm_plan(job, ctx, mask, run_dir, workdir, python, env, files, tuple(notes))
+        return _slurm_plan(job, ctx, run_dir, workdir, python, env, files, tuple(notes))
     elif r.type == "kubernetes":
         return _kubernetes_plan(job, ctx, mask, run_dir)
     elif r.type == "pdsh_docker":
@@ -230,7 +230,7 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
     )
 
 
-def _slurm_plan(job: Job, ctx: LaunchContext, mask: bool, run_dir: str, workdir: str, python: str,
+def _slurm_plan(job: Job, ctx: LaunchContext, run_dir: str, workdir: str, python: str,
                 env: dict[str, str], files: dict[str, str], notes: tuple[str, ...]) -> LaunchPlan:
     """sbatch submission, or the same script run directly inside an existing allocation."""
     launcher = launcher_argv(job, python, run_dir, Raw(NODE_RANK), ctx, master=Raw(MASTER))
