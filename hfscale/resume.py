@@ -1,16 +1,17 @@
 """Find the checkpoint to resume from: the newest one that is known to be complete.
 
-A Trainer checkpoint folder (``checkpoint-<step>``) counts as complete only when it holds the marker
+A Trainer checkpoint folder (``checkpoint-<step>``) is complete when it holds the marker
 ``hfscale_complete.json`` that :class:`hfscale.callbacks.CheckpointCompleteCallback` writes after every
-rank has finished saving, and everything the marker lists is still there with the same size::
+rank has finished saving, and everything the marker lists is still there with the same size. A
+folder without a marker (an unchanged script, or a save cut short) is judged by its own files
+(:mod:`hfscale.checkpoint_files`: trainer state, an RNG state and DeepSpeed shards for every rank,
+model, optimizer and scheduler, each file whole)::
 
     from hfscale.resume import latest_checkpoint
     trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))
 
-Folders without a marker (a save cut short by a kill, or written without the callback), with a
-missing or shortened file, or with missing DeepSpeed shards are skipped with an
-:class:`IncompleteCheckpointWarning` naming the folder and the reason. ``None`` means "start from
-scratch" (no output folder, or no complete checkpoint in it).
+Incomplete folders are skipped with an :class:`IncompleteCheckpointWarning` naming the folder and
+the reason. ``None`` means "start from scratch" (no output folder, or no complete checkpoint in it).
 
 Sizes catch files that were cut short or deleted, not flipped bits. The marker is written after
 the ranks' files were closed, which is enough against killed processes; against a node losing
@@ -27,21 +28,21 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint_files import TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks
+
 MARKER = "hfscale_complete.json"
 MARKER_FORMAT = 1
-TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_SHARD_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
-_MP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 
 __all__ = [
     "MARKER",
     "IncompleteCheckpointWarning",
     "checkpoint_problem",
+    "scan_output",
     "checkpoints",
     "latest_checkpoint",
     "rotate_checkpoints",
@@ -125,58 +126,28 @@ def write_marker(ckpt: str | os.PathLike[str], global_step: int, world_size: int
     return ckpt / MARKER
 
 
-def _deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
-    """Check the DeepSpeed part of a Trainer checkpoint (``latest`` + ``global_step*/``), if any."""
-    latest = ckpt / "latest"
-    step_dirs = [p for p in ckpt.glob("global_step*") if p.is_dir()]
-    if not latest.exists() and not step_dirs:
-        return None  # not a DeepSpeed checkpoint
-    if not latest.is_file():
-        return "DeepSpeed file 'latest' is missing"
-    tag = latest.read_text(encoding="utf-8").strip()
-    tag_dir = ckpt / tag
-    if not tag or "/" in tag or not tag_dir.is_dir():
-        return f"DeepSpeed tag folder {tag!r} named in 'latest' is missing"
-    groups: dict[tuple[str, int], set[int]] = {}
-    mp_model: set[int] = set()
-    for p in tag_dir.iterdir():
-        m = _SHARD_RE.match(p.name)
-        if m:
-            groups.setdefault((m.group(3), int(m.group(2))), set()).add(int(m.group(1)))
-        m2 = _MP_MODEL_RE.match(p.name)
-        if m2:
-            mp_model.add(int(m2.group(1)))
-    if not groups and not mp_model:
-        return f"no DeepSpeed state files in {tag}/"
-    if not any(kind == "model" for kind, _ in groups) and not mp_model:
-        return f"no DeepSpeed model states in {tag}/"
-    mp_ranks = {mp for _, mp in groups} | mp_model
-    dp = world_size // max(1, len(mp_ranks)) if world_size else 0
-    for (kind, mp), ranks in sorted(groups.items()):
-        expected = set(range(dp)) if dp else set(range(max(ranks) + 1))
-        missing = sorted(expected - ranks)
-        if missing:
-            names = ", ".join(f"zero_pp_rank_{r}_mp_rank_{mp:02d}_{kind}_states.pt" for r in missing[:4])
-            return f"DeepSpeed shard(s) missing in {tag}/: {names}" + (" ..." if len(missing) > 4 else "")
-    return None
+def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = None) -> str | None:
+    """Why ``ckpt`` cannot be resumed from, or ``None`` when it is complete.
 
-
-def checkpoint_problem(ckpt: str | os.PathLike[str]) -> str | None:
-    """Why ``ckpt`` cannot be resumed from, or ``None`` when it is complete."""
+    ``world_size``: the processes of the job that would resume; a DeepSpeed ZeRO checkpoint saved
+    by another number of processes cannot be loaded by it."""
     ckpt = Path(ckpt)
+    m = CHECKPOINT_RE.match(ckpt.name)
     marker = ckpt / MARKER
     if not marker.is_file():
-        return f"no {MARKER} (the save did not finish on every rank, or CheckpointCompleteCallback was not used)"
+        why = content_problem(ckpt, int(m.group(1)) if m else None)
+        if why is not None:
+            return f"no {MARKER}, and by its own files: {why}"
+        return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size)
     try:
         doc = json.loads(marker.read_text(encoding="utf-8"))
         files = doc["files"]
         step = int(doc["global_step"])
-        world_size = int(doc.get("world_size") or 0)
+        saved_world = int(doc.get("world_size") or 0)
         if not isinstance(files, dict):
             raise TypeError("files is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {MARKER}: {e}"
-    m = CHECKPOINT_RE.match(ckpt.name)
     if m and int(m.group(1)) != step:
         return f"{MARKER} is for step {step}, the folder name says {m.group(1)}"
     for rel, size in files.items():
@@ -197,20 +168,30 @@ def checkpoint_problem(ckpt: str | os.PathLike[str]) -> str | None:
         return f"unreadable {TRAINER_STATE}: {e}"
     if state.get("global_step") != step:
         return f"{TRAINER_STATE} says step {state.get('global_step')}, {MARKER} says {step}"
-    return _deepspeed_problem(ckpt, world_size)
+    why = deepspeed_problem(ckpt, saved_world)
+    if why is not None:
+        return why
+    return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size)
 
 
-def latest_checkpoint(output_dir: str | os.PathLike[str] | None) -> str | None:
+def _world_problem(ckpt: Path, saved: int | None, world_size: int | None) -> str | None:
+    if saved and world_size and saved != world_size:
+        return (f"DeepSpeed ZeRO state saved by {saved} processes; this job has {world_size}, and DeepSpeed "
+                "loads ZeRO shards only into as many processes as wrote them")
+    return None
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str] | None, world_size: int | None = None) -> str | None:
     """The newest complete checkpoint folder in ``output_dir``, or ``None`` to start from scratch.
 
-    Incomplete or damaged folders are skipped with an :class:`IncompleteCheckpointWarning` that names
-    the folder and what is wrong with it.
+    Incomplete or damaged folders, and DeepSpeed checkpoints of another ``world_size``, are skipped
+    with an :class:`IncompleteCheckpointWarning` that names the folder and what is wrong with it.
     """
     if output_dir is None:
         return None
     found = checkpoints(output_dir)
     for ckpt in reversed(found):
-        why = checkpoint_problem(ckpt.path)
+        why = checkpoint_problem(ckpt.path, world_size)
         if why is None:
             return str(ckpt.path)
         warnings.warn(f"hfscale: not resuming from {ckpt.path}: {why}", IncompleteCheckpointWarning, stacklevel=2)
@@ -248,3 +229,79 @@ def rotate_checkpoints(
         shutil.rmtree(c.path, ignore_errors=True)
         deleted.append(str(c.path))
     return deleted
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """What a checkpoint's trainer_state.json says about the run that wrote it."""
+
+    global_step: int
+    max_steps: int
+    num_train_epochs: float
+    last_lr: tuple[int, float] | None  # (step, learning rate) of the last log entry with one
+
+
+@dataclass(frozen=True)
+class OutputScan:
+    """What a launch finds in ``training.output_dir`` before anything starts."""
+
+    output_dir: str
+    found: tuple[str, ...]  # checkpoint folder names, oldest first
+    resume: str | None  # the newest complete checkpoint folder
+    skipped: tuple[tuple[str, str], ...]  # (folder, why) for the incomplete ones looked at
+    state: SavedState | None  # of ``resume``
+
+
+def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
+    """The facts of ``ckpt``'s trainer_state.json (None when unreadable)."""
+    try:
+        doc = json.loads((Path(ckpt) / TRAINER_STATE).read_text(encoding="utf-8"))
+        lrs = [(int(e["step"]), float(e["learning_rate"])) for e in doc.get("log_history", [])
+               if isinstance(e, dict) and "learning_rate" in e and "step" in e]
+        return SavedState(int(doc["global_step"]), int(doc.get("max_steps", 0)), float(doc.get("num_train_epochs", 0)),
+                          lrs[-1] if lrs else None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def scan_output(output_dir: str | os.PathLike[str], world_size: int | None) -> OutputScan:
+    """The checkpoints in ``output_dir``: the one to resume from, and why newer ones are skipped."""
+    found = checkpoints(output_dir)
+    skipped = []
+    for ckpt in reversed(found):
+        why = checkpoint_problem(ckpt.path, world_size)
+        if why is None:
+            return OutputScan(str(output_dir), tuple(c.path.name for c in found), str(ckpt.path), tuple(skipped),
+                              saved_state(ckpt.path))
+        skipped.append((ckpt.path.name, why))
+    return OutputScan(str(output_dir), tuple(c.path.name for c in found), None, tuple(skipped), None)
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    """What a start does with the checkpoints in its output_dir."""
+
+    action: str  # "fresh" | "resume" | "done" | "refuse"
+    checkpoint: str | None = None
+    reason: str = ""
+
+
+def decide(scan: OutputScan, max_steps: int | None) -> ResumeDecision:
+    """Resume from the newest complete checkpoint; nothing to do when it is at ``max_steps`` (the
+    Trainer would still take one more step and save it); refuse to start over silently where
+    checkpoints exist but none is complete."""
+    if scan.resume is not None:
+        step = scan.state.global_step if scan.state is not None else None
+        if max_steps is not None and step is not None and step >= max_steps:
+            return ResumeDecision("done", scan.resume, f"{scan.resume} is at step {step}, max_steps is {max_steps}")
+        return ResumeDecision("resume", scan.resume)
+    if scan.found:
+        why = "; ".join(f"{name}: {reason}" for name, reason in scan.skipped)
+        return ResumeDecision("refuse", None, f"{scan.output_dir} holds {len(scan.found)} checkpoint(s) but none "
+                                              f"is complete ({why}); training would start over and overwrite them")
+    return ResumeDecision("fresh")
+
+
+def first_start(env: Mapping[str, str]) -> bool:
+    """Whether this is the job's first start: not a torchrun restart of its workers, not a Slurm requeue."""
+    return all(env.get(k, "0") in ("", "0") for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))

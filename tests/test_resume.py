@@ -322,7 +322,14 @@ def test_save_total_limit_1_never_leaves_zero_complete_checkpoints(tmp_path):
     assert r.rc == 17, r.tail()
     assert names(out) == ["checkpoint-4", "checkpoint-6"]
     assert checkpoint_problem(out / "checkpoint-4") is None
-    with pytest.warns(IncompleteCheckpointWarning, match="checkpoint-6: no hfscale_complete.json"):
+    # No marker on checkpoint-6, but this one process wrote all of it before on_save: complete by its files.
+    assert not (out / "checkpoint-6" / MARKER).exists() and checkpoint_problem(out / "checkpoint-6") is None
+    assert latest_checkpoint(out) == str(out / "checkpoint-6")
+    # Had the save of step 6 been cut short, the callback's rotation kept checkpoint-4 to fall back on
+    # (the Trainer alone had deleted it).
+    os.truncate(out / "checkpoint-6" / "rng_state.pth", 10)
+    with pytest.warns(IncompleteCheckpointWarning, match="checkpoint-6: no hfscale_complete.json, and by its own "
+                                                         "files: rng_state.pth is cut short"):
         assert latest_checkpoint(out) == str(out / "checkpoint-4")
 
     r = run(out, ROTATION, nproc=0)

@@ -1,0 +1,226 @@
+"""Whether a Trainer checkpoint folder is complete, judged by its own files (no marker needed).
+
+An unchanged training script never writes hfscale's completion marker, so a checkpoint has to
+speak for itself. Every rank of the HF Trainer saves in this order: the model, the optimizer and
+scheduler (with DeepSpeed: the engine's shards, one per rank, and ``latest``), then its RNG state
+(``rng_state_<rank>.pth``; ``rng_state.pth`` when it runs alone), and last, on rank 0,
+``trainer_state.json``. So a folder is complete when
+
+- ``trainer_state.json`` is readable and names the folder's step;
+- an RNG state exists for every rank 0..N-1 (N: the number of ranks that saved it);
+- the model is there (a safetensors/bin file, an index with all its shards, an FSDP folder; with
+  DeepSpeed its shards hold it), and the optimizer state for the engine (DeepSpeed shards for every
+  rank, an FSDP optimizer folder, or ``optimizer.pt``) and, without DeepSpeed, ``scheduler.pt``;
+- every file is whole: torch.save's zip archives end with their end-of-central-directory record,
+  a safetensors file is exactly as long as its header says, an FSDP folder has its ``.metadata``.
+
+A few bytes are read per file; nothing is loaded and torch is not imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+TRAINER_STATE = "trainer_state.json"
+_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
+_SHARD_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
+_MP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_EOCD = b"PK\x05\x06"
+_ZIP_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def zip_whole(path: Path) -> bool:
+    """True when the zip archive at ``path`` (torch.save's format) ends with its whole directory record."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            tail_len = min(size, 22 + 65535)  # the record (22 bytes) and at most a 64 KiB archive comment
+            f.seek(size - tail_len)
+            tail = f.read(tail_len)
+    except OSError:
+        return False
+    at = tail.rfind(_EOCD)
+    if at < 0 or len(tail) - at < 22:
+        return False
+    (comment_len,) = struct.unpack("<H", tail[at + 20:at + 22])
+    return at + 22 + comment_len == len(tail)
+
+
+def safetensors_whole(path: Path) -> bool:
+    """True when the safetensors file at ``path`` is as long as its header says."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return False
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 2**20:
+                return False
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
+
+
+def file_problem(path: Path, rel: str) -> str | None:
+    """Why the file ``rel`` (at ``path``) is not whole, or None."""
+    if not path.is_file():
+        return f"{rel} is missing"
+    if path.suffix == ".safetensors" and not safetensors_whole(path):
+        return f"{rel} is cut short (shorter than its safetensors header says)"
+    if path.suffix in _ZIP_SUFFIXES and not zip_whole(path):
+        return f"{rel} is cut short (no end record: the save did not finish)"
+    return None
+
+
+def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
+    """Check the DeepSpeed part of a Trainer checkpoint (``latest`` + ``global_step*/``), if any.
+    ``world_size`` 0: expect the ranks the shards themselves show."""
+    latest = ckpt / "latest"
+    step_dirs = [p for p in ckpt.glob("global_step*") if p.is_dir()]
+    if not latest.exists() and not step_dirs:
+        return None  # not a DeepSpeed checkpoint
+    if not latest.is_file():
+        return "DeepSpeed file 'latest' is missing"
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    tag_dir = ckpt / tag
+    if not tag or "/" in tag or not tag_dir.is_dir():
+        return f"DeepSpeed tag folder {tag!r} named in 'latest' is missing"
+    groups: dict[tuple[str, int], set[int]] = {}
+    mp_model: set[int] = set()
+    for p in tag_dir.iterdir():
+        m = _SHARD_RE.match(p.name)
+        if m:
+            groups.setdefault((m.group(3), int(m.group(2))), set()).add(int(m.group(1)))
+        m2 = _MP_MODEL_RE.match(p.name)
+        if m2:
+            mp_model.add(int(m2.group(1)))
+    if not groups and not mp_model:
+        return f"no DeepSpeed state files in {tag}/"
+    if not any(kind == "model" for kind, _ in groups) and not mp_model:
+        return f"no DeepSpeed model states in {tag}/"
+    mp_ranks = {mp for _, mp in groups} | mp_model
+    dp = world_size // max(1, len(mp_ranks)) if world_size else 0
+    for (kind, mp), ranks in sorted(groups.items()):
+        expected = set(range(dp)) if dp else set(range(max(ranks) + 1))
+        missing = sorted(expected - ranks)
+        if missing:
+            names = ", ".join(f"zero_pp_rank_{r}_mp_rank_{mp:02d}_{kind}_states.pt" for r in missing[:4])
+            return f"DeepSpeed shard(s) missing in {tag}/: {names}" + (" ..." if len(missing) > 4 else "")
+    return None
+
+
+def deepspeed_ranks(ckpt: Path) -> int | None:
+    """The data-parallel ranks that wrote a DeepSpeed checkpoint (None: not one)."""
+    tag_dir = next((p for p in ckpt.glob("global_step*") if p.is_dir()), None)
+    if tag_dir is None:
+        return None
+    ranks = {int(m.group(1)) for p in tag_dir.iterdir() if (m := _SHARD_RE.match(p.name)) and m.group(3) == "optim"}
+    return max(ranks) + 1 if ranks else None
+
+
+def _model_problem(ckpt: Path, deepspeed: bool) -> str | None:
+    names = {p.name for p in ckpt.iterdir()}
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if index in names:
+            try:
+                shards = sorted(set(json.loads((ckpt / index).read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                return f"unreadable {index}: {e}"
+            for shard in shards:
+                if "/" in shard or (why := file_problem(ckpt / shard, shard)):
+                    return why or f"{index} names a file outside the checkpoint: {shard!r}"
+            return None
+    for single in ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin"):
+        if single in names:
+            return file_problem(ckpt / single, single)
+    fsdp = sorted(n for n in names if n.startswith("pytorch_model_fsdp"))
+    if fsdp:
+        return _fsdp_problem(ckpt, fsdp[0])
+    return None if deepspeed else "no model weights (model.safetensors, pytorch_model.bin or an index)"
+
+
+def _fsdp_problem(ckpt: Path, name: str) -> str | None:
+    path = ckpt / name
+    if path.is_dir():
+        return None if (path / ".metadata").is_file() else f"{name}/.metadata is missing (the sharded save did not finish)"
+    return file_problem(path, name)
+
+
+def _optimizer_problem(ckpt: Path, deepspeed: bool, ranks: int) -> str | None:
+    if deepspeed:
+        why = deepspeed_problem(ckpt, ranks)
+        if why is not None:
+            return why
+        tag = (ckpt / "latest").read_text(encoding="utf-8", errors="replace").strip()
+        for p in sorted((ckpt / tag).iterdir()):
+            why = file_problem(p, f"{tag}/{p.name}") if p.is_file() else None
+            if why:
+                return why
+        return None
+    names = {p.name for p in ckpt.iterdir()}
+    fsdp = sorted(n for n in names if n.startswith("optimizer_") and (ckpt / n).is_dir())
+    if fsdp:
+        why = _fsdp_problem(ckpt, fsdp[0])
+    elif "optimizer.bin" in names:
+        why = file_problem(ckpt / "optimizer.bin", "optimizer.bin")
+    else:
+        why = file_problem(ckpt / "optimizer.pt", "optimizer.pt")
+    return why or file_problem(ckpt / "scheduler.pt", "scheduler.pt")
+
+
+def writer_ranks(ckpt: Path) -> tuple[int, str | None]:
+    """(number of ranks that saved ``ckpt``, why that is unclear or incomplete) from its RNG states."""
+    ranks: set[int] = set()
+    alone = False
+    for p in ckpt.iterdir():
+        m = _RNG_RE.match(p.name)
+        if m:
+            if m.group(1) is None:
+                alone = True
+            else:
+                ranks.add(int(m.group(1)))
+    if alone and not ranks:
+        return 1, file_problem(ckpt / "rng_state.pth", "rng_state.pth")
+    if not ranks:
+        return 0, ("no rng_state*.pth: the save did not get that far on any rank (or it was saved with "
+                   "save_only_model, which cannot be resumed)")
+    n = max(ranks) + 1
+    missing = sorted(set(range(n)) - ranks)
+    if missing:
+        return n, f"rng_state_{missing[0]}.pth is missing (rank {missing[0]} did not finish saving)"
+    for r in range(n):
+        why = file_problem(ckpt / f"rng_state_{r}.pth", f"rng_state_{r}.pth")
+        if why:
+            return n, why
+    return n, None
+
+
+def content_problem(ckpt: Path, step: int | None) -> str | None:
+    """Why the checkpoint folder ``ckpt`` (of ``step``, from its name) is not complete by its files, or None."""
+    try:
+        state = json.loads((ckpt / TRAINER_STATE).read_text(encoding="utf-8"))
+        saved_step = state["global_step"]
+    except FileNotFoundError:
+        return f"{TRAINER_STATE} is missing (rank 0 writes it last: the save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {TRAINER_STATE}: {e}"
+    if step is not None and saved_step != step:
+        return f"{TRAINER_STATE} says step {saved_step}, the folder name says {step}"
+    try:
+        ranks, why = writer_ranks(ckpt)
+        if why:
+            return why
+        deepspeed = (ckpt / "latest").exists() or any(p.is_dir() for p in ckpt.glob("global_step*"))
+        ds_ranks = deepspeed_ranks(ckpt) if deepspeed else None
+        if ds_ranks is not None and ds_ranks != ranks:
+            return f"DeepSpeed shards of {ds_ranks} ranks but RNG states of {ranks}: a rank did not finish saving"
+        return _model_problem(ckpt, deepspeed) or _optimizer_problem(ckpt, deepspeed, ranks)
+    except OSError as e:
+        return f"cannot read the checkpoint: {os.strerror(e.errno) if e.errno else e}"
