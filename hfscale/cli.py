@@ -23,10 +23,13 @@ def _load(path: str):
     from .load import load_job
 
     try:
-        return load_job(path)
+        job = load_job(path)
     except ConfigError as e:
         click.echo(f"error: {e.render()}", err=True)
         sys.exit(EXIT_BAD_INPUT)
+    for w in job.warnings:
+        click.echo(f"warning: {w}", err=True)
+    return job
 
 
 def summary(job) -> str:
@@ -59,8 +62,21 @@ def summary(job) -> str:
         ("global batch", f"{job.global_batch_size} = micro {b.micro_batch_size} x accumulation "
                          f"{job.gradient_accumulation_steps} x world {job.world_size}"),
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
+        ("entry", _entry(job)),
     ]
     return "\n".join(f"  {k:<13}{v}" for k, v in rows)
+
+
+def _entry(job) -> str:
+    t = job.config.training
+    if t.script is None:
+        return "built-in entry point (python -m hfscale.train)"
+    if t.pass_args == "none":
+        return f"{t.script} with script_args only (pass_args: none)"
+    from .trainer_args import trainer_args
+
+    n = sum(a.value is not None for a in trainer_args(job, "ds_config.json"))
+    return f"{t.script} + {n} TrainingArguments flags from this file (launch --dry-run shows its argv)"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -127,15 +143,18 @@ def init(path: str, force: bool) -> None:
     click.echo(f"wrote {path}; check it with: hfscale check {path}")
 
 
-def _context(extra_args: tuple[str, ...]):
+def _context(job, extra_args: tuple[str, ...], restart: bool):
     import os
     import secrets
     import time
 
-    from .launcher import LaunchContext
+    from .launcher import LaunchContext, output_dir_to_scan
+    from .resume import scan_output
 
     job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-    return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args)
+    where = output_dir_to_scan(job)
+    scan = scan_output(where, job.world_size) if where else None
+    return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart)
 
 
 def _unreachable(job) -> list[str]:
@@ -156,27 +175,40 @@ def _unreachable(job) -> list[str]:
 @click.argument("config_file", metavar="CONFIG")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, per-node commands, cleanup) and exit.")
-def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool) -> None:
+@click.option("--restart", is_flag=True, help="Start at step 0: move the checkpoints in training.output_dir aside "
+              "(into restarted-<job id>/ there) instead of resuming from them.")
+def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restart: bool) -> None:
     """Start the training described by CONFIG on its node(s).
 
     \b
     Every run gets a directory (runner.run_dir/<name>-<job id>) holding the resolved config, the
-    generated files, the plan and one log per node. Arguments after -- go to the script.
-    Secrets (tokens, keys, passwords) are masked in everything printed or written.
+    generated files, the plan and one log per node. Arguments after -- go to training.script (a
+    flag the YAML determines only with the same value). A relaunch resumes from the newest
+    complete checkpoint in training.output_dir. Secrets (tokens, keys, passwords) are masked in
+    everything printed or written.
 
     \b
     Examples:
       hfscale launch job.yaml --dry-run
-      hfscale launch job.yaml -- --learning_rate 1e-4
+      hfscale launch job.yaml -- --model_name_or_path ./my-model
+      hfscale launch job.yaml --restart
     """
     from .plan import build_plan
 
     job = _load(config_file)
-    ctx = _context(script_args)
-    shown = build_plan(job, ctx, mask=True)
+    ctx = _context(job, script_args, restart)
+    try:
+        shown = build_plan(job, ctx, mask=True)
+    except ConfigError as e:
+        click.echo(f"error: {e.render()}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
     record = shown.render()
     if dry_run:
         click.echo(record, nl=False)
+        return
+    if shown.mode == "done":
+        click.echo(f"hfscale: {' '.join(n for n in shown.notes if n.startswith('nothing to train'))}; nothing was "
+                   "started", err=True)
         return
     bad = _unreachable(job)
     if bad:

@@ -2,7 +2,7 @@
 
 Every model is strict (no silent ``"4"`` -> ``4``), frozen, and rejects unknown keys. Checks that
 span several fields (batch math against the world size, offload against the ZeRO stage) live in
-``hfscale.validate`` so that all problems are collected and reported together.
+``hfscale.job`` and ``hfscale.script_rules`` so that all problems are collected and reported together.
 """
 
 from __future__ import annotations
@@ -350,7 +350,11 @@ class DeepSpeedSection(Strict):
     gather_16bit_weights_on_model_save: bool = Field(
         True, description="Stage 3: gather a full 16-bit model when saving (a loadable model file)."
     )
-    zero3_init: bool = Field(True, description="Stage 3: build the model already partitioned (deepspeed.zero.Init).")
+    zero3_init: bool = Field(
+        True, description="Stage 3: build the model already partitioned (deepspeed.zero.Init), so no rank holds it "
+        "whole. false: the built-in entry point builds it whole on every rank, then DeepSpeed partitions it. Only the "
+        "built-in entry point can honour false: transformers uses zero.Init for any stage-3 config a script's "
+        "TrainingArguments or Accelerator names.")
     steps_per_print: PositiveInt = Field(100, description="DeepSpeed's own progress print interval, in steps.")
 
 
@@ -394,16 +398,17 @@ class BatchConfig(Strict):
 
 
 class ModelConfig(Strict):
-    """The model the built-in entry point trains."""
+    """The model the built-in entry point trains (a script builds its own)."""
 
     path: str | None = Field(None, description="Local directory of a pretrained model (config + weights).")
     config: dict[str, Any] | None = Field(
-        None, description="A transformers config as a mapping (model_type plus sizes): random init, no download."
+        None, description="A transformers config as a mapping (model_type plus sizes): random init, no download. "
+        "Checked against the model type's transformers config class: keys, types, sizes."
     )
 
 
 class DataConfig(Strict):
-    """Training data for the built-in entry point."""
+    """Training data for the built-in entry point (a script reads its own)."""
 
     files: tuple[str, ...] = _seq(description="Local data files (globs allowed). Empty: the built-in corpus.")
     format: Literal["text", "json", "parquet"] = Field("text", description="File format, read with datasets.")
@@ -415,7 +420,15 @@ class TrainingConfig(Strict):
     """What the Trainer does; also the source of the TrainingArguments."""
 
     script: str | None = Field(None, description="Your training script. Null: hfscale's built-in entry point.")
-    script_args: tuple[Word, ...] = _seq(description="Arguments passed to the script (numbers become text).")
+    pass_args: Literal["trainer", "none"] = Field(
+        "trainer", description="What the script gets on its command line. trainer: the TrainingArguments flags this "
+        "file determines (batch, steps, learning rate and schedule, saving, logging, precision, clipping, seed, "
+        "output_dir, --deepspeed), --use_cpu on ranks without a GPU and --resume_from_checkpoint on relaunch, for an "
+        "HfArgumentParser script (transformers' examples, TRL); none: nothing but script_args, for a plain loop "
+        "that reads $HFSCALE_CONFIG itself.")
+    script_args: tuple[Word, ...] = _seq(
+        description="Arguments for the script (numbers become text), e.g. --model_name_or_path; a TrainingArguments "
+        "flag this file determines may appear only with the same value.")
     output_dir: str = Field("output", description="Checkpoints and logs, relative to the working directory.")
     max_steps: PositiveInt | None = Field(None, description="Optimizer steps to run. Null: num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, description="Epochs, when max_steps is null.")
@@ -434,8 +447,8 @@ class TrainingConfig(Strict):
     save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
     report_to: tuple[str, ...] = _seq(("none",), description="Trainer loggers: tensorboard, wandb, mlflow, or none.")
     peak_tflops: float | None = Field(
-        None, gt=0, description="Peak dense TFLOP/s of one device at the training precision, for MFU "
-        "(989 for an H100 SXM in bf16). Null: looked up for known GPUs, else MFU is not reported.")
+        None, gt=0, description="Peak dense TFLOP/s of one device at the training precision, for the built-in entry "
+        "point's MFU (989 for an H100 SXM in bf16). Null: looked up for known GPUs, else MFU is not reported.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model for the built-in entry point.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data for the built-in entry point.")
 

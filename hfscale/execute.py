@@ -132,9 +132,27 @@ def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
     return r.returncode
 
 
+def _move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) -> bool:
+    """Do the plan's moves (--restart's checkpoints); False, said, when one fails."""
+    for src, dst in moves:
+        try:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.rename(src, dst)
+        except OSError as e:
+            echo(f"hfscale: cannot move {src} to {dst}: {e.strerror or e}; nothing was started")
+            return False
+    if moves:
+        echo(f"hfscale: moved {len(moves)} checkpoint(s) to {os.path.dirname(moves[0][1])}")
+    return True
+
+
 def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None, grace: float = 30.0) -> int:
     """Run ``plan``; return its exit code (the failing node's, or 128+signal when stopped)."""
     echo = echo or (lambda s: print(s, flush=True))
+    if plan.mode == "done":
+        return 0
+    if not _move_aside(plan.moves, echo):
+        return 1
     run_dir = write_run_dir(plan, record)
     if plan.mode == "submit":
         return submit(plan, run_dir, echo)

@@ -7,11 +7,14 @@ every cross-field problem with its YAML path and line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
+
+from pydantic import BaseModel
 
 from .config import DeepSpeedSection, FsdpSection, HfscaleConfig, HostSpec
 from .errors import ConfigError, Problem
+from .script_rules import script_problems
 from .yamlsource import dotted
 
 LineOf = Callable[[tuple], "int | None"]
@@ -30,6 +33,22 @@ class Job:
     master_addr: str  # "" when a scheduler decides it at run time
     gradient_accumulation_steps: int
     global_batch_size: int
+    line_of: LineOf = field(compare=False, repr=False)  # the YAML line of a key path, for messages
+    warnings: tuple[Problem, ...] = ()  # things check reports but that do not stop the job
+
+    def is_set(self, path: tuple) -> bool:
+        """Whether the YAML sets ``path`` itself (rather than leaving it to its default)."""
+        node: object = self.config
+        for part in path:
+            if not isinstance(node, BaseModel) or part not in node.model_fields_set:
+                return False
+            node = getattr(node, part)
+        return True
+
+    def where(self, path: tuple) -> str:
+        """``path`` as people read it in a message, with its line."""
+        line = self.line_of(path)
+        return f"{dotted(path)} (line {line})" if line is not None else dotted(path)
 
     @property
     def scheduled(self) -> bool:
@@ -192,11 +211,13 @@ def resolve(
     line_of: LineOf,
     file_hosts: tuple[HostSpec, ...] | None = None,
     extra: list[Problem] | None = None,
+    extra_warnings: tuple[Problem, ...] = (),
 ) -> Job:
     """Check ``cfg`` across fields and derive the job; raise one ConfigError with every problem.
 
     ``file_hosts`` are the hosts read from ``cluster.hostfile`` (the caller reads the file);
-    ``extra`` are problems found while reading it.
+    ``extra`` are problems found while reading it or the model config, ``extra_warnings`` the
+    warnings found there.
     """
     hosts = cfg.cluster.hosts if cfg.cluster.hosts is not None else (file_hosts or ())
     hosts_key = "hosts" if cfg.cluster.hosts is not None else "hostfile"
@@ -218,12 +239,16 @@ def resolve(
     found = _cluster_problems(cfg, hosts, hosts_key) + _launch_problems(cfg, hosts) + _engine_problems(cfg)
     found += batch_problems
     found += _training_problems(cfg)
-    problems = list(extra or []) + [Problem(dotted(p), m, line_of(p)) for p, m in found]
-    problems.sort(key=lambda p: (p.line is None, p.line or 0))
-    if problems:
-        raise ConfigError(source, problems)
     if cfg.runner.type in SCHEDULERS:
         master = cfg.cluster.master_addr or ""
     else:
         master = cfg.cluster.master_addr or (hosts[0].host if hosts else "127.0.0.1")
-    return Job(cfg, source, tuple(hosts), nodes, procs, master, ga, global_batch)
+    job = Job(cfg, source, tuple(hosts), nodes, procs, master, ga, global_batch, line_of)
+    script_found, script_warnings = script_problems(job)
+    problems = list(extra or []) + [Problem(dotted(p), m, line_of(p)) for p, m in found + script_found]
+    problems.sort(key=lambda p: (p.line is None, p.line or 0))
+    if problems:
+        raise ConfigError(source, problems)
+    warnings = list(extra_warnings) + [Problem(dotted(p), m, line_of(p)) for p, m in script_warnings]
+    warnings.sort(key=lambda p: (p.line is None, p.line or 0))
+    return replace(job, warnings=tuple(warnings))

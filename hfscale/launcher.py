@@ -13,6 +13,8 @@ from typing import Mapping
 from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
 from .envvars import job_env, masked
 from .job import Job
+from .resume import OutputScan
+from .script_rules import SCRIPT_ENTRY, script_argv
 from .shell import Raw
 
 BUILTIN_ENTRY = "hfscale.train"
@@ -29,21 +31,39 @@ class LaunchContext:
     job_id: str
     shell_env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()
+    output: OutputScan | None = None  # the checkpoints in training.output_dir (output_dir_to_scan)
+    restart: bool = False  # --restart: move the checkpoints aside and start at step 0
 
     @staticmethod
-    def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=()) -> "LaunchContext":
+    def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=(),
+           output: OutputScan | None = None, restart: bool = False) -> "LaunchContext":
         if not JOB_ID_RE.match(job_id):
             raise ValueError(f"job id {job_id!r}: lower-case letters, digits and '-' only")
-        return LaunchContext(cwd, python, job_id, tuple(sorted(shell_env.items())), tuple(extra_args))
+        return LaunchContext(cwd, python, job_id, tuple(sorted(shell_env.items())), tuple(extra_args), output, restart)
+
+
+def output_dir_to_scan(job: Job) -> str | None:
+    """Where the launch host looks for checkpoints before it starts anything: training.output_dir
+    under the working directory, for the entries that resume (the built-in one, Trainer scripts);
+    None where it cannot look."""
+    cfg = job.config
+    if cfg.runner.type == "kubernetes" or (cfg.training.script is not None and cfg.training.pass_args == "none"):
+        return None  # the pods' volumes are not visible here; a plain script keeps its own checkpoints
+    # relative to the directory hfscale runs in (the default workdir), as people wrote it
+    return posixpath.join(cfg.runner.workdir, cfg.training.output_dir) if cfg.runner.workdir else cfg.training.output_dir
 
 
 def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
-    """(launcher flags that select the entry, [entry, *args]): the script, or hfscale's built-in
-    entry point reading the resolved config from ``run_dir``."""
+    """(launcher flags that select the entry, [entry, *args]): hfscale's built-in entry point reading
+    the resolved config from ``run_dir``; a Trainer script through ``hfscale.run_script`` with the
+    YAML's flags (hfscale.script_rules); a plain script with its own arguments only."""
     t = job.config.training
     if t.script is None:
-        return ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY), *ctx.extra_args]
-    return [], [t.script, *t.script_args, *ctx.extra_args]
+        return ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY)]
+    argv = script_argv(job, posixpath.join(run_dir, DEEPSPEED_FILE), ctx.extra_args)
+    if t.pass_args == "none":
+        return [], argv
+    return ["--module"], [SCRIPT_ENTRY, *argv]
 
 
 def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchContext, master: str | None = None

@@ -12,7 +12,7 @@ from .errors import ConfigError, Problem
 from .hostfile import parse_hostfile
 from .job import Job, resolve
 from .schema_errors import problems_from_validation
-from .yamlsource import parse
+from .yamlsource import dotted, parse
 
 
 def _read(path: Path) -> tuple[str | None, str | None]:
@@ -49,7 +49,16 @@ def load_text(text: str, source: str, base_dir: Path) -> Job:
         else:
             file_hosts, hf_problems = parse_hostfile(hf_text, str(hostfile))
             extra += [Problem("cluster.hostfile", f"{p.path}: {p.message}", doc.line(key)) for p in hf_problems]
-    return resolve(cfg, source, doc.line, file_hosts, extra)
+    warnings: list[Problem] = []
+    if cfg.training.model.config is not None:
+        # transformers' config classes are read from source, only when a model config is given
+        from .model_config import check as check_model_config
+
+        base = ("training", "model", "config")
+        found, notes = check_model_config(cfg.training.model.config)
+        extra += [Problem(dotted(base + p), m, doc.line(base + p)) for p, m in found]
+        warnings += [Problem(dotted(base), m, doc.line(base)) for m in notes]
+    return resolve(cfg, source, doc.line, file_hosts, extra, tuple(warnings))
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:

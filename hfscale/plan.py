@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import os
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .artifacts import DEEPSPEED_FILE, render_artifacts
 from .config import HfscaleConfig
 from .envvars import RDMA_PRESETS, deepspeed_env_file, host_env, is_secret, masked
+from .errors import ConfigError, Problem
 from .job import Job
 from .launcher import CONFIG_COPY, LaunchContext, launcher_argv, rank_env
 from .render_kubernetes import CONFIG_DIR, kubernetes_manifests, render_manifests
 from .render_slurm import MASTER, NODE_RANK, render_sbatch
 from .render_slurm import SCRIPT as SBATCH_FILE
+from .resume import decide
+from .schedule import schedule_note
+from .script_rules import extra_args_problems
 from .shell import Command, Raw, exports, join
 from .yamlsource import dump
 
@@ -46,13 +50,18 @@ class LaunchPlan:
     main: Command
     cleanup: Command | None
     notes: tuple[str, ...] = field(default=())
-    # stream: run main, relay its output per node; submit: main hands the job to a scheduler and returns
+    # stream: run main, relay its output per node; submit: main hands the job to a scheduler and
+    # returns; done: nothing to train (the newest checkpoint is at max_steps), nothing is started
     mode: str = "stream"
     show: tuple[str, ...] = ()  # files printed in full by render() (the sbatch script, manifests)
+    moves: tuple[tuple[str, str], ...] = ()  # (from, to) before anything starts: --restart's checkpoints
 
     def render(self) -> str:
         """The plan as text: files, per-node commands, the process hfscale starts, cleanup."""
         out = [f"# hfscale launch plan: job {self.job_id}, runner {self.runner}", f"run directory: {self.run_dir}"]
+        if self.moves:
+            out.append("first, move:")
+            out += [f"  {a} -> {b}" for a, b in self.moves]
         out.append("files:")
         out += [f"  {posixpath.join(self.run_dir, name)} ({len(text.splitlines())} lines)" for name, text in self.files]
         out.append("nodes:")
@@ -165,21 +174,59 @@ def resolved_config_yaml(job: Job) -> str:
     return head + dump(data)
 
 
+def _resume_step(job: Job, ctx: LaunchContext) -> tuple[list[str], tuple[tuple[str, str], ...], str | None]:
+    """(notes, moves, why there is nothing to do) for the checkpoints already in training.output_dir.
+
+    Raises ConfigError where the job would start over silently in an output_dir whose checkpoints
+    are all incomplete."""
+    scan, t = ctx.output, job.config.training
+    if scan is None:
+        return [], (), None
+    if ctx.restart:
+        dest = posixpath.join(scan.output_dir, f"restarted-{ctx.job_id}")
+        moves = tuple((posixpath.join(scan.output_dir, n), posixpath.join(dest, n)) for n in scan.found)
+        return ([f"--restart: training starts at step 0; the {len(moves)} checkpoint(s) of {t.output_dir} move "
+                 f"to {dest} first"] if moves else []), moves, None
+    d = decide(scan, t.max_steps)
+    if d.action == "refuse":
+        path = ("training", "output_dir")
+        raise ConfigError(job.source, [Problem("training.output_dir", f"{d.reason}. Resume one by hand with -- "
+                                               "--resume_from_checkpoint PATH, or start over with --restart "
+                                               "(the checkpoints are moved aside, not deleted)", job.line_of(path))])
+    if d.action == "done":
+        return [f"nothing to train: {d.reason} (raise training.max_steps to go on, or start over with --restart)"], \
+            (), d.reason
+    notes = []
+    if d.action == "resume":
+        notes.append(f"resumes from {d.checkpoint} (each rank checks again when it starts, so a restart "
+                     "resumes from the newest complete checkpoint then)")
+        if scan.state is not None:
+            notes += [n for n in [schedule_note(t, scan.state, d.checkpoint or "")] if n]
+    return notes, (), None
+
+
 def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
-    """The launch plan for ``job``. ``mask=True`` replaces secret values by ``***`` (for display)."""
+    """The launch plan for ``job``. ``mask=True`` replaces secret values by ``***`` (for display).
+
+    Raises ConfigError for arguments after ``--`` that contradict the YAML, and where the job would
+    start over in an output_dir holding only incomplete checkpoints."""
     cfg: HfscaleConfig = job.config
     r = cfg.runner
     base = r.run_dir if os.path.isabs(r.run_dir) else posixpath.join(ctx.cwd, r.run_dir)
     run_dir = posixpath.normpath(posixpath.join(base, f"{cfg.name}-{ctx.job_id}"))
     workdir = r.workdir or ctx.cwd
     python = r.python or ctx.python
+    problems = extra_args_problems(job, ctx.extra_args, posixpath.join(run_dir, DEEPSPEED_FILE))
+    if problems:
+        raise ConfigError(job.source, problems)
+    resume_notes, moves, nothing_to_do = _resume_step(job, ctx)
     env = rank_env(job, run_dir, ctx, mask)
 
     files = dict(render_artifacts(job, posixpath.join(run_dir, DEEPSPEED_FILE)))
     files[CONFIG_COPY] = resolved_config_yaml(job)
     ds_env, left_out = deepspeed_env_file(env)
     files[".deepspeed_env"] = ds_env
-    notes = []
+    notes = list(resume_notes)
     if left_out:
         notes.append(f".deepspeed_env leaves out {', '.join(left_out)} (secret, or a value DeepSpeed's launcher "
                      "would pass to the shell unsafely)")
@@ -200,7 +247,8 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
         cleanup = Command(tuple(pdsh + [_escape_pdsh(kill)]), pdsh_env)
         nodes = tuple(NodeLaunch(h, i, launcher.replace(f'"${RANK_VAR}"', str(i))) for i, h in enumerate(hosts))
     elif r.type == "slurm":
-        return _slurm_plan(job, ctx, run_dir, workdir, python, env, files, tuple(notes))
+        plan = _slurm_plan(job, ctx, run_dir, workdir, python, env, files, tuple(notes))
+        return replace(plan, moves=moves, mode="done" if nothing_to_do else plan.mode)
     elif r.type == "kubernetes":
         return _kubernetes_plan(job, ctx, mask, run_dir)
     elif r.type == "pdsh_docker":
@@ -227,6 +275,8 @@ def build_plan(job: Job, ctx: LaunchContext, mask: bool = False) -> LaunchPlan:
         main=main,
         cleanup=cleanup,
         notes=tuple(notes),
+        mode="done" if nothing_to_do else "stream",
+        moves=moves,
     )
 
 

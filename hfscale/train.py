@@ -17,8 +17,8 @@ the model's vocabulary must have at least 256 entries.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
-import json
 import os
 import sys
 from pathlib import Path
@@ -97,19 +97,35 @@ def load_blocks(data: DataConfig, tokenizer, eos_id: int):
     return ds.map(pack, batched=True, batch_size=1000, remove_columns=["ids"], desc="pack")
 
 
-def build_model(model: ModelConfig, seed: int):
-    """(model, tokenizer or None): pretrained from a local path, or random init from a config."""
+@contextlib.contextmanager
+def _without_zero_init():
+    """Build a model whole although a stage-3 DeepSpeed config is active: transformers uses
+    deepspeed.zero.Init whenever its global DeepSpeed config (set by TrainingArguments) is stage 3."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    active = hf_ds._hf_deepspeed_config_weak_ref  # noqa: SLF001 - the one switch transformers reads
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = active  # noqa: SLF001
+
+
+def build_model(model: ModelConfig, seed: int, zero_init: bool = True):
+    """(model, tokenizer or None): pretrained from a local path, or random init from a config.
+    ``zero_init`` False: never partitioned while built (training.deepspeed zero3_init: false)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
 
     set_seed(seed)
-    if model.path is not None:
-        m = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True)
-        has_tok = any((Path(model.path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-        tok = AutoTokenizer.from_pretrained(model.path, local_files_only=True) if has_tok else None
-        return m, tok
-    cfg = dict(model.config or {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
-                                 "vocab_size": BYTE_VOCAB, "n_positions": 128})
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)), None
+    with contextlib.nullcontext() if zero_init else _without_zero_init():
+        if model.path is not None:
+            m = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True)
+            has_tok = any((Path(model.path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+            tok = AutoTokenizer.from_pretrained(model.path, local_files_only=True) if has_tok else None
+            return m, tok
+        cfg = dict(model.config or {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
+                                     "vocab_size": BYTE_VOCAB, "n_positions": 128})
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)), None
 
 
 def peak_flops(job: Job) -> float | None:
@@ -139,13 +155,6 @@ def _ds_config_path(job: Job) -> str | None:
     return str(path)
 
 
-def _step_of(checkpoint: str | None) -> int:
-    if checkpoint is None:
-        return 0
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
-    return int(state["global_step"])
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hfscale.train", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=os.environ.get("HFSCALE_CONFIG"),
@@ -163,19 +172,36 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Trainer, TrainerCallback
 
     from .callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, StragglerCallback
-    from .resume import latest_checkpoint
+    from .resume import decide, first_start, scan_output
     from .trainer_args import training_arguments
 
     t = job.config.training
     args = training_arguments(job, _ds_config_path(job), use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-    resume = latest_checkpoint(t.output_dir)
-    done = _step_of(resume)
-    if t.max_steps is not None and done >= t.max_steps:
-        # resumed at max_steps, the Trainer would still take one more step
+    # Join the process group now, DeepSpeed's communication layer included: deepspeed.zero.Init
+    # (ZeRO-3) reads the world size from it while the model is built, and would otherwise see 1
+    # and reject the batch geometry (TrainingArguments with use_cpu sets up torch's group only).
+    _ = args.device
+    if job.deepspeed is not None and torch.distributed.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    scan = scan_output(t.output_dir, args.world_size)
+    decision = decide(scan, t.max_steps)
+    resume = decision.checkpoint
+    if decision.action == "done" and scan.state is not None:
         if args.process_index == 0:
-            print(f"HFSCALE_TRAIN already done step={done} resumed_from={resume}", flush=True)
+            print(f"HFSCALE_TRAIN already done step={scan.state.global_step} resumed_from={resume}", flush=True)
         return 0
-    model, tokenizer = build_model(t.model, t.seed)
+    if decision.action == "refuse" and first_start(os.environ):  # a restart of this job may start over
+        if args.process_index == 0:
+            print(f"error: {decision.reason} (start over with hfscale launch --restart)", file=sys.stderr)
+        return 2
+    ds = job.deepspeed
+    model, tokenizer = build_model(t.model, t.seed, zero_init=ds is None or ds.zero3_init)
+    if ds is not None and ds.stage == 3 and args.process_index == 0:
+        # deepspeed.zero.Init gives every parameter a ds_id as it is created, partitioned
+        partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+        print(f"hfscale.train: model built {'partitioned (zero.Init)' if partitioned else 'whole'}", flush=True)
     if tokenizer is None and model.config.vocab_size < BYTE_VOCAB:
         print(f"error: byte-level tokens need vocab_size >= {BYTE_VOCAB}, the model has "
               f"{model.config.vocab_size}", file=sys.stderr)

@@ -42,6 +42,7 @@ def test_check_prints_summary(tmp_path):
         "  precision    bf16",
         "  global batch 256 = micro 4 x accumulation 4 x world 16",
         "  runner       pdsh (accelerate)",
+        "  entry        built-in entry point (python -m hfscale.train)",
     ]
 
 

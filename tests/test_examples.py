@@ -70,7 +70,8 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
 
     again = _launch(config, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"HFSCALE_TRAIN already done step=300 resumed_from=output/tiny_cpu/checkpoint-300" in again.stdout
+    assert "nothing to train: output/tiny_cpu/checkpoint-300 is at step 300, max_steps is 300" in again.stderr
+    assert len(list((tmp_path / "runs").iterdir())) == 1  # nothing was started
 
 
 @pytest.mark.slow

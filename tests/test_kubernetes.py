@@ -80,7 +80,7 @@ TWO_NODES = """
         ODD: "a b  $(HOME) $USER 'single' \\"double\\" $$ end$"
       forward: [WANDB_*]
     batch: {micro_batch_size: 1}
-    training: {script: train.py, script_args: [--note, "$(HOME) x; rm -rf /", --lr, "1e-3", "y"]}
+    training: {pass_args: none, script: train.py, script_args: [--note, "$(HOME) x; rm -rf /", --lr, "1e-3", "y"]}
 """
 
 SECRET_REF = {"secretKeyRef": {"name": f"hfscale-{JOB_ID}-env", "key": "WANDB_API_KEY"}}
@@ -202,7 +202,7 @@ ONE_NODE = """
     runner: {type: kubernetes, kubernetes: {image: "train:1", image_pull_policy: Always}}
     env: {vars: {HF_TOKEN: hf_yaml_secret}}
     batch: {micro_batch_size: 1}
-    training: {script: train.py}
+    training: {script: train.py, pass_args: none}
 """
 
 ONE_NODE_YAML = f"""\

@@ -42,7 +42,8 @@ def write_config(tmp_path: Path, hosts: list[str], *, slots: int = 1, port: int,
         "precision": "no",
         "batch": {"micro_batch_size": 2},
         "env": {"vars": {**node_env(), **(env or {})}},
-        "training": {"script": script, "script_args": script_args or []},
+        # the probe and the accelerate loop are plain scripts, not HfArgumentParser ones
+        "training": {"script": script, "script_args": script_args or [], "pass_args": "none"},
     }
     for key, value in (extra or {}).items():
         cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
@@ -103,6 +104,30 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
         assert "HFSCALE_EXIT rc=0" in log
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "hostfile", "logs", "plan.txt"]
+    assert leftover_processes(cluster2, timeout=5) == {}
+
+
+def test_two_node_trainer_script_gets_the_yaml_through_pdsh(cluster2, tmp_path):
+    """An unchanged HfArgumentParser script on 2 nodes (torchrun launcher): each remote rank gets the
+    YAML's TrainingArguments flags, --deepspeed and --use_cpu, and trains ZeRO-2 across the nodes."""
+    model = "n_layer=2,n_head=2,n_embd=32,vocab_size=256,n_positions=64,bos_token_id=0,eos_token_id=0"
+    report = tmp_path / "report.json"
+    config = write_config(tmp_path, cluster2.nodes, port=29616, launcher="torchrun",
+                          script=str(ROOT / "tests" / "scripts" / "hf_clm.py"),
+                          script_args=["--config_overrides", model, "--block_size", "32", "--report_file", str(report),
+                                       "--disable_tqdm", "true"],
+                          extra={"training": {"pass_args": "trainer", "output_dir": str(tmp_path / "out"),
+                                              "max_steps": 6, "save_steps": 6, "logging_steps": 3}})
+    r = launch(cluster2, config)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    seen = json.loads(report.read_text())
+    run_dir = run_dir_of(tmp_path)
+    assert (seen["world_size"], seen["deepspeed_enabled"], seen["zero_stage"], seen["global_step"]) == (2, True, 2, 6)
+    assert seen["args"]["deepspeed"] == str(run_dir / "ds_config.json") and seen["args"]["use_cpu"] is True
+    assert (seen["args"]["per_device_train_batch_size"], seen["args"]["max_steps"]) == (2, 6)
+    shards = tmp_path / "out" / "checkpoint-6" / "global_step6"
+    assert sorted(p.name for p in shards.glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert leftover_processes(cluster2, timeout=5) == {}
 
 

@@ -25,7 +25,7 @@ LOCAL = """
     name: demo
     cluster: {nproc_per_node: 2}
     batch: {micro_batch_size: 1}
-    training: {script: train.py, script_args: [--epochs, "2"]}
+    training: {pass_args: none, script: train.py, script_args: [--epochs, "2"]}
 """
 
 
@@ -76,7 +76,7 @@ PDSH = """
       forward: [WANDB_*]
       per_host: {node1: {NCCL_SOCKET_IFNAME: eth1}}
     batch: {micro_batch_size: 1}
-    training: {script: train.py, script_args: ["--name", "x; rm -rf /"]}
+    training: {pass_args: none, script: train.py, script_args: ["--name", "x; rm -rf /"]}
 """
 
 EXPORTS = (
@@ -181,7 +181,7 @@ DOCKER = """
     network: {preset: infiniband}
     env: {vars: {A: "x y"}}
     batch: {micro_batch_size: 1}
-    training: {script: train.py}
+    training: {script: train.py, pass_args: none}
 """
 
 
@@ -232,7 +232,7 @@ def test_job_ids_are_validated(bad):
 
 def test_restarts_use_a_c10d_rendezvous_with_the_job_id():
     job = job_of("name: r\ncluster: {nproc_per_node: 2}\nrunner: {launcher: torchrun, max_restarts: 2}\n"
-                 "batch: {micro_batch_size: 1}\ntraining: {script: t.py}\n")
+                 "batch: {micro_batch_size: 1}\ntraining: {script: t.py, pass_args: none}\n")
     plan = build_plan(job, CTX)
     assert plan.main.argv == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
                               "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",

@@ -30,7 +30,7 @@ CONFIG = """
       vars: {SPACES: "a b", DOLLAR: "$HOME $(id) `id`", PCT: "100%"}
       forward: [HF_TOKEN]
     batch: {micro_batch_size: 1}
-    training: {script: train.py, script_args: ["--note", "it's $5"]}
+    training: {pass_args: none, script: train.py, script_args: ["--note", "it's $5"]}
 """
 
 EXPECTED = f"""\

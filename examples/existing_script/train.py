@@ -1,11 +1,11 @@
-"""An existing Hugging Face Trainer script that adopts hfscale with four lines (marked ``# hfscale``).
+"""An existing Hugging Face Trainer script that adopts hfscale's callbacks with two lines (marked ``# hfscale``).
 
     hfscale launch examples/existing_script/config.yaml          # from the repository root
 
-Everything else is a plain Trainer script: TrainingArguments from the command line, a tiny GPT-2
-built from a config (nothing downloaded), the bytes of the Python standard library as data.
-Under ``hfscale launch``, ``--deepspeed`` defaults to the DeepSpeed JSON hfscale generated
-($HFSCALE_DS_CONFIG); the command-line batch sizes must agree with it (the Trainer checks).
+Everything else is a plain Trainer script: TrainingArguments from the command line (hfscale
+passes the flags its YAML determines, ``--deepspeed`` with the generated JSON included, and
+``--resume_from_checkpoint`` on a relaunch), a tiny GPT-2 built from a config (nothing
+downloaded), the bytes of the Python standard library as data.
 """
 
 import os
@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
-from hfscale.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, exit_cleanly  # hfscale
-from hfscale.resume import latest_checkpoint  # hfscale
+from hfscale.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback  # hfscale
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -36,7 +35,6 @@ class Blocks(torch.utils.data.Dataset):
 
 def main():
     parser = HfArgumentParser(TrainingArguments)
-    parser.set_defaults(deepspeed=os.environ.get("HFSCALE_DS_CONFIG"))
     (args,) = parser.parse_args_into_dataclasses()
     set_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64,
@@ -44,9 +42,8 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=Blocks())
     for cb in (MetricsCallback(seq_len=64, trainer=trainer), PreemptionCallback(), CheckpointCompleteCallback()):
         trainer.add_callback(cb)  # hfscale
-    trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))  # hfscale
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
 
 
 if __name__ == "__main__":
     main()
-    exit_cleanly(0)  # hfscale: everything is saved; skip the interpreter teardown gloo can abort in
