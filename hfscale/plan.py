@@ -22,6 +22,7 @@ from .render_slurm import SCRIPT as SBATCH_FILE
 from .resume import decide
 from .schedule import schedule_note
 from .script_rules import extra_args_problems
+from .trainer_args import given_flags
 from .shell import Command, Raw, exports, join
 from .yamlsource import dump
 
@@ -180,7 +181,8 @@ def _resume_step(job: Job, ctx: LaunchContext) -> tuple[list[str], tuple[tuple[s
     Raises ConfigError where the job would start over silently in an output_dir whose checkpoints
     are all incomplete."""
     scan, t = ctx.output, job.config.training
-    if scan is None:
+    chosen = given_flags([*t.script_args, *ctx.extra_args], {"resume_from_checkpoint"}) if t.script else []
+    if scan is None or chosen:  # a checkpoint named by hand is the user's choice
         return [], (), None
     if ctx.restart:
         dest = posixpath.join(scan.output_dir, f"restarted-{ctx.job_id}")

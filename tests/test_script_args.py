@@ -252,3 +252,18 @@ def test_check_prints_warnings_on_stderr_and_the_entry(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith("warning: training.data (line 22): read only by the built-in entry point")
     assert "  entry        run_clm.py + 22 TrainingArguments flags from this file" in r.stdout
+
+
+def test_a_checkpoint_named_by_hand_skips_the_launch_decision(tmp_path):
+    from hfscale.resume import scan_output
+
+    from test_checkpoint_files import trainer_checkpoint
+
+    (trainer_checkpoint(tmp_path, 10) / "rng_state_1.pth").unlink()
+    scan = scan_output(tmp_path, 2)
+    job = job_of(SFT)
+    with pytest.raises(ConfigError, match="none is complete"):
+        build_plan(job, LaunchContext.of("/work", "/py", JOB_ID, {}, output=scan))
+    chosen = LaunchContext.of("/work", "/py", JOB_ID, {}, ["--resume_from_checkpoint", "other/checkpoint-8"], scan)
+    plan = build_plan(job, chosen)
+    assert plan.mode == "stream" and plan.main.argv[-2:] == ("--resume_from_checkpoint", "other/checkpoint-8")
