@@ -9,9 +9,9 @@ with the ratio N/1. The issue's target: all ranks initialized on 8 hosts within 
 
 On a small box (2 cores here) N ranks that each import torch compete for the same cores, which a
 real cluster never does. So the table separates:
-  (a) hfscale's own fan-out path, no torch anywhere: raw ``pdsh -R ssh -S -w HOSTS true``;
-      hfscale's pre-launch ssh reachability probe (``hfscale.cli._unreachable``, one ``ssh true``
-      per host); and ``hfscale launch`` whose per-node interpreter (runner.python) is a tiny shell
+  (a) hfscale's own fan-out path, no torch anywhere: raw ``pdsh -R ssh -S -w HOSTS true``; and
+      ``hfscale launch`` (which has no ssh round of its own before pdsh: an unreachable host is
+      found by the fan-out itself) whose per-node interpreter (runner.python) is a tiny shell
       script standing in for ``python -m torch.distributed.run``: the very same plan, pdsh command,
       per-host rank switch, exit markers and log routing, but nothing imports torch.
   (b) the cost of starting Python/torch ranks: N concurrent ``python -c 'import torch'`` on this
@@ -127,8 +127,7 @@ class Timed:
 
     Output (stdout and stderr merged) is read line by line as it arrives; ``marks`` counts lines
     containing ``marker`` and notes when the ``expect``-th one arrived; ``job_line`` is when
-    hfscale said "hfscale: job ... on ..." (printed after its ssh probe, right before it starts
-    pdsh or the launcher).
+    hfscale said "hfscale: job ... on ..." (printed right before it starts pdsh or the launcher).
     """
 
     def __init__(self, cmd: list[str], env: dict[str, str], marker: str | None = None, expect: int = 0,
@@ -202,27 +201,6 @@ FAKE_PY = """#!/bin/sh
 echo "FAKE_READY host=$(uname -n) node_rank=${HFSCALE_NODE_RANK:-?}"
 """
 
-PROBE_SNIPPET = r"""
-import json, sys, time
-from hfscale.load import load_job
-job = load_job(sys.argv[1])
-try:
-    from hfscale.cli import _unreachable          # exactly what `hfscale launch` runs first
-    how = "hfscale.cli._unreachable"
-except ImportError:                                 # renamed: the same probe, rebuilt
-    from hfscale.execute import run_probes
-    from hfscale.preflight import ssh_argv
-    from hfscale.shell import Command
-    how = "ssh_argv + run_probes"
-    def _unreachable(job):
-        cmds = {h.host: Command(tuple(ssh_argv(job, h.host) + ["true"])) for h in job.hosts}
-        return [h for h, (rc, _, _) in run_probes(cmds, job.config.runner.connect_timeout + 5).items() if rc]
-t = time.perf_counter()
-bad = _unreachable(job)
-print(json.dumps({"s": time.perf_counter() - t, "bad": bad, "how": how}))
-"""
-
-
 def cluster_config(path: Path, tmp: Path, hosts: list[str], *, launcher: str, script: str,
                    script_args: list[str], python: str | None = None) -> Path:
     runner = {"type": "pdsh", "launcher": launcher, "run_dir": str(tmp / "runs"), "connect_timeout": 5}
@@ -237,7 +215,7 @@ def cluster_config(path: Path, tmp: Path, hosts: list[str], *, launcher: str, sc
         "precision": "no",
         "batch": {"micro_batch_size": 2},
         "env": {"vars": rank_vars(cluster=True)},
-        "training": {"script": script, "script_args": script_args},
+        "training": {"script": script, "script_args": script_args, "pass_args": "none"},  # not Trainer scripts
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -304,17 +282,6 @@ def part1(args, tmp: Path) -> dict | None:
                   timeout=60, label=f"pdsh true on {n} host(s)")
         return r.exit, r.busy
 
-    probe_how = []
-
-    def ssh_probe(n: int) -> tuple[float, float | None]:
-        r = Timed([sys.executable, "-c", PROBE_SNIPPET, str(configs["fake", n])], cenv, timeout=60,
-                  label=f"ssh reachability probe on {n} host(s)")
-        d = json.loads(r.out.strip().splitlines()[-1])
-        if d["bad"]:
-            raise BenchError(f"ssh probe reports unreachable hosts: {d['bad']}")
-        probe_how.append(d["how"])
-        return d["s"], r.busy  # busy: over the whole helper process (python start-up included)
-
     def import_torch(n: int) -> tuple[float, float | None]:
         c0 = cpu_sample()
         t0 = time.perf_counter()
@@ -353,7 +320,6 @@ def part1(args, tmp: Path) -> dict | None:
         for n in sizes:
             for _ in range(3):
                 add("pdsh", n, *raw_pdsh(n))
-                add("probe", n, *ssh_probe(n))
             add_launch("fake", n, launch("fake", n, "FAKE_READY"))
             add("import", n, *import_torch(n))
             add_launch("noop", n, launch("noop", n, "NOOP_READY"))
@@ -367,14 +333,14 @@ def part1(args, tmp: Path) -> dict | None:
 
     _clusters.remove((cl, stop_cluster))
     stop_cluster(cl)
-    return {"res": res, "sizes": sizes, "cheap": 3 * args.repeat, "probe_how": sorted(set(probe_how))}
+    return {"res": res, "sizes": sizes, "cheap": 3 * args.repeat}
 
 
 def report1(args, p1: dict) -> None:
     res, (one, many) = p1["res"], p1["sizes"]
     w = 66
     print()
-    print(f"Part 1: medians in seconds ({p1['cheap']} runs for pdsh/probe rows, {args.repeat} for the others); "
+    print(f"Part 1: medians in seconds ({p1['cheap']} runs for the pdsh row, {args.repeat} for the others); "
           f"{os.cpu_count()} cpus. 'CPU busy': share of all cores busy during the run (any process).")
     head = (f"{'':<{w}} {'1 host':>8} {f'{many} hosts':>8} {f'{many}/1':>7} {'delta':>7}  "
             f"{'CPU busy 1/' + str(many):>14}")
@@ -394,8 +360,7 @@ def report1(args, p1: dict) -> None:
 
     print("(a) hfscale's own fan-out path (no torch anywhere)")
     pdsh = row("  raw `pdsh -R ssh -S -w HOSTS true`", "pdsh")
-    probe = row(f"  hfscale's ssh reachability probe alone ({', '.join(p1['probe_how'])})", "probe")
-    row("  hfscale launch, fake interpreter: to its 'job' line (start+probe)", "fake.job")
+    row("  hfscale launch, fake interpreter: to its 'job' line", "fake.job")
     fan = row("  hfscale launch, fake interpreter: to every node's output", "fake.ready")
     row("  hfscale launch, fake interpreter: to exit", "fake.exit")
     print("(b) starting Python/torch ranks on this box")
@@ -420,9 +385,8 @@ def report1(args, p1: dict) -> None:
         a, b = fan
         print(f"same target, hfscale's fan-out path alone (fake interpreter, to every node's output): "
               f"{b / a:.2f}x ({b - a:+.2f}s) -> {verdict(b / a)}")
-        if pdsh is not None and probe is not None:
-            print(f"  of that {b - a:+.2f}s: raw pdsh itself {pdsh[1] - pdsh[0]:+.2f}s ({pdsh[1] / pdsh[0]:.2f}x); "
-                  f"hfscale's ssh probe, a second ssh round before pdsh, {probe[1] - probe[0]:+.2f}s")
+        if pdsh is not None:
+            print(f"  of that {b - a:+.2f}s: raw pdsh itself {pdsh[1] - pdsh[0]:+.2f}s ({pdsh[1] / pdsh[0]:.2f}x)")
     if imp is not None:
         a, b = imp
         print(f"CPU contention: {many} concurrent torch imports take {b / a:.1f}x one import here: "
@@ -441,7 +405,7 @@ def local_config(path: Path, tmp: Path, port: int, backend: str) -> Path:
         "precision": "no",
         "batch": {"micro_batch_size": 2},
         "env": {"vars": rank_vars(cluster=False)},
-        "training": {"script": PROBE, "script_args": ["--mode", "ok"]},
+        "training": {"script": PROBE, "script_args": ["--mode", "ok"], "pass_args": "none"},
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path

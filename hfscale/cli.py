@@ -14,9 +14,9 @@ import click
 
 from . import __version__
 from .errors import ConfigError
-
-EXIT_BAD_INPUT = 2
-EXIT_UNREACHABLE = 3
+from .exitcodes import BAD_INPUT as EXIT_BAD_INPUT
+from .exitcodes import UNREACHABLE as EXIT_UNREACHABLE
+from .launch_plan import NOTHING_TO_TRAIN
 
 
 def _load(path: str):
@@ -30,53 +30,6 @@ def _load(path: str):
     for w in job.warnings:
         click.echo(f"warning: {w}", err=True)
     return job
-
-
-def summary(job) -> str:
-    """The few numbers people check before they launch."""
-    cfg = job.config
-    if job.hosts:
-        names = ", ".join(h.host for h in job.hosts[:4]) + (", ..." if len(job.hosts) > 4 else "")
-        nodes = f"{job.num_nodes} ({names}) x {job.procs_per_node} processes"
-    elif job.scheduled:
-        nodes = f"{job.num_nodes} (allocated by {cfg.runner.type}) x {job.procs_per_node} processes"
-    else:
-        nodes = f"1 (local) x {job.procs_per_node} processes"
-    backend = cfg.distributed.backend
-    if job.deepspeed is not None:
-        ds = job.deepspeed
-        engine = f"deepspeed ZeRO-{ds.stage}"
-        offloads = [f"{k}={getattr(ds, 'offload_' + k).device}" for k in ("optimizer", "param")
-                    if getattr(ds, "offload_" + k).device != "none"]
-        if offloads:
-            engine += f" (offload {', '.join(offloads)})"
-    else:
-        engine = backend
-    b = cfg.batch
-    rows = [
-        ("job", cfg.name),
-        ("nodes", nodes),
-        ("world size", str(job.world_size)),
-        ("engine", engine),
-        ("precision", cfg.precision),
-        ("global batch", f"{job.global_batch_size} = micro {b.micro_batch_size} x accumulation "
-                         f"{job.gradient_accumulation_steps} x world {job.world_size}"),
-        ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
-        ("entry", _entry(job)),
-    ]
-    return "\n".join(f"  {k:<13}{v}" for k, v in rows)
-
-
-def _entry(job) -> str:
-    t = job.config.training
-    if t.script is None:
-        return "built-in entry point (python -m hfscale.train)"
-    if t.pass_args == "none":
-        return f"{t.script} with script_args only (pass_args: none)"
-    from .trainer_args import trainer_args
-
-    n = sum(a.value is not None for a in trainer_args(job, "ds_config.json"))
-    return f"{t.script} + {n} TrainingArguments flags from this file (launch --dry-run shows its argv)"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,6 +50,8 @@ def main() -> None:
 @click.argument("config_file", metavar="CONFIG")
 def check(config_file: str) -> None:
     """Validate CONFIG and print world size, global batch, stage and precision."""
+    from .summary import summary
+
     job = _load(config_file)
     click.echo(f"ok: {config_file}")
     click.echo(summary(job))
@@ -157,20 +112,6 @@ def _context(job, extra_args: tuple[str, ...], restart: bool):
     return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart)
 
 
-def _unreachable(job) -> list[str]:
-    """Hosts ssh cannot run a command on, each with the reason (empty for one local node)."""
-    from .execute import run_probes
-    from .preflight import ssh_argv
-    from .shell import Command
-
-    if not job.hosts or job.config.runner.type == "local":
-        return []
-    cmds = {h.host: Command(tuple(ssh_argv(job, h.host) + ["true"])) for h in job.hosts}
-    results = run_probes(cmds, timeout=job.config.runner.connect_timeout + 5)
-    return [f"{h}: {(err.strip().splitlines() or [f'exit code {rc}'])[-1]}"
-            for h, (rc, _, err) in results.items() if rc != 0]
-
-
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("config_file", metavar="CONFIG")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
@@ -198,28 +139,21 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
     job = _load(config_file)
     ctx = _context(job, script_args, restart)
     try:
-        shown = build_plan(job, ctx, mask=True)
+        plan = build_plan(job, ctx)
     except ConfigError as e:
         click.echo(f"error: {e.render()}", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    record = shown.render()
+    record = plan.render()
     if dry_run:
         click.echo(record, nl=False)
         return
-    if shown.mode == "done":
-        click.echo(f"hfscale: {' '.join(n for n in shown.notes if n.startswith('nothing to train'))}; nothing was "
+    if plan.mode == "done":
+        click.echo(f"hfscale: {' '.join(n for n in plan.notes if n.startswith(NOTHING_TO_TRAIN))}; nothing was "
                    "started", err=True)
         return
-    bad = _unreachable(job)
-    if bad:
-        click.echo("error: cannot reach every host over ssh; nothing was started:", err=True)
-        for line in bad:
-            click.echo(f"  {line}", err=True)
-        sys.exit(EXIT_UNREACHABLE)
     from .execute import execute
 
-    plan = build_plan(job, ctx)
-    click.echo(f"hfscale: job {plan.job_id} on {', '.join(plan.hosts)}; run directory {plan.run_dir}", err=True)
+    click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
     rc = execute(plan, record, echo=lambda s: click.echo(s))
     if plan.mode == "submit":
         what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
@@ -235,20 +169,19 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
 def preflight(config_file: str, timeout: float) -> None:
     """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
     from .execute import run_probes
-    from .preflight import evaluate, probes, render_table
+    from .preflight import evaluate, probes, refusal, render_table, verdict
 
     job = _load(config_file)
-    if job.scheduled:
-        click.echo(f"error: preflight checks hosts over ssh; with runner {job.config.runner.type} the scheduler "
-                   "picks the nodes (use its own tools, e.g. sinfo or kubectl get nodes)", err=True)
+    why = refusal(job)
+    if why:
+        click.echo(f"error: {why}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     reports = evaluate(job, run_probes(probes(job, sys.executable), timeout))
     click.echo(render_table(reports), nl=False)
-    failed = [r.host for r in reports if r.problems]
-    if failed:
-        click.echo(f"preflight failed on: {', '.join(failed)}", err=True)
+    line, ok = verdict(reports)
+    click.echo(line, err=not ok)
+    if not ok:
         sys.exit(EXIT_UNREACHABLE)
-    click.echo(f"preflight ok: {len(reports)} host(s)")
 
 
 @main.command()

@@ -2,7 +2,11 @@
 
 A plan runs as one local process (pdsh, docker, or the launcher itself). Its output is echoed,
 split into one log per node, and watched: the first node that fails, or Ctrl-C / SIGTERM to
-hfscale, runs the plan's cleanup on every node so no rank is left behind.
+hfscale, runs the plan's cleanup on every node so no rank is left behind. A host ssh cannot reach
+shows up in the same stream (pdsh reports ssh's exit code 255 for a host that never printed its
+exit line), so there is no separate reachability round before the launch: that host's job ends
+the launch with exit code 3 and the host named. Submitting plans hand the job to a scheduler,
+with what each runner knows about its scheduler's answers (hfscale.runners).
 """
 
 from __future__ import annotations
@@ -17,17 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TextIO
 
+from . import exitcodes
 from .files import write_files
-from .plan import EXIT_MARK, LaunchPlan
+from .launch_plan import EXIT_MARK, LaunchPlan
+from .runners import RUNNERS
 from .shell import Command
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 _PDSH_FAIL = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ exited with exit code (?P<rc>\d+)$")
 _PREFIXED = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[^\s:]+): ")
+SSH_FAILED = 255  # ssh's own exit code when it could not connect or log in
 
 
 def _env(cmd: Command) -> dict[str, str]:
-    return {**os.environ, **dict(cmd.env)}
+    return {**os.environ, **cmd.real_env()}
 
 
 def write_run_dir(plan: LaunchPlan, record: str) -> Path:
@@ -46,8 +53,11 @@ class _Run:
         self.plan = plan
         self.echo = echo
         self.grace = grace
-        self.logs: dict[str, TextIO] = {h: open(run_dir / "logs" / f"{h}.log", "a", encoding="utf-8") for h in plan.hosts}
+        self.logs: dict[str, TextIO] = {h: open(run_dir / "logs" / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
         self.failure: tuple[str, int] | None = None
+        self.unreachable: dict[str, str] = {}  # host -> what ssh said
+        self._exited: set[str] = set()  # hosts that printed their exit line
+        self._last: dict[str, str] = {}  # each host's last line (ssh's complaint, for an unreachable one)
         self.signalled: int | None = None
         self._stop_lock = threading.Lock()
         self._stopping = False
@@ -62,11 +72,23 @@ class _Run:
             self.logs[host].write(line + "\n")
             self.logs[host].flush()
         self.echo(line)
-        fail = _EXIT.match(line) or _PDSH_FAIL.match(line)
-        if fail and int(fail["rc"]) != 0 and self.failure is None and self.signalled is None:
-            self.failure = (fail["host"], int(fail["rc"]))
-            self.echo(f"hfscale: {fail['host']} failed (exit code {fail['rc']}); stopping the job on every node")
-            self.stop()
+        done, fail = _EXIT.match(line), _PDSH_FAIL.match(line)
+        if done:
+            self._exited.add(done["host"])
+        elif m and not fail and not line.startswith("pdsh@"):
+            self._last[m["host"]] = line[m.end():]
+        found = done or fail
+        if not found or int(found["rc"]) == 0 or self.failure is not None or self.signalled is not None:
+            return
+        host, rc = found["host"], int(found["rc"])
+        if fail and rc == SSH_FAILED and host not in self._exited:
+            self.unreachable[host] = self._last.get(host, "ssh failed")
+            self.failure = (host, exitcodes.UNREACHABLE)
+            self.echo(f"hfscale: cannot reach {host} over ssh ({self.unreachable[host]}); stopping the job on every node")
+        else:
+            self.failure = (host, rc)
+            self.echo(f"hfscale: {host} failed (exit code {rc}); stopping the job on every node")
+        self.stop()
 
     def stop(self) -> None:
         """Run the cleanup (once, in the background), then end the main process if still alive."""
@@ -80,7 +102,7 @@ class _Run:
         c = self.plan.cleanup
         if c is not None:
             try:
-                subprocess.run(list(c.argv), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL,
+                subprocess.run(c.real_argv(), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=self.grace)
             except subprocess.TimeoutExpired:
                 self.echo("hfscale: cleanup timed out")
@@ -108,27 +130,24 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
     """Hand the job to its scheduler (sbatch, kubectl apply); record and print what it answered."""
+    runner = RUNNERS[plan.runner]
     m = plan.main
-    missing = shutil.which(m.argv[0], path=_env(m).get("PATH")) is None
-    if plan.runner == "kubernetes" and not missing:
-        # "configured" means a current context; without one kubectl can only fail
-        probe = run_probe(Command(("kubectl", "config", "current-context"), m.env, m.cwd), timeout=20)
-        missing = probe[0] != 0
+    missing = shutil.which(m.real_argv()[0], path=_env(m).get("PATH")) is None
+    probe = runner.probe(plan)
+    if not missing and probe is not None:
+        missing = run_probe(probe, timeout=20)[0] != 0
     if missing:
-        if plan.runner == "kubernetes":
-            echo(f"hfscale: no configured kubectl (no current context); the manifests are in {run_dir}/pytorchjob.yaml (secrets as ***: "
-                 f"fill them in first). Apply them with:\n  kubectl apply -f {run_dir}/pytorchjob.yaml")
-            return 0
-        echo(f"hfscale: {m.argv[0]} not found on this machine; submit by hand with:\n  {m.shell()}")
-        return 3
-    r = subprocess.run(list(m.argv), env=_env(m), cwd=m.cwd, input=m.stdin or "", capture_output=True,
-                       text=True, errors="replace")
+        message, code = runner.unavailable(plan)
+        echo(message)
+        return code
+    r = subprocess.run(m.real_argv(), env=_env(m), cwd=m.cwd, input=m.stdin.real if m.stdin else "",
+                       capture_output=True, text=True, errors="replace")
     for line in (r.stdout + r.stderr).splitlines():
         echo(line)
-    if r.returncode == 0 and plan.runner == "slurm":
-        job = r.stdout.strip().split(";")[0]
-        write_files(run_dir, {"slurm_job_id": job + "\n"})
-        echo(f"hfscale: submitted Slurm job {job}; output in {run_dir}/slurm-{job}.out")
+    if r.returncode == 0:
+        files, message = runner.submitted(plan, r.stdout)
+        write_files(run_dir, files)
+        echo(message)
     return r.returncode
 
 
@@ -168,7 +187,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
     try:
         m = plan.main
         run.proc = subprocess.Popen(
-            list(m.argv), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            m.real_argv(), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
         )
         if run.signalled is not None:
@@ -191,7 +210,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
 def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:
     """Run one probe command; (exit code, stdout, stderr); 124 on timeout."""
     try:
-        r = subprocess.run(list(cmd.argv), env=_env(cmd), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
+        r = subprocess.run(cmd.real_argv(), env=_env(cmd), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
                            capture_output=True, text=True, errors="replace", timeout=timeout)
         return r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired:

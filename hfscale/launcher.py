@@ -1,6 +1,8 @@
 """What every runner starts on a node: the launcher argv, the ranks' environment, the entry.
 
-Pure; shared by the launch plan (local, pdsh, Slurm) and the Kubernetes manifests.
+Pure, and the one owner of these rules for every runner (local, pdsh, containers, Slurm,
+Kubernetes): a runner says how its nodes meet (``Rendezvous``: this node's rank and the master,
+as values or as variables set where the launcher runs), the argv comes from here.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
-from .envvars import job_env, masked
+from .envvars import is_secret, job_env
 from .job import Job
 from .resume import OutputScan
 from .script_rules import SCRIPT_ENTRY, script_argv
-from .shell import Raw
+from .shell import Cat, Secret, Word
 
 BUILTIN_ENTRY = "hfscale.train"
 CONFIG_COPY = "config.yaml"
@@ -53,6 +55,12 @@ def output_dir_to_scan(job: Job) -> str | None:
     return posixpath.join(cfg.runner.workdir, cfg.training.output_dir) if cfg.runner.workdir else cfg.training.output_dir
 
 
+def restarts(job: Job) -> int:
+    """How often the launcher restarts failed workers (torchrun's --max-restarts)."""
+    k = job.config.runner.kubernetes
+    return k.elastic.max_restarts if k is not None and k.elastic is not None else job.config.runner.max_restarts
+
+
 def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
     """(launcher flags that select the entry, [entry, *args]): hfscale's built-in entry point reading
     the resolved config from ``run_dir``; a Trainer script through ``hfscale.run_script`` with the
@@ -66,37 +74,65 @@ def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[st
     return ["--module"], [SCRIPT_ENTRY, *argv]
 
 
-def launcher_argv(job: Job, python: str, run_dir: str, rank: str, ctx: LaunchContext, master: str | None = None
-                  ) -> list[str]:
-    """argv of the per-node launcher (accelerate launch or torchrun) for node ``rank``;
-    ``master`` overrides the master address (a shell reference when a scheduler decides it)."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a runner's nodes find each other.
+
+    ``rank``: this node's rank; ``master``/``port``: the rank-0 node (None: the values in the
+    accelerate config); ``c10d``: torchrun rendezvous through a c10d store with the job id (what
+    restarts and elastic jobs need) instead of fixed ranks; ``endpoint``/``nnodes`` override the
+    c10d endpoint (``master:port``) and the node count ("1:4" for an elastic job)."""
+
+    rank: Word = "0"
+    master: Word | None = None
+    port: Word | None = None
+    c10d: bool = False
+    endpoint: Word | None = None
+    nnodes: str | None = None
+
+
+def default_rendezvous(job: Job, rank: Word, master: Word | None = None) -> Rendezvous:
+    """Fixed ranks, or c10d when the launcher restarts workers (a fresh round needs a fresh store)."""
+    return Rendezvous(rank=rank, master=master, c10d=restarts(job) > 0)
+
+
+def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv: Rendezvous) -> list[Word]:
+    """argv of the per-node launcher (accelerate launch or torchrun), its entry and arguments."""
     cfg = job.config
     module_flag, target = training_target(job, run_dir, ctx)
-    restarts = cfg.runner.max_restarts
-    master = master or job.master_addr
+    master: Word = rdzv.master if rdzv.master is not None else job.master_addr
+    port: Word = rdzv.port if rdzv.port is not None else str(cfg.cluster.master_port)
+    argv: list[Word]
     if cfg.runner.launcher == "accelerate":
         argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
         if job.num_nodes > 1:
-            argv += ["--machine_rank", rank]
-            if master != job.master_addr:
-                argv += ["--main_process_ip", master]
+            argv += ["--machine_rank", rdzv.rank]
+            if rdzv.master is not None:
+                argv += ["--main_process_ip", rdzv.master]
+            if rdzv.port is not None:
+                argv += ["--main_process_port", rdzv.port]
         return argv + module_flag + target
-    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(job.num_nodes),
+    argv = [python, "-m", "torch.distributed.run", "--nnodes", rdzv.nnodes or str(job.num_nodes),
             "--nproc_per_node", str(job.procs_per_node)]
-    endpoint = Raw(f"{master}:{cfg.cluster.master_port}") if isinstance(master, Raw) else f"{master}:{cfg.cluster.master_port}"
-    if restarts:
-        # a restart needs a fresh rendezvous round: c10d with a job-unique id (static reuses stale keys)
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", ctx.job_id,
-                 "--max-restarts", str(restarts)]
+    if rdzv.c10d:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.endpoint or _join_endpoint(master, port),
+                 "--rdzv-id", ctx.job_id, "--max-restarts", str(restarts(job))]
     else:
-        argv += ["--node_rank", rank, "--master_addr", master, "--master_port", str(cfg.cluster.master_port)]
+        argv += ["--node_rank", rdzv.rank, "--master_addr", master, "--master_port", port]
     return argv + (["-m"] if module_flag else []) + target
 
 
-def rank_env(job: Job, run_dir: str, ctx: LaunchContext, mask: bool) -> dict[str, str]:
-    """Environment of every rank: the job's variables plus hfscale's own."""
-    env = job_env(job.config, dict(ctx.shell_env))
-    env = masked(env) if mask else env
+def _join_endpoint(master: Word, port: Word) -> Word:
+    if isinstance(master, str) and isinstance(port, str):
+        return f"{master}:{port}"
+    parts = [p for w in (master, ":", port) for p in (w.parts if isinstance(w, Cat) else (w,))]
+    return Cat(tuple(parts))  # type: ignore[arg-type]
+
+
+def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secret]:
+    """Environment of every rank: the job's variables plus hfscale's own; secret values as Secret."""
+    env: dict[str, str | Secret] = {k: Secret(k, v) if is_secret(k) else v
+                                    for k, v in job_env(job.config, dict(ctx.shell_env)).items()}
     env.update(
         HFSCALE_JOB_ID=ctx.job_id,
         HFSCALE_RUN_DIR=run_dir,
@@ -105,7 +141,7 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext, mask: bool) -> dict[str
     )
     if job.deepspeed is not None:
         env["HFSCALE_DS_CONFIG"] = posixpath.join(run_dir, DEEPSPEED_FILE)
-    if job.config.runner.max_restarts:
+    if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently
         # with gloo (pytorch/pytorch#135712); a separate store per round avoids it
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .envvars import RDMA_PRESETS
 from .job import Job
-from .shell import Command, join
+from .shell import Command, render, words
+from .ssh import ssh_argv
 
 PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
 MARK = "HFSCALE_PROBE"
@@ -27,24 +28,23 @@ def _script(python: str, port: int | None) -> str:
     )
     lines = [
         f"echo {MARK}",
-        f"{join([python, '-c', versions])} || echo python=missing",
+        f"{render(words([python, '-c', versions]))} || echo python=missing",
         "if command -v nvidia-smi >/dev/null 2>&1; then echo gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); "
         "else echo gpus=none; fi",
         "echo ib=$(ls /sys/class/infiniband 2>/dev/null | tr '\\n' ',')",
     ]
     if port is not None:
         bind = f"import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', {port}))"
-        lines.append(f"{join([python, '-c', bind])} 2>/dev/null && echo port=free || echo port=busy")
+        lines.append(f"{render(words([python, '-c', bind]))} 2>/dev/null && echo port=free || echo port=busy")
     return "; ".join(lines)
 
 
-def ssh_argv(job: Job, host: str) -> list[str]:
-    """ssh with the config's port, user and timeout, never asking for a password."""
-    r = job.config.runner
-    argv = ["ssh", "-p", str(r.ssh_port), "-o", f"ConnectTimeout={r.connect_timeout}", "-o", "BatchMode=yes"]
-    if r.ssh_user:
-        argv += ["-l", r.ssh_user]
-    return argv + [host]
+def refusal(job: Job) -> str | None:
+    """Why preflight cannot check this job's hosts, or None."""
+    if job.scheduled:
+        return (f"preflight checks hosts over ssh; with runner {job.config.runner.type} the scheduler picks the "
+                "nodes (use its own tools, e.g. sinfo or kubectl get nodes)")
+    return None
 
 
 def probes(job: Job, python: str) -> dict[str, Command]:
@@ -139,3 +139,11 @@ def render_table(reports: list[HostReport]) -> str:
     for r in reports:
         lines += [f"{r.host}: {p}" for p in r.problems]
     return "\n".join(lines) + "\n"
+
+
+def verdict(reports: list[HostReport]) -> tuple[str, bool]:
+    """The last line of a preflight, and whether every host passed."""
+    failed = [r.host for r in reports if r.problems]
+    if failed:
+        return f"preflight failed on: {', '.join(failed)}", False
+    return f"preflight ok: {len(reports)} host(s)", True

@@ -11,12 +11,11 @@ What ``kubernetes_manifests`` returns, in the order ``kubectl apply`` must creat
    JSON, resolved config), mounted read-only at ``CONFIG_DIR`` in every pod, so the pods need no
    shared file system for them. The caller renders the files with paths under ``CONFIG_DIR``
    (the accelerate YAML names ``/etc/hfscale/ds_config.json``) and the environment with
-   ``rank_env(job, CONFIG_DIR, ctx, mask)``.
-2. a ``Secret`` ``hfscale-<job id>-env`` (only when a variable's name is secret by
-   ``hfscale.envvars.is_secret``): the value sits in the Secret's ``stringData`` and the pods
-   read it through ``valueFrom.secretKeyRef``, so the PyTorchJob never holds it. The caller
-   passes the masked environment for display (the Secret then shows ``***``) and the real one
-   for ``kubectl apply``.
+   ``rank_env(job, CONFIG_DIR, ctx)``.
+2. a ``Secret`` ``hfscale-<job id>-env`` (only when the environment holds a ``Secret`` value):
+   the value sits in the Secret's ``stringData`` (``***`` unless ``shown=False``, for
+   ``kubectl apply``) and the pods read it through ``valueFrom.secretKeyRef``, so the
+   PyTorchJob never holds it.
 3. the ``PyTorchJob``: ``Master`` (1 replica) and ``Worker`` (nodes - 1, left out on one node);
    with ``runner.kubernetes.elastic`` only ``Worker`` replicas (the operator scales those between
    minReplicas and maxReplicas and rendezvous at ``<job>-worker-0``).
@@ -24,24 +23,25 @@ What ``kubernetes_manifests`` returns, in the order ``kubectl apply`` must creat
 No value ever reaches a shell: the container command is an argv list (no ``sh -c``) and the file
 goes to ``kubectl apply -f``. Kubernetes itself expands ``$(NAME)`` in ``command`` and in ``env``
 values, so every ``$`` of a config value is written as ``$$`` (``k8s_literal``); only hfscale's
-own references (``$(MASTER_ADDR)``, ``$(MASTER_PORT)``, ``$(RANK)``, ``$(PET_RDZV_ENDPOINT)``,
-which the training operator sets in every pod) are left to expand.
+own ``Var`` words (``$(MASTER_ADDR)``, ``$(MASTER_PORT)``, ``$(RANK)``, ``$(PET_RDZV_ENDPOINT)``,
+which the training operator sets in every pod) are left to expand. The settings a pod cannot
+honour (``runner.setup``, elastic with accelerate) are refused when the config is loaded
+(hfscale.job); the launcher's argv comes from hfscale.launcher, as for every runner.
 """
 
 from __future__ import annotations
 
 import copy
-import posixpath
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
-from .artifacts import ACCELERATE_FILE
-from .envvars import RDMA_PRESETS, is_secret
+from .envvars import RDMA_PRESETS
 from .job import Job
-from .launcher import LaunchContext, training_target
+from .launcher import LaunchContext, Rendezvous, launcher_argv
+from .shell import Cat, Secret, Var, Word, value
 from .yamlsource import Dumper
 
 CONFIG_DIR = "/etc/hfscale"
@@ -55,14 +55,19 @@ _LABEL_VALUE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DATA_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 
 
-class Ref(str):
-    """A ``$(VAR)`` reference hfscale wrote itself, for Kubernetes to expand (never escaped)."""
-
-
 def k8s_literal(text: str) -> str:
     """``text`` as a literal in a container command or env value: Kubernetes reads ``$$`` as ``$``,
     so ``$(HOME)`` in a config value stays ``$(HOME)`` instead of being expanded."""
-    return text if isinstance(text, Ref) else text.replace("$", "$$")
+    return text.replace("$", "$$")
+
+
+def k8s_word(word: Word) -> str:
+    """A word of the container command: literal text escaped, hfscale's variables as ``$(NAME)``."""
+    if isinstance(word, Cat):
+        return "".join(k8s_word(p) for p in word.parts)
+    if isinstance(word, Var):
+        return f"$({word.name})"
+    return k8s_literal(value(word, shown=True))
 
 
 def job_name(config_name: str, job_id: str) -> str:
@@ -86,11 +91,6 @@ def secret_name(job_id: str) -> str:
     return f"hfscale-{job_id}-env"
 
 
-def _restarts(job: Job) -> int:
-    k = job.config.runner.kubernetes
-    return k.elastic.max_restarts if k is not None and k.elastic is not None else job.config.runner.max_restarts
-
-
 def launcher_command(job: Job, ctx: LaunchContext) -> list[str]:
     """The container command: one argv list, run without a shell, every config word escaped for
     Kubernetes' ``$(VAR)`` expansion.
@@ -101,39 +101,23 @@ def launcher_command(job: Job, ctx: LaunchContext) -> list[str]:
     its FSDP/DeepSpeed settings reach an ``Accelerator``), node rank ``$(RANK)`` from the operator
     and accelerate's static rendezvous at ``$(MASTER_ADDR):$(MASTER_PORT)``.
     """
-    cfg = job.config
-    k = cfg.runner.kubernetes
+    k = job.config.runner.kubernetes
     assert k is not None
-    python = cfg.runner.python or "python"
-    module_flag, target = training_target(job, CONFIG_DIR, ctx)
-    if cfg.runner.launcher == "accelerate":
-        if k.elastic is not None:
-            raise ValueError("runner.kubernetes.elastic needs runner.launcher: torchrun "
-                             "(accelerate launch uses a static rendezvous)")
-        argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(CONFIG_DIR, ACCELERATE_FILE)]
-        if job.num_nodes > 1:
-            argv += ["--machine_rank", Ref("$(RANK)"), "--main_process_ip", Ref("$(MASTER_ADDR)"),
-                     "--main_process_port", Ref("$(MASTER_PORT)")]
-        argv += module_flag
-    else:
-        if k.elastic is not None:
-            nnodes, endpoint = f"{k.elastic.min_nodes}:{k.elastic.max_nodes}", Ref("$(PET_RDZV_ENDPOINT)")
-        else:
-            nnodes, endpoint = str(job.num_nodes), Ref("$(MASTER_ADDR):$(MASTER_PORT)")
-        argv = [python, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc_per_node", str(job.procs_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", ctx.job_id,
-                "--max-restarts", str(_restarts(job))]
-        argv += ["-m"] if module_flag else []
-    return [k8s_literal(w) for w in argv + target]
+    elastic = k.elastic
+    rdzv = Rendezvous(rank=Var("RANK"), master=Var("MASTER_ADDR"), port=Var("MASTER_PORT"), c10d=True,
+                      endpoint=Var("PET_RDZV_ENDPOINT") if elastic is not None else None,
+                      nnodes=f"{elastic.min_nodes}:{elastic.max_nodes}" if elastic is not None else None)
+    argv = launcher_argv(job, job.config.runner.python or "python", CONFIG_DIR, ctx, rdzv)
+    return [k8s_word(w) for w in argv]
 
 
-def _env(env: Mapping[str, str], secret: str) -> list[dict[str, Any]]:
+def _env(env: Mapping[str, str | Secret], secret: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for name, value in env.items():
-        if is_secret(name):
+    for name, v in env.items():
+        if isinstance(v, Secret):
             out.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}})
         else:
-            out.append({"name": name, "value": k8s_literal(value)})
+            out.append({"name": name, "value": k8s_literal(v)})
     return out
 
 
@@ -160,7 +144,7 @@ def _volumes(job: Job, job_id: str) -> tuple[list[dict[str, Any]], list[dict[str
     return volumes, mounts
 
 
-def _pod_template(job: Job, ctx: LaunchContext, env: Mapping[str, str]) -> dict[str, Any]:
+def _pod_template(job: Job, ctx: LaunchContext, env: Mapping[str, str | Secret]) -> dict[str, Any]:
     cfg = job.config
     k = cfg.runner.kubernetes
     assert k is not None
@@ -196,29 +180,24 @@ def _metadata(name: str, namespace: str, job_id: str) -> dict[str, Any]:
     return {"name": name, "namespace": namespace, "labels": {LABEL: job_id}}
 
 
-def kubernetes_manifests(job: Job, ctx: LaunchContext, files: Mapping[str, str], env: Mapping[str, str]) -> list[dict]:
-    """ConfigMap, Secret (when ``env`` holds a secret name) and PyTorchJob for ``job``.
+def kubernetes_manifests(job: Job, ctx: LaunchContext, files: Mapping[str, str], env: Mapping[str, str | Secret],
+                         shown: bool = True) -> list[dict]:
+    """ConfigMap, Secret (when ``env`` holds a ``Secret``) and PyTorchJob for ``job``.
 
     ``files``: generated file name -> text, rendered for ``CONFIG_DIR``; ``env``: the ranks'
-    environment (``rank_env(job, CONFIG_DIR, ctx, mask)``), masked for display, real for apply.
-    Raises ValueError for settings a pod cannot honour (``runner.setup``, a shell line).
+    environment (``rank_env(job, CONFIG_DIR, ctx)``); ``shown``: secret values as ``***`` (for
+    display and the record on disk), else real (for ``kubectl apply``).
+    Raises ValueError for a job id or file name Kubernetes does not accept.
     """
     cfg = job.config
     k = cfg.runner.kubernetes
     if cfg.runner.type != "kubernetes" or k is None:
         raise ValueError(f"runner.type is {cfg.runner.type!r}, not 'kubernetes' with a kubernetes section")
-    if cfg.runner.setup is not None:
-        raise ValueError("runner.setup is a shell line and the kubernetes runner starts no shell; "
-                         "prepare the environment in the image instead")
     if not _LABEL_VALUE.match(ctx.job_id):
         raise ValueError(f"job id {ctx.job_id!r} is not a Kubernetes label value (63 characters, ends alphanumeric)")
     for name in files:
         if not _DATA_KEY.match(name):
             raise ValueError(f"{name!r} cannot be a ConfigMap key (letters, digits, '-', '_', '.')")
-    env = dict(env)
-    if _restarts(job) and k.elastic is not None:
-        # as rank_env does for runner.max_restarts: a separate store per rendezvous round
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     out: list[dict[str, Any]] = [{
         "apiVersion": "v1",
@@ -226,7 +205,7 @@ def kubernetes_manifests(job: Job, ctx: LaunchContext, files: Mapping[str, str],
         "metadata": _metadata(configmap_name(ctx.job_id), k.namespace, ctx.job_id),
         "data": dict(files),
     }]
-    secrets = {n: v for n, v in env.items() if is_secret(n)}
+    secrets = {n: value(v, shown) for n, v in env.items() if isinstance(v, Secret)}
     if secrets:
         out.append({
             "apiVersion": "v1",
@@ -289,7 +268,6 @@ def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 
 
 _ManifestDumper.add_representer(str, _str)
-_ManifestDumper.add_representer(Ref, _str)
 
 
 def render_manifests(manifests: list[dict]) -> str:

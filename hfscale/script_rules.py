@@ -93,8 +93,9 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
         warnings.append((path, f"read only by the built-in entry point; {t.script} builds its own model and data "
                                "(pass its own flags, e.g. --model_name_or_path, in training.script_args)"))
     if len(t.report_to) > 1:
-        problems.append((("training", "report_to"), "a script takes one --report_to value (transformers 5 reads a "
-                                                    "single word): name one logger, or 'all'"))
+        problems.append((("training", "report_to"), "a script's command line takes one --report_to value "
+                                                    "(TrainingArguments parses a single word): name one logger, or "
+                                                    "'all'"))
     if cfg.runner.launcher == "torchrun" and cfg.distributed.backend == "fsdp":
         problems.append((("runner", "launcher"), "torchrun gives a Trainer script no FSDP settings (they live in the "
                                                  "accelerate config, read under accelerate launch only): it would "

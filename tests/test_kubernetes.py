@@ -33,7 +33,7 @@ ODD = "a b  $(HOME) $USER 'single' \"double\" $$ end$"
 
 
 def manifests(job, mask: bool = False, files=FILES) -> list[dict]:
-    return kubernetes_manifests(job, CTX, files, rank_env(job, CONFIG_DIR, CTX, mask))
+    return kubernetes_manifests(job, CTX, files, rank_env(job, CONFIG_DIR, CTX), shown=mask)
 
 
 def configmap(namespace: str = "default") -> dict:

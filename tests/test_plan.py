@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.launcher import LaunchContext, launcher_argv
+from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
 from hfscale.plan import build_plan
+from hfscale.shell import render
 
 from conftest import job_of
 
@@ -43,19 +44,19 @@ def test_local_accelerate_plan_exact():
         "PYTHONUNBUFFERED": "1",
         "HFSCALE_DS_CONFIG": f"{RUN}/ds_config.json",
     }
-    assert plan.cleanup is None and plan.hosts == ("local",)
+    assert plan.cleanup is None and plan.logs == ("local",)
     assert [name for name, _ in plan.files] == [
         "accelerate_config.yaml", "ds_config.json", "config.yaml", ".deepspeed_env"]
 
 
 def test_local_torchrun_and_builtin_entry():
     job = job_of("name: demo\ncluster: {nproc_per_node: 4}\nrunner: {launcher: torchrun}\nbatch: {micro_batch_size: 1}\n")
-    assert launcher_argv(job, "py", RUN, "0", CTX) == [
+    assert launcher_argv(job, "py", RUN, CTX, Rendezvous(rank="0")) == [
         "py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "4", "--node_rank", "0",
         "--master_addr", "127.0.0.1", "--master_port", "29500", "-m", "hfscale.train", "--config", f"{RUN}/config.yaml",
     ]
     acc = job_of("name: demo\nbatch: {micro_batch_size: 1}\n")
-    assert launcher_argv(acc, "py", RUN, "0", CTX)[-4:] == ["--module", "hfscale.train", "--config", f"{RUN}/config.yaml"]
+    assert launcher_argv(acc, "py", RUN, CTX, Rendezvous(rank="0"))[-4:] == ["--module", "hfscale.train", "--config", f"{RUN}/config.yaml"]
 
 
 PDSH = """
@@ -98,21 +99,21 @@ def test_pdsh_plan_exact():
         "*) echo 'hfscale: host %h is not in the plan' >&2; exit 97 ;; esac && " + launcher +
         '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc'
     )
-    assert plan.main.argv == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "32", "-w", "node0,node1", "-l", "alice",
-                              script)
+    assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "32", "-w", "node0,node1",
+                                            "-l", "alice", script)
     assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o BatchMode=yes"),)
-    assert [(n.host, n.node_rank) for n in plan.nodes] == [("node0", 0), ("node1", 1)]
-    assert plan.nodes[1].command == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
+    assert [(n.host, n.rank) for n in plan.nodes] == [("node0", 0), ("node1", 1)]
+    assert render(plan.nodes[1].command) == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
-    assert "grep -qx 'HFSCALE_JOB_ID=20261122-120000-abcdef' && kill -TERM" in plan.cleanup.argv[-1]
-    assert "pkill" not in plan.cleanup.argv[-1]
+    assert "grep -qx 'HFSCALE_JOB_ID=20261122-120000-abcdef' && kill -TERM" in plan.cleanup.real_argv()[-1]
+    assert "pkill" not in plan.cleanup.real_argv()[-1]
 
 
 def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
     """pdsh's own exec module substitutes %h like ssh does; the shell must then see every value intact."""
     job = job_of(PDSH)
     plan = build_plan(job, CTX)
-    script = plan.main.argv[-1]
+    script = plan.main.real_argv()[-1]
     # run the line locally with pdsh's exec backend: replace the launcher by printing the environment
     probe = script.split(" && /opt/py/bin/python")[0].replace("cd /shared/code", f"cd {tmp_path}")
     probe += f" && {sys.executable} -c 'import json, os; print(json.dumps(dict(os.environ)))'"
@@ -129,15 +130,15 @@ def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
     assert not Path("/tmp/pwned").exists()
 
 
-def test_masked_plan_hides_secrets_everywhere():
-    shown = build_plan(job_of(PDSH), CTX, mask=True)
-    text = shown.render()
-    assert "wk-secret" not in text and "WANDB_API_KEY='***'" in shown.main.argv[-1]
-    for _, content in shown.files:
+def test_one_plan_shows_secrets_masked_and_runs_them_real():
+    plan = build_plan(job_of(PDSH), CTX)
+    text = plan.render()
+    assert "wk-secret" not in text and "WANDB_API_KEY='***'" in plan.main.shown_argv()[-1]
+    for _, content in plan.files:
         assert "wk-secret" not in content and "hf_secret" not in content
-    real = build_plan(job_of(PDSH), CTX)
-    assert "WANDB_API_KEY=wk-secret" in real.main.argv[-1]  # the real plan carries it to the nodes
-    assert "HF_TOKEN" not in real.main.argv[-1]  # never forwarded unless asked for
+    assert "WANDB_API_KEY=wk-secret" in plan.main.real_argv()[-1]  # the same plan carries it to the nodes
+    assert "HF_TOKEN" not in plan.main.real_argv()[-1]  # never forwarded unless asked for
+    assert "wk-secret" not in repr(plan) and "wk-secret" not in str(plan.main.env)
 
 
 def test_secret_in_yaml_is_masked_in_resolved_config():
@@ -159,7 +160,7 @@ def test_deepspeed_env_leaves_out_values_deepspeed_would_expand():
 def test_single_host_pdsh_has_no_host_switch():
     job = job_of("name: one\ncluster: {hosts: [{host: gpu7, slots: 8}]}\nrunner: {type: pdsh}\nbatch: {micro_batch_size: 1}\n"
                  "training: {script: t.py}\n")
-    script = build_plan(job, CTX).main.argv[-1]
+    script = build_plan(job, CTX).main.real_argv()[-1]
     assert "case %h" not in script and "&& export HFSCALE_NODE_RANK=0 && " in script
     assert "--machine_rank" not in script  # one node: the accelerate config says it all
 
@@ -187,7 +188,7 @@ DOCKER = """
 
 def test_pdsh_docker_plan_exact():
     plan = build_plan(job_of(DOCKER), CTX)
-    script = plan.main.argv[-1]
+    script = plan.main.real_argv()[-1]
     docker = script.split(" esac && ", 1)[1].split("; rc=$?", 1)[0]
     names = ["NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "A", "HFSCALE_JOB_ID",
              "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "HFSCALE_NODE_RANK"]
@@ -201,7 +202,7 @@ def test_pdsh_docker_plan_exact():
         '--machine_rank "$HFSCALE_NODE_RANK" train.py'
     )
     assert "A='x y'" in script.split(" && case")[0]  # values only in the shell's export, not on docker's argv
-    assert plan.cleanup.argv[-1] == (
+    assert plan.cleanup.real_argv()[-1] == (
         "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f")
 
 
@@ -217,7 +218,7 @@ def test_local_docker_runs_without_pdsh():
 
 
 def test_dry_run_text_is_shell_quoted_and_parseable():
-    text = build_plan(job_of(PDSH), CTX, mask=True).render()
+    text = build_plan(job_of(PDSH), CTX).render()
     run_line = text.split("\nrun:\n  ", 1)[1].split("\n", 1)[0]
     words = shlex.split(run_line)
     assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o BatchMode=yes"
@@ -251,6 +252,6 @@ def test_docker_env_names_keep_their_declared_order():
     """-e names from per-host values follow the YAML's order (no set order that changes per run)."""
     text = DOCKER.replace("env: {vars: {A: \"x y\"}}",
                           "env: {vars: {A: \"x y\"}, per_host: {node1: {ZZ: '1', MM: '2', AA: '3'}, node0: {QQ: '4'}}}")
-    argv = build_plan(job_of(text), CTX).main.argv[-1]
+    argv = build_plan(job_of(text), CTX).main.real_argv()[-1]
     e_names = re.findall(r" -e (\w+)", argv)
     assert e_names[-5:] == ["ZZ", "MM", "AA", "QQ", "HFSCALE_NODE_RANK"]

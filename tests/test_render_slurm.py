@@ -12,10 +12,10 @@ from conftest import job_of
 RUN = "/work/runs/sl-20261122-120000-abcdef"
 
 
-def plan_of(text: str, shell_env: dict[str, str] | None = None, mask: bool = False):
+def plan_of(text: str, shell_env: dict[str, str] | None = None):
     job = job_of(text, "sl.yaml")
     ctx = LaunchContext.of("/work", "/opt/py/bin/python", "20261122-120000-abcdef", shell_env or {})
-    return build_plan(job, ctx, mask=mask)
+    return build_plan(job, ctx)
 
 
 CONFIG = """
@@ -82,8 +82,8 @@ def test_sbatch_script_exact():
 def test_secrets_travel_in_sbatch_environment_not_in_the_script():
     plan = plan_of(CONFIG, {"HF_TOKEN": "hf_secret"})
     assert "hf_secret" not in dict(plan.files)["job.sbatch"] and "HF_TOKEN" not in dict(plan.files)["job.sbatch"]
-    assert dict(plan.main.env) == {"HF_TOKEN": "hf_secret"}  # sbatch exports its environment to the job
-    shown = plan_of(CONFIG, {"HF_TOKEN": "hf_secret"}, mask=True).render()
+    assert plan.main.real_env() == {"HF_TOKEN": "hf_secret"}  # sbatch exports its environment to the job
+    shown = plan.render()
     assert "hf_secret" not in shown and "HF_TOKEN='***' sbatch --parsable" in shown
     assert EXPECTED.splitlines()[1] in shown  # --dry-run prints the script itself
 

@@ -1,0 +1,80 @@
+"""The launch plan: what ``hfscale launch`` will do, as one immutable value.
+
+The same object is printed by ``--dry-run`` (and written to ``plan.txt``) and run by
+``hfscale.execute``: it holds real values once, and its ``render`` shows secrets as ``***``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .shell import Command, Line, render
+
+RunnerName = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
+# stream: run ``main`` and relay its output per node; submit: ``main`` hands the job to a scheduler
+# and returns; done: nothing to train (the newest checkpoint is at max_steps), nothing is started
+Mode = Literal["stream", "submit", "done"]
+EXIT_MARK = "HFSCALE_EXIT"  # every node's last line: "HFSCALE_EXIT rc=<launcher exit code>"
+NOTHING_TO_TRAIN = "nothing to train"
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """What one node runs: the host (None: one the scheduler picks), its node rank (None: found
+    on the node, from the scheduler), and the launcher's command line there."""
+
+    host: str | None
+    rank: int | None
+    command: Line
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch does, in order: ``moves`` (``--restart``), the ``files`` of the run
+    directory, ``main`` (the one process hfscale starts), and on failure or Ctrl-C ``cleanup``.
+
+    ``nodes`` describes what each node runs (for people: ``main`` is what starts them); ``logs``
+    names the streams ``main``'s output is split into (one per host, or one); ``show`` the files
+    printed in full by ``render`` (the sbatch script, the manifests)."""
+
+    job_id: str
+    runner: RunnerName
+    run_dir: str
+    files: tuple[tuple[str, str], ...]
+    nodes: tuple[NodeLaunch, ...]
+    logs: tuple[str, ...]
+    main: Command
+    cleanup: Command | None
+    mode: Mode = "stream"
+    notes: tuple[str, ...] = field(default=())
+    show: tuple[str, ...] = ()
+    moves: tuple[tuple[str, str], ...] = ()
+
+    def where(self) -> str:
+        """Where the job runs, for one line of output."""
+        hosts = [n.host for n in self.nodes if n.host]
+        return ", ".join(hosts) if hosts else f"{len(self.nodes)} node(s) of {self.runner}"
+
+    def render(self) -> str:
+        """The plan as text, secrets as ``***``: moves, files, per-node commands, the process
+        hfscale starts, cleanup, notes."""
+        out = [f"# hfscale launch plan: job {self.job_id}, runner {self.runner}", f"run directory: {self.run_dir}"]
+        if self.moves:
+            out.append("first, move:")
+            out += [f"  {a} -> {b}" for a, b in self.moves]
+        out.append("files:")
+        out += [f"  {posixpath.join(self.run_dir, name)} ({len(text.splitlines())} lines)" for name, text in self.files]
+        out.append("nodes:")
+        for n in self.nodes:
+            rank = "?" if n.rank is None else str(n.rank)
+            out.append(f"  [{rank}] {n.host or 'picked by ' + self.runner}: {render(n.command)}")
+        for name in self.show:
+            text = dict(self.files)[name]
+            out += [f"--- {posixpath.join(self.run_dir, name)}", text.rstrip("\n"), "---"]
+        out += ["run:", f"  {self.main.shell()}"]
+        if self.cleanup is not None:
+            out += ["on failure or Ctrl-C:", f"  {self.cleanup.shell()}"]
+        out += [f"note: {n}" for n in self.notes]
+        return "\n".join(out) + "\n"

@@ -1,0 +1,54 @@
+"""Runner type kubernetes: a ConfigMap (+ Secret) + PyTorchJob (hfscale.render_kubernetes),
+applied with ``kubectl apply -f -``.
+
+The pods read the generated files from the ConfigMap at ``CONFIG_DIR``, so the run directory only
+keeps a record: its copy of the manifests always has the secrets masked; the real ones reach
+kubectl on stdin. Without a kubectl context the manifests are written and the apply command
+printed. This module also knows what to ask kubectl first.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from ..job import Job
+from ..launch_plan import LaunchPlan, NodeLaunch
+from ..launcher import LaunchContext
+from ..render_kubernetes import CONFIG_DIR, kubernetes_manifests, launcher_command, render_manifests
+from ..shell import Command, Text, words
+from .common import Common
+
+RANK_DIR = CONFIG_DIR  # where the pods read the generated files
+MANIFESTS = "pytorchjob.yaml"
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    files = dict(c.files)
+
+    def manifests(shown: bool) -> str:
+        return render_manifests(kubernetes_manifests(job, ctx, files, c.env, shown=shown))
+
+    record = manifests(True)
+    main = Command(("kubectl", "apply", "-f", "-"), stdin=Text(real=manifests(False), shown=record))
+    notes = (*c.notes, f"kubectl reads the manifests on stdin ({MANIFESTS} with the secrets' real values)")
+    node = NodeLaunch(None, None, words(launcher_command(job, ctx)))
+    return LaunchPlan(ctx.job_id, "kubernetes", c.run_dir, (*c.files, (MANIFESTS, record)), (node,) * job.num_nodes,
+                      ("kubernetes",), main, None, "done" if c.done else "submit", notes, show=(MANIFESTS,),
+                      moves=c.moves)
+
+
+def probe(plan: LaunchPlan) -> Command:
+    """Asked before applying: a current context means a configured kubectl."""
+    return Command(("kubectl", "config", "current-context"), plan.main.env, plan.main.cwd)
+
+
+def unavailable(plan: LaunchPlan) -> tuple[str, int]:
+    """Without a configured kubectl the written manifests are the result: say how to apply them."""
+    path = posixpath.join(plan.run_dir, MANIFESTS)
+    return (f"hfscale: no configured kubectl (no current context); the manifests are in {path} (secrets as ***: "
+            f"fill them in first). Apply them with:\n  kubectl apply -f {path}", 0)
+
+
+def submitted(plan: LaunchPlan, stdout: str) -> tuple[dict[str, str], str]:
+    """(files to record, what to say) after kubectl applied the manifests."""
+    return {}, f"hfscale: applied; follow it with: kubectl get pytorchjob -l hfscale.job={plan.job_id}"

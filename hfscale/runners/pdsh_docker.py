@@ -1,0 +1,74 @@
+"""Runner type pdsh_docker: the pdsh fan-out, each node running its launcher in a container.
+
+``docker run --rm --network host`` with a per-job name and label, the mounts, ``--gpus``, and the
+RDMA device and locked memory with the infiniband/roce presets. Values are exported in the host
+shell and passed as ``-e NAME`` only, so they never sit on docker's argv. With no hosts the
+container runs on this node without pdsh. Cleanup removes the job's containers by label.
+"""
+
+from __future__ import annotations
+
+from ..envvars import RDMA_PRESETS
+from ..job import Job
+from ..launch_plan import LaunchPlan, NodeLaunch
+from ..launcher import LaunchContext, default_rendezvous, launcher_argv
+from ..shell import Cat, Command, Line, Sh, Var, Word, words
+from ..ssh import pdsh_argv
+from . import pdsh
+from .common import Common
+
+
+def docker_argv(job: Job, env_names: list[str], rank: Word, workdir: str, launcher: list[Word], job_id: str
+                ) -> list[Word]:
+    """``docker run`` of ``launcher`` for the node of ``rank``, passing ``env_names`` by name."""
+    d = job.config.runner.docker
+    assert d is not None
+    argv: list[Word] = [
+        d.binary, "run", "--rm",
+        "--name", Cat((f"hfscale-{job_id}-", rank)) if isinstance(rank, Var) else f"hfscale-{job_id}-{rank}",
+        "--label", f"hfscale.job={job_id}",
+        "--network", "host", "--ipc", d.ipc,
+    ]
+    if d.shm_size is not None:
+        argv += ["--shm-size", d.shm_size]
+    if d.gpus is not None:
+        argv += ["--gpus", d.gpus]
+    if job.config.network.preset in RDMA_PRESETS:
+        argv += ["--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1"]
+    for m in d.mounts:
+        argv += ["-v", f"{m.host}:{m.container}" + (":ro" if m.readonly else "")]
+    # names only: values come from the environment docker is started in, so they never sit on its argv
+    for name in env_names:
+        argv += ["-e", name]
+    argv += ["-w", d.workdir or workdir, *d.extra_args, d.image]
+    return argv + launcher
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    cfg = job.config
+    d = cfg.runner.docker
+    assert d is not None
+    hosts = tuple(h.host for h in job.hosts)
+    names = [*c.env, *(k for values in cfg.env.per_host.values() for k in values), pdsh.RANK_VAR]
+    names = list(dict.fromkeys(names))
+
+    def node_argv(rank: Word) -> list[Word]:
+        launcher = launcher_argv(job, d.python, c.rank_dir, ctx, default_rendezvous(job, rank))
+        return docker_argv(job, names, rank, c.workdir, launcher, ctx.job_id)
+
+    if not hosts:  # one local node in a container, no pdsh
+        argv = node_argv("0")
+        main = Command(tuple(argv), (*c.env.items(), (pdsh.RANK_VAR, "0")), c.workdir)  # type: ignore[arg-type]
+        cleanup = Command((d.binary, "rm", "-f", f"hfscale-{ctx.job_id}-0"))
+        return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
+                          ("local",), main, cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
+    fan, fan_env = pdsh_argv(job, hosts)
+    main = Command((*fan, pdsh.fan_out(job, hosts, pdsh.prelude(job, c, c.workdir), node_argv(Var(pdsh.RANK_VAR)))),
+                   fan_env)
+    binary = words([d.binary])
+    remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
+                   Sh("rm -f")), pdsh=True)
+    cleanup = Command((*fan, remove), fan_env)
+    nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
+    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, nodes, hosts, main, cleanup, c.mode,  # type: ignore[arg-type]
+                      c.notes, moves=c.moves)

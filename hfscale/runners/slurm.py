@@ -1,0 +1,54 @@
+"""Runner type slurm: an sbatch script (hfscale.render_slurm), submitted with ``sbatch
+--parsable``, or run directly with srun inside an existing allocation (``SLURM_JOB_ID`` set).
+
+Secret values never go into the script file: sbatch passes them on from the environment
+``hfscale launch`` gives it. This module also knows what sbatch answers.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from ..job import Job
+from ..launch_plan import LaunchPlan, NodeLaunch
+from ..launcher import LaunchContext, default_rendezvous, launcher_argv
+from ..render_slurm import MASTER, NODE_RANK, SCRIPT, render_sbatch
+from ..shell import Command, Secret, words
+from .common import Common
+
+EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
+JOB_ID_FILE = "slurm_job_id"
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, NODE_RANK, master=MASTER))
+    plain = {k: v for k, v in c.env.items() if not isinstance(v, Secret)}
+    secret = tuple((k, v) for k, v in c.env.items() if isinstance(v, Secret))
+    files = (*c.files, (SCRIPT, render_sbatch(job, c.run_dir, c.workdir, plain, launcher)))  # type: ignore[arg-type]
+    script = posixpath.join(c.run_dir, SCRIPT)
+    inside = dict(ctx.shell_env).get("SLURM_JOB_ID")
+    notes = c.notes
+    if inside:
+        main, mode = Command(("bash", script), secret, c.workdir), "stream"
+        notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
+    else:
+        main, mode = Command(("sbatch", "--parsable", script), secret, c.workdir), "submit"
+    return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
+                      main, None, "done" if c.done else mode, notes, show=(SCRIPT,), moves=c.moves)  # type: ignore[arg-type]
+
+
+def probe(plan: LaunchPlan) -> None:
+    """Nothing to ask before submitting: a missing sbatch is found by its absence."""
+    return None
+
+
+def unavailable(plan: LaunchPlan) -> tuple[str, int]:
+    """What to say when sbatch is not installed here, and the exit code."""
+    return (f"hfscale: sbatch not found on this machine; submit by hand with:\n  {plan.main.shell()}",
+            EXIT_NO_SCHEDULER)
+
+
+def submitted(plan: LaunchPlan, stdout: str) -> tuple[dict[str, str], str]:
+    """(files to record, what to say) after sbatch --parsable printed ``<job id>[;cluster]``."""
+    job = stdout.strip().split(";")[0]
+    return {JOB_ID_FILE: job + "\n"}, f"hfscale: submitted Slurm job {job}; output in {plan.run_dir}/slurm-{job}.out"

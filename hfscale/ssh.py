@@ -1,0 +1,30 @@
+"""ssh as hfscale uses it, one owner for its options: the port, the user, the connect timeout and
+never a password prompt, for single hosts (``ssh``) and the fan-out (``pdsh -R ssh``)."""
+
+from __future__ import annotations
+
+from .job import Job
+
+
+def _options(job: Job) -> list[str]:
+    return ["-p", str(job.config.runner.ssh_port), "-o", "BatchMode=yes"]
+
+
+def ssh_argv(job: Job, host: str) -> list[str]:
+    """``ssh`` to ``host`` with the config's port, user and timeout, never asking for a password."""
+    r = job.config.runner
+    argv = ["ssh", *_options(job)[:2], "-o", f"ConnectTimeout={r.connect_timeout}", *_options(job)[2:]]
+    if r.ssh_user:
+        argv += ["-l", r.ssh_user]
+    return argv + [host]
+
+
+def pdsh_argv(job: Job, hosts: tuple[str, ...]) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """(``pdsh -R ssh`` over ``hosts``, the variables pdsh passes its options to ssh with)."""
+    r = job.config.runner
+    # pdsh puts its own -oConnectTimeout (from -t) first and ssh keeps the first value: use -t
+    argv = ["pdsh", "-R", "ssh", "-S", "-t", str(r.connect_timeout), "-f", str(max(32, len(hosts))),
+            "-w", ",".join(hosts)]
+    if r.ssh_user:
+        argv += ["-l", r.ssh_user]
+    return argv, (("PDSH_SSH_ARGS_APPEND", " ".join(_options(job))),)
