@@ -8,32 +8,13 @@ span several fields (batch math against the world size, offload against the ZeRO
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252})$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+from .config_base import HOST_RE, NAME_RE, USER_RE, Count, EnvValue, PositiveInt, Strict, Word, _check_env_names, _seq
+from .config_runners import DockerConfig, KubernetesConfig, SlurmConfig
 
-
-def _integral(value: Any) -> Any:
-    # DeepSpeed users write bucket sizes as 5e8; accept a float only when it is a whole number.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Count = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
-PositiveInt = Annotated[int, Field(ge=1)]
-
-
-def _seq(default: Any = (), **kw: Any) -> Any:
-    """A list field: YAML lists are accepted and stored as tuples (frozen)."""
-    return Field(default, strict=False, **kw)
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True)
 
 
 class HostSpec(Strict):
@@ -86,145 +67,6 @@ class ClusterConfig(Strict):
         if v is not None and not (HOST_RE.match(v) or re.match(r"^[0-9A-Fa-f:]+$", v)):
             raise ValueError(f"{v!r} is not a host name or IP address")
         return v
-
-
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]{0,31}$")
-
-
-def _env_value(value: Any) -> Any:
-    # YAML reads NCCL_IB_GID_INDEX: 3 as a number; environment values are text.
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-EnvValue = Annotated[str, BeforeValidator(_env_value)]
-Word = EnvValue  # a command-line word: numbers written without quotes become their text
-
-
-def _check_env_names(names: dict[str, Any]) -> dict[str, Any]:
-    for name in names:
-        if not ENV_NAME_RE.match(name):
-            raise ValueError(f"{name!r} is not an environment variable name")
-    return names
-
-
-class Mount(Strict):
-    """A host directory made visible inside the container."""
-
-    host: str = Field(description="Absolute path on every host.")
-    container: str = Field(description="Absolute path inside the container.")
-    readonly: bool = Field(False, description="Mount read-only.")
-
-    @field_validator("host", "container")
-    @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/") or "\n" in v or "," in v or ":" in v:
-            raise ValueError(f"{v!r} must be an absolute path without ',' or ':'")
-        return v
-
-
-class DockerConfig(Strict):
-    """The container each node runs its launcher in (runner type pdsh_docker)."""
-
-    image: str = Field(description="Image with your code and its Python environment, present on every host.")
-    binary: str = Field("docker", description="Container CLI: docker, or podman (same arguments).")
-    mounts: tuple[Mount, ...] = _seq(description="Host directories to mount, e.g. code, data, checkpoints.")
-    gpus: str | None = Field("all", description="Value of --gpus (all, or a device list). Null: no GPUs.")
-    ipc: Literal["host", "private", "shareable"] = Field(
-        "host", description="IPC namespace. host: the host's /dev/shm, unlimited, what NCCL and data loader "
-        "workers need; private/shareable: the container's own /dev/shm of shm_size.")
-    shm_size: str | None = Field(None, description="Size of the container's own /dev/shm (only with ipc: private "
-                                 "or shareable; docker ignores it and podman refuses it with ipc: host). "
-                                 "Null: the engine's default (64m).")
-    python: str = Field("python", description="Interpreter inside the container.")
-    workdir: str | None = Field(None, description="Working directory inside the container. Default: runner.workdir.")
-    extra_args: tuple[str, ...] = _seq(description="More 'docker run' arguments, passed as separate words.")
-
-    @field_validator("shm_size")
-    @classmethod
-    def _shm(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[0-9]+[bkmgBKMG]?$", v):
-            raise ValueError(f"{v!r} is not a size like 64g")
-        return v
-
-
-class SlurmConfig(Strict):
-    """sbatch settings (runner type slurm); written as literal #SBATCH lines."""
-
-    partition: str | None = Field(None, description="Partition (queue) to submit to.")
-    account: str | None = Field(None, description="Account to charge.")
-    time: str | None = Field(None, description="Time limit, e.g. 2-00:00:00 or 04:00:00.")
-    gpus_per_node: PositiveInt | None = Field(None, description="GPUs to request per node. Null: none requested.")
-    cpus_per_task: PositiveInt | None = Field(None, description="CPUs for each node's launcher task.")
-    job_name: str | None = Field(None, description="Job name. Default: the config's name.")
-    signal: str | None = Field(
-        "USR1@120", description="Preemption notice: signal and seconds before the time limit (sbatch --signal); "
-        "the ranks save a checkpoint and stop. Null: none.")
-    requeue: bool = Field(False, description="Let Slurm requeue the job (preemption, node failure); it resumes "
-                          "from the newest complete checkpoint.")
-    extra: tuple[str, ...] = _seq(description="More sbatch options, one per item, e.g. --qos=high.")
-
-    @field_validator("partition", "account", "job_name")
-    @classmethod
-    def _word(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._,-]*$", v):
-            raise ValueError(f"{v!r}: letters, digits, '.', '_', ',' and '-' only")
-        return v
-
-    @field_validator("time")
-    @classmethod
-    def _time(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$", v):
-            raise ValueError(f"{v!r} is not a Slurm time such as 04:00:00 or 2-00:00:00")
-        return v
-
-    @field_validator("signal")
-    @classmethod
-    def _signal(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(B:)?(SIG)?[A-Z0-9]+(@\d+)?$", v):
-            raise ValueError(f"{v!r} is not a signal spec such as USR1@120")
-        return v
-
-    @field_validator("extra")
-    @classmethod
-    def _extra(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for item in v:
-            if not re.match(r"^--[a-z][a-z0-9-]*(=[^\s'\"`$\\;&|<>]+)?$", item):
-                raise ValueError(f"{item!r} is not an sbatch option like --qos=high (no spaces or shell characters)")
-        return v
-
-
-class K8sMount(Strict):
-    """A volume in every pod: a host path or a persistent volume claim."""
-
-    container: str = Field(description="Absolute path inside the container.")
-    host_path: str | None = Field(None, description="Directory on the Kubernetes node (hostPath).")
-    claim: str | None = Field(None, description="Name of a PersistentVolumeClaim.")
-    readonly: bool = Field(False, description="Mount read-only.")
-
-
-class ElasticConfig(Strict):
-    """Elastic training (Kubeflow elasticPolicy; torchrun c10d rendezvous)."""
-
-    min_nodes: PositiveInt = Field(description="Fewest nodes to train with.")
-    max_nodes: PositiveInt = Field(description="Most nodes to train with.")
-    max_restarts: int = Field(3, ge=0, description="Restarts of the worker group before the job fails.")
-
-
-class KubernetesConfig(Strict):
-    """Kubeflow PyTorchJob settings (runner type kubernetes)."""
-
-    image: str = Field(description="Image with your code, Python, torch, transformers, accelerate, deepspeed, hfscale.")
-    namespace: str = Field("default", description="Namespace of the PyTorchJob.")
-    mounts: tuple[K8sMount, ...] = _seq(description="Volumes mounted in every pod.")
-    shm_size: str = Field("64Gi", description="Size of the memory-backed /dev/shm.")
-    gpu_resource: str = Field("nvidia.com/gpu", description="Extended resource name of a GPU.")
-    rdma_resource: str = Field("rdma/hca", description="RDMA device resource requested with the infiniband/roce presets.")
-    service_account: str | None = Field(None, description="Service account of the pods.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="When to pull.")
-    elastic: ElasticConfig | None = Field(None, description="Elastic policy. Null: a fixed number of nodes.")
 
 
 class RunnerConfig(Strict):

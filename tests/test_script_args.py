@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,6 @@ from hfscale.plan import build_plan
 from hfscale.render_kubernetes import launcher_command
 from hfscale.trainer_args import (
     TrainerArg,
-    flag_conflicts,
     given_flags,
     same_value,
     trainer_args,
@@ -147,7 +145,7 @@ def test_slurm_node_line_runs_the_script_through_run_script():
     job = job_of(SFT.replace("cluster: {nproc_per_node: 2}", "cluster: {num_nodes: 2, nproc_per_node: 2}\n"
                              "    runner: {type: slurm}"))
     sbatch = dict(build_plan(job, CTX).files)["job.sbatch"]
-    assert f"--module hfscale.run_script run_clm.py --model_name_or_path ./tiny" in sbatch
+    assert "--module hfscale.run_script run_clm.py --model_name_or_path ./tiny" in sbatch
     assert f"--deepspeed {RUN}/ds_config.json" in sbatch
 
 

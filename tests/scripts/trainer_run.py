@@ -53,15 +53,15 @@ GATHERS = [0]
 
 def _count_gathers() -> None:
     """Count the callbacks' all_gathers (they must happen only every N steps)."""
-    import hfscale.callbacks as hc
+    import hfscale.callbacks.collectives as hc
 
-    original = hc._all_gather
+    original = hc.all_gather
 
     def counting(values):
         GATHERS[0] += 1
         return original(values)
 
-    hc._all_gather = counting
+    hc.all_gather = counting
 
 
 def stdlib_blocks(n_blocks: int = N_BLOCKS, block: int = BLOCK) -> torch.Tensor:

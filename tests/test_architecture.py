@@ -1,0 +1,147 @@
+"""The shape of the package, read from its source with ast: one module starts processes, the
+commands that only read configs import no heavy library, modules stay small, imports form no cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "hfscale"
+HEAVY = {"torch", "transformers", "deepspeed", "accelerate", "datasets"}
+# what starts a process (or replaces this one with another program)
+SPAWNING = {"subprocess", "multiprocessing", "pty"}
+SPAWN_CALLS = {"system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp",
+               "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnl"}
+MAX_LINES = 400
+# the commands that only read configs: check, config, init, schema (and launch --dry-run's planning)
+CONFIG_ONLY = ["hfscale.cli", "hfscale.load", "hfscale.summary", "hfscale.model_config", "hfscale.template",
+               "hfscale.artifacts", "hfscale.files", "hfscale.plan", "hfscale.preflight"]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def top_level_imports(module: str, path: Path) -> set[str]:
+    """Modules imported when ``module`` is imported (not inside functions, not for type checking)."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    is_package = path.name == "__init__.py"
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node, is_package)
+                for a in node.names:  # `from . import x`: the submodule x; `from .m import name`: m
+                    out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
+            elif isinstance(node, ast.If) and not _type_checking_only(node):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(tree.body)
+    return out
+
+
+GRAPH = {m: {i for i in top_level_imports(m, p) if i in MODULES and i != m} for m, p in MODULES.items()}
+
+
+def test_the_package_is_what_this_test_reads():
+    assert {"hfscale.cli", "hfscale.execute", "hfscale.runners.pdsh", "hfscale.callbacks.reporting"} <= set(MODULES)
+
+
+def test_only_execute_starts_processes():
+    offenders = []
+    for module, path in MODULES.items():
+        if module == "hfscale.execute":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                offenders += [f"{module}: imports {n}" for n in names if n.split(".")[0] in SPAWNING]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id == "os" and node.func.attr in SPAWN_CALLS:
+                    offenders.append(f"{module}:{node.lineno}: os.{node.func.attr}")
+    assert offenders == []
+
+
+def closure(roots: list[str]) -> set[str]:
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo += GRAPH.get(m, set())
+        parent = m.rsplit(".", 1)[0]
+        if parent in MODULES and parent != m:  # importing a submodule runs its package first
+            todo.append(parent)
+    return seen
+
+
+def test_the_config_only_commands_import_no_heavy_library():
+    reached = closure(CONFIG_ONLY)
+    assert "hfscale.config" in reached and "hfscale.runners.kubernetes" in reached  # the walk follows imports
+    heavy = sorted(f"{m} imports {i}" for m in reached for i in top_level_imports(m, MODULES[m])
+                   if i.split(".")[0] in HEAVY)
+    assert heavy == []
+
+
+def test_the_heavy_modules_are_the_training_ones():
+    heavy = {m for m in MODULES if any(i.split(".")[0] in HEAVY for i in top_level_imports(m, MODULES[m]))}
+    assert heavy == {"hfscale.callbacks.collectives", "hfscale.callbacks.reporting", "hfscale.callbacks.preemption",
+                     "hfscale.callbacks.checkpoints"}
+
+
+def test_no_module_over_400_lines():
+    sizes = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(GRAPH[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(MODULES):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
