@@ -16,7 +16,6 @@ from . import __version__
 from .errors import ConfigError
 from .exitcodes import BAD_INPUT as EXIT_BAD_INPUT
 from .exitcodes import UNREACHABLE as EXIT_UNREACHABLE
-from .launch_plan import NOTHING_TO_TRAIN
 
 
 def _load(path: str):
@@ -134,6 +133,7 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
       hfscale launch job.yaml -- --model_name_or_path ./my-model
       hfscale launch job.yaml --restart
     """
+    from .launch_plan import NOTHING_TO_TRAIN
     from .plan import build_plan
 
     job = _load(config_file)
