@@ -13,7 +13,7 @@ from ..envvars import host_env, is_secret
 from ..job import Job
 from ..launch_plan import EXIT_MARK, LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
-from ..shell import Assign, Command, Line, PdshHost, Secret, Sh, Var, Word, and_then, exports, words
+from ..shell import Assign, Command, Item, Line, PdshHost, Secret, Sh, Var, Word, and_then, exports, words
 from ..ssh import pdsh_argv
 from .common import Common
 
@@ -21,10 +21,10 @@ RANK_VAR = "HFSCALE_NODE_RANK"
 UNKNOWN_HOST_EXIT = 97
 
 
-def prelude(job: Job, c: Common, workdir: str) -> Line:
+def prelude(job: Job, c: Common) -> Line:
     """``cd <workdir> && { setup ; } && export ...``: what every host does before its launcher."""
     setup = job.config.runner.setup
-    return and_then(Line.of(Sh("cd"), workdir),
+    return and_then(Line.of(Sh("cd"), c.workdir),
                     Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()),
                     exports(c.env))
 
@@ -38,7 +38,7 @@ def rank_switch(job: Job, hosts: tuple[str, ...]) -> Line:
     """Each host's rank and per-host variables, picked by pdsh's ``%h`` (host names are validated)."""
     if len(hosts) == 1:
         return _assigns(job, 0, hosts[0])
-    items: list = [Sh("case"), PdshHost(), Sh("in")]
+    items: list[Item] = [Sh("case"), PdshHost(), Sh("in")]
     for i, h in enumerate(hosts):
         items += [Sh(f"{h})"), _assigns(job, i, h), Sh(";;")]
     items += [Sh("*) echo 'hfscale: host"), PdshHost(),
@@ -63,7 +63,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     hosts = tuple(h.host for h in job.hosts)
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
     pdsh, pdsh_env = pdsh_argv(job, hosts)
-    main = Command((*pdsh, fan_out(job, hosts, prelude(job, c, c.workdir), launcher)), pdsh_env)
+    main = Command((*pdsh, fan_out(job, hosts, prelude(job, c), launcher)), pdsh_env)
     cleanup = Command((*pdsh, kill_line(ctx.job_id)), pdsh_env)
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))

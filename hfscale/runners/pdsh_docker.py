@@ -63,7 +63,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
         return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
                           ("local",), main, cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
     fan, fan_env = pdsh_argv(job, hosts)
-    main = Command((*fan, pdsh.fan_out(job, hosts, pdsh.prelude(job, c, c.workdir), node_argv(Var(pdsh.RANK_VAR)))),
+    main = Command((*fan, pdsh.fan_out(job, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))),
                    fan_env)
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
