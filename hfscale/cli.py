@@ -31,6 +31,15 @@ def _load(path: str):
     return job
 
 
+def _written(write, where: str):
+    """Run ``write``; an OSError (a path that cannot be written) is exit 2 naming the path."""
+    try:
+        return write()
+    except OSError as e:
+        click.echo(f"error: cannot write {e.filename or where}: {e.strerror or e}; nothing was written", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hfscale")
 def main() -> None:
@@ -73,7 +82,7 @@ def config_cmd(config_file: str, out_dir: str) -> None:
         click.echo(f"error: --out {out_dir} exists and is not a directory", err=True)
         sys.exit(EXIT_BAD_INPUT)
     files = render_artifacts(job, str((out / DEEPSPEED_FILE).resolve()))
-    for path in write_files(out, files):
+    for path in _written(lambda: write_files(out, files), out_dir):
         click.echo(str(path))
 
 
@@ -93,7 +102,7 @@ def init(path: str, force: bool) -> None:
     if dest.exists() and not force:
         click.echo(f"error: {path} exists; pass --force to overwrite it", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    write_files(dest.parent, {dest.name: text})
+    _written(lambda: write_files(dest.parent, {dest.name: text}), path)
     click.echo(f"wrote {path}; check it with: hfscale check {path}")
 
 

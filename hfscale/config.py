@@ -8,11 +8,24 @@ span several fields (batch math against the world size, offload against the ZeRO
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from .config_base import HOST_RE, NAME_RE, USER_RE, Count, EnvValue, PositiveInt, Strict, Word, _check_env_names, _seq
+from .config_base import (
+    MAX_INT,
+    NAME_RE,
+    USER_RE,
+    Count,
+    EnvValue,
+    HostName,
+    NoBool,
+    PositiveInt,
+    Strict,
+    Word,
+    _check_env_names,
+    _seq,
+)
 from .config_runners import DockerConfig, KubernetesConfig, SlurmConfig
 
 
@@ -20,15 +33,8 @@ from .config_runners import DockerConfig, KubernetesConfig, SlurmConfig
 class HostSpec(Strict):
     """One node of the cluster."""
 
-    host: str = Field(description="Host name or IP address as reached by ssh.")
-    slots: PositiveInt = Field(description="Processes (GPUs) to start on this host.")
-
-    @field_validator("host")
-    @classmethod
-    def _host_name(cls, v: str) -> str:
-        if not HOST_RE.match(v) or ".." in v:
-            raise ValueError(f"{v!r} is not a host name: use letters, digits, '.', '-' and '_' only")
-        return v
+    host: HostName = Field(description="Host name (RFC 1123) or IP address as reached by ssh.")
+    slots: int = Field(ge=1, le=1024, description="Processes (GPUs) to start on this host.")
 
 
 class ClusterConfig(Strict):
@@ -43,8 +49,8 @@ class ClusterConfig(Strict):
         description="Path of a host file ('host slots=N' lines), relative to this YAML. "
         "Alternative to 'hosts'.",
     )
-    nproc_per_node: PositiveInt | None = Field(
-        None,
+    nproc_per_node: int | None = Field(
+        None, ge=1, le=1024,
         description="Processes on the local node when neither 'hosts' nor 'hostfile' is set (default 1).",
     )
     num_nodes: PositiveInt | None = Field(
@@ -52,7 +58,7 @@ class ClusterConfig(Strict):
         description="Nodes a scheduler allocates (runner slurm or kubernetes), each running nproc_per_node "
         "processes; the scheduler picks the hosts.",
     )
-    master_addr: str | None = Field(
+    master_addr: HostName | None = Field(
         None,
         description="Address every rank connects to. Default: the first host, or 127.0.0.1 on one local node "
         "(schedulers: the first node of the allocation, found at run time).",
@@ -60,13 +66,6 @@ class ClusterConfig(Strict):
     master_port: int = Field(
         29500, ge=1, le=65535, description="Fixed rendezvous port on the master (never random)."
     )
-
-    @field_validator("master_addr")
-    @classmethod
-    def _addr(cls, v: str | None) -> str | None:
-        if v is not None and not (HOST_RE.match(v) or re.match(r"^[0-9A-Fa-f:]+$", v)):
-            raise ValueError(f"{v!r} is not a host name or IP address")
-        return v
 
 
 class RunnerConfig(Strict):
@@ -93,11 +92,11 @@ class RunnerConfig(Strict):
         "(e.g. 'source /opt/venv/bin/activate'). The only config value that is not quoted.",
     )
     max_restarts: int = Field(
-        0, ge=0, description="Times torchrun restarts all local workers after one fails; the training "
+        0, ge=0, le=1000, description="Times torchrun restarts all local workers after one fails; the training "
         "resumes from the newest complete checkpoint.")
     ssh_port: int = Field(22, ge=1, le=65535, description="ssh port on every host.")
     ssh_user: str | None = Field(None, description="ssh user. Default: your ssh config's.")
-    connect_timeout: PositiveInt = Field(10, description="Seconds to wait for ssh to connect to a host.")
+    connect_timeout: int = Field(10, ge=1, le=3600, description="Seconds to wait for ssh to connect to a host.")
     run_dir: str = Field(
         "runs",
         description="Where run directories are made (one per launch). Multi-node: a path every node sees.",
@@ -174,7 +173,7 @@ class OffloadConfig(Strict):
 class DeepSpeedSection(Strict):
     """DeepSpeed ZeRO settings; rendered into the DeepSpeed JSON."""
 
-    stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
+    stage: Annotated[Literal[0, 1, 2, 3], NoBool] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
     offload_optimizer: OffloadConfig = Field(
         default_factory=OffloadConfig, description="Optimizer state offload (stages 1-3; nvme needs stage 3)."
     )
@@ -273,23 +272,23 @@ class TrainingConfig(Strict):
         "flag this file determines may appear only with the same value.")
     output_dir: str = Field("output", description="Checkpoints and logs, relative to the working directory.")
     max_steps: PositiveInt | None = Field(None, description="Optimizer steps to run. Null: num_train_epochs.")
-    num_train_epochs: float = Field(1.0, gt=0, description="Epochs, when max_steps is null.")
-    learning_rate: float = Field(5e-5, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    num_train_epochs: float = Field(1.0, gt=0, le=1e6, description="Epochs, when max_steps is null.")
+    learning_rate: float = Field(5e-5, gt=0, le=100, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=100, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, gt=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
-    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    adam_epsilon: float = Field(1e-8, gt=0, le=1, description="AdamW epsilon.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
         "linear", description="Learning-rate schedule."
     )
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    seed: int = Field(42, ge=0, description="Random seed (data order and initialisation).")
+    warmup_steps: int = Field(0, ge=0, le=MAX_INT, description="Linear warm-up steps.")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Random seed (data order and initialisation).")
     logging_steps: PositiveInt = Field(10, description="Log every N steps.")
     save_steps: PositiveInt = Field(500, description="Save a checkpoint every N steps.")
     save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
     report_to: tuple[str, ...] = _seq(("none",), description="Trainer loggers: tensorboard, wandb, mlflow, or none.")
     peak_tflops: float | None = Field(
-        None, gt=0, description="Peak dense TFLOP/s of one device at the training precision, for the built-in entry "
+        None, gt=0, le=1e6, description="Peak dense TFLOP/s of one device at the training precision, for the built-in entry "
         "point's MFU (989 for an H100 SXM in bf16). Null: looked up for known GPUs, else MFU is not reported.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model for the built-in entry point.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data for the built-in entry point.")
@@ -304,7 +303,7 @@ class HfscaleConfig(Strict):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Sharding engine.")
     precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="Mixed precision: bf16, fp16 or no (fp32).")
     batch: BatchConfig = Field(description="Batch geometry.")
-    gradient_clipping: float | None = Field(1.0, gt=0, description="Clip gradient norm to this value. Null: off.")
+    gradient_clipping: float | None = Field(1.0, gt=0, le=1e6, description="Clip gradient norm to this value. Null: off.")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="Interconnect presets (NCCL/UCX).")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment variables of the ranks.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Trainer settings.")

@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252})$")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+K8S_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123 label (namespaces)
+K8S_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+MAX_INT = 2**31 - 1  # no count in a training job comes near; larger numbers are mistakes
+MAX_COUNT = 2**40  # element counts (bucket sizes): a trillion
+
+
+def host_problem(name: str) -> str | None:
+    """Why ``name`` is neither an IP address nor an RFC 1123 host name, or None."""
+    try:
+        ipaddress.ip_address(name)
+        return None
+    except ValueError:
+        pass
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.match(label) for label in labels) or labels[-1].isdigit():
+        return (f"{name!r} is not a host name (RFC 1123: labels of letters, digits and inner '-', up to 63 "
+                "characters each, joined by '.') or an IP address")
+    return None
+
+
+def _host(value: str) -> str:
+    why = host_problem(value)
+    if why:
+        raise ValueError(why)
+    return value
+
+
+HostName = Annotated[str, AfterValidator(_host)]
 
 
 def _integral(value: Any) -> Any:
@@ -18,8 +47,16 @@ def _integral(value: Any) -> Any:
     return value
 
 
-Count = Annotated[int, BeforeValidator(_integral), Field(ge=0)]
-PositiveInt = Annotated[int, Field(ge=1)]
+def _no_bool(value: Any) -> Any:
+    # YAML's true is Python's 1: a Literal[0, 1, ...] would take it as a number
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, got {value!r} (true or false)")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_integral), Field(ge=0, le=MAX_COUNT)]
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_INT)]
+NoBool = BeforeValidator(_no_bool)
 
 
 def _seq(default: Any = (), **kw: Any) -> Any:
@@ -28,7 +65,7 @@ def _seq(default: Any = (), **kw: Any) -> Any:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

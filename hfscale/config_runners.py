@@ -8,7 +8,17 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .config_base import PositiveInt, Strict, _seq
+from .config_base import K8S_LABEL, K8S_SUBDOMAIN, PositiveInt, Strict, _seq
+
+_RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+
+
+def _absolute(v: str) -> str:
+    if not v.startswith("/"):
+        raise ValueError(f"{v!r} must be an absolute path")
+    return v
 
 
 class Mount(Strict):
@@ -105,13 +115,25 @@ class K8sMount(Strict):
     claim: str | None = Field(None, description="Name of a PersistentVolumeClaim.")
     readonly: bool = Field(False, description="Mount read-only.")
 
+    @field_validator("container", "host_path")
+    @classmethod
+    def _paths(cls, v: str | None) -> str | None:
+        return None if v is None else _absolute(v)
+
+    @field_validator("claim")
+    @classmethod
+    def _claim(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_SUBDOMAIN.match(v):
+            raise ValueError(f"{v!r} is not a claim name (RFC 1123: lower-case letters, digits, '-' and '.')")
+        return v
+
 
 class ElasticConfig(Strict):
     """Elastic training (Kubeflow elasticPolicy; torchrun c10d rendezvous)."""
 
     min_nodes: PositiveInt = Field(description="Fewest nodes to train with.")
     max_nodes: PositiveInt = Field(description="Most nodes to train with.")
-    max_restarts: int = Field(3, ge=0, description="Restarts of the worker group before the job fails.")
+    max_restarts: int = Field(3, ge=0, le=1000, description="Restarts of the worker group before the job fails.")
 
 
 class KubernetesConfig(Strict):
@@ -126,3 +148,31 @@ class KubernetesConfig(Strict):
     service_account: str | None = Field(None, description="Service account of the pods.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="When to pull.")
     elastic: ElasticConfig | None = Field(None, description="Elastic policy. Null: a fixed number of nodes.")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        if not K8S_LABEL.match(v):
+            raise ValueError(f"{v!r} is not a namespace (RFC 1123 label: up to 63 lower-case letters, digits, '-')")
+        return v
+
+    @field_validator("service_account")
+    @classmethod
+    def _account(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_SUBDOMAIN.match(v):
+            raise ValueError(f"{v!r} is not a service account name (RFC 1123: lower-case letters, digits, '-', '.')")
+        return v
+
+    @field_validator("gpu_resource", "rdma_resource")
+    @classmethod
+    def _resource(cls, v: str) -> str:
+        if not _RESOURCE.match(v):
+            raise ValueError(f"{v!r} is not a resource name such as nvidia.com/gpu")
+        return v
+
+    @field_validator("shm_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if not _QUANTITY.match(v):
+            raise ValueError(f"{v!r} is not a Kubernetes quantity such as 64Gi")
+        return v

@@ -140,8 +140,12 @@ def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
         message, code = runner.unavailable(plan)
         echo(message)
         return code
-    r = subprocess.run(m.real_argv(), env=_env(m), cwd=m.cwd, input=m.stdin.real if m.stdin else "",
-                       capture_output=True, text=True, errors="replace")
+    try:
+        r = subprocess.run(m.real_argv(), env=_env(m), cwd=m.cwd, input=m.stdin.real if m.stdin else "",
+                           capture_output=True, text=True, errors="replace")
+    except OSError as e:
+        echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
+        return exitcodes.BAD_INPUT
     for line in (r.stdout + r.stderr).splitlines():
         echo(line)
     if r.returncode == 0:
@@ -172,7 +176,12 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
         return 0
     if not _move_aside(plan.moves, echo):
         return 1
-    run_dir = write_run_dir(plan, record)
+    try:
+        run_dir = write_run_dir(plan, record)
+    except OSError as e:
+        echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
+             "nothing was started")
+        return exitcodes.BAD_INPUT
     if plan.mode == "submit":
         return submit(plan, run_dir, echo)
     run = _Run(plan, run_dir, echo, grace)
@@ -186,10 +195,14 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         m = plan.main
-        run.proc = subprocess.Popen(
-            m.real_argv(), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
-        )
+        try:
+            run.proc = subprocess.Popen(
+                m.real_argv(), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
+            )
+        except OSError as e:
+            echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
+            return exitcodes.BAD_INPUT
         if run.signalled is not None:
             run.stop()
         assert run.proc.stdout is not None

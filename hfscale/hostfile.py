@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import re
 
-from .config import HOST_RE, HostSpec
+from .config import HostSpec
+from .config_base import host_problem
 from .errors import Problem
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
+_SLOTS = re.compile(r"^[0-9]{1,4}$")  # ASCII digits only: int() would also read other scripts' digits
+MAX_SLOTS = 1024
+
+
+def _excerpt(raw: str) -> str:
+    """A short view of a line that is not a host line: the file may be anything (e.g. a list of
+    secrets), so never more than its first characters, and nothing after a '='."""
+    text = raw.strip().split("=", 1)[0][:12]
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return f"{text!r}..." if len(raw.strip()) > len(text) else repr(text)
 
 
 def parse_hostfile(text: str, path: str) -> tuple[tuple[HostSpec, ...], list[Problem]]:
-    """Parse host file text; blank lines and ``#`` comments are skipped, each bad line is quoted."""
+    """Parse host file text; blank lines and ``#`` comments are skipped, each bad line is named."""
     hosts: list[HostSpec] = []
     problems: list[Problem] = []
     seen: dict[str, int] = {}
@@ -22,19 +33,22 @@ def parse_hostfile(text: str, path: str) -> tuple[tuple[HostSpec, ...], list[Pro
         m = _LINE.match(line)
         where = f"{path}:{n}"
         if not m:
-            problems.append(Problem(where, f"expected 'host slots=N', got {raw.strip()!r}"))
+            problems.append(Problem(where, f"expected 'host slots=N', got {_excerpt(raw)}"))
             continue
         host, slots = m["host"], m["slots"]
-        if not HOST_RE.match(host) or ".." in host:
-            problems.append(Problem(where, f"{host!r} is not a host name"))
+        why = host_problem(host)
+        if why:
+            problems.append(Problem(where, why if len(host) <= 64 else f"{_excerpt(host)} is not a host name"))
             continue
-        if not slots.isdigit() or int(slots) < 1:
-            problems.append(Problem(where, f"slots must be a whole number >= 1, got {slots!r}"))
+        if not _SLOTS.match(slots) or not 1 <= int(slots) <= MAX_SLOTS:
+            problems.append(Problem(where, f"slots must be a whole number from 1 to {MAX_SLOTS} (ASCII digits), "
+                                           f"got {_excerpt(slots)}"))
             continue
-        if host in seen:
-            problems.append(Problem(where, f"duplicate host {host!r} (first on line {seen[host]})"))
+        key = host.lower()  # host names are case-insensitive: node0 and NODE0 are one host
+        if key in seen:
+            problems.append(Problem(where, f"duplicate host {host!r} (first on line {seen[key]})"))
             continue
-        seen[host] = n
+        seen[key] = n
         hosts.append(HostSpec(host=host, slots=int(slots)))
     if not hosts and not problems:
         problems.append(Problem(path, "the host file lists no hosts"))

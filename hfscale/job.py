@@ -81,10 +81,11 @@ def _cluster_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...], hosts_key
         out.append((("cluster", "hosts"), "the host list is empty; use null for one local node"))
     seen: dict[str, int] = {}
     for i, h in enumerate(c.hosts or ()):
-        if h.host in seen:
-            out.append((("cluster", "hosts", i, "host"), f"duplicate host {h.host!r} (also cluster.hosts[{seen[h.host]}])"))
+        key = h.host.lower()  # host names are case-insensitive
+        if key in seen:
+            out.append((("cluster", "hosts", i, "host"), f"duplicate host {h.host!r} (also cluster.hosts[{seen[key]}])"))
         else:
-            seen[h.host] = i
+            seen[key] = i
     slots = sorted({h.slots for h in hosts})
     if len(slots) > 1:
         desc = ", ".join(f"{h.host}={h.slots}" for h in hosts)

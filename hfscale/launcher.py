@@ -61,17 +61,28 @@ def restarts(job: Job) -> int:
     return k.elastic.max_restarts if k is not None and k.elastic is not None else job.config.runner.max_restarts
 
 
+def torchrun_expands(job: Job) -> bool:
+    """Whether the entry's arguments pass through torchrun's elastic agent, which expands ``$$``
+    and ``${local_rank}`` in every one of them (string.Template): every launch but accelerate's
+    single-process one (DDP on one process: accelerate runs the script directly)."""
+    cfg = job.config
+    return not (cfg.runner.launcher == "accelerate" and cfg.distributed.backend == "ddp" and job.world_size == 1)
+
+
 def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
     """(launcher flags that select the entry, [entry, *args]): hfscale's built-in entry point reading
     the resolved config from ``run_dir``; a Trainer script through ``hfscale.run_script`` with the
-    YAML's flags (hfscale.script_rules); a plain script with its own arguments only."""
+    YAML's flags (hfscale.script_rules); a plain script with its own arguments only. Every ``$`` is
+    doubled where torchrun would expand it, so the script gets its arguments as written."""
     t = job.config.training
     if t.script is None:
-        return ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY)]
-    argv = script_argv(job, posixpath.join(run_dir, DEEPSPEED_FILE), ctx.extra_args)
-    if t.pass_args == "none":
-        return [], argv
-    return ["--module"], [SCRIPT_ENTRY, *argv]
+        flag, target = ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY)]
+    else:
+        argv = script_argv(job, posixpath.join(run_dir, DEEPSPEED_FILE), ctx.extra_args)
+        flag, target = ([], argv) if t.pass_args == "none" else (["--module"], [SCRIPT_ENTRY, *argv])
+    if torchrun_expands(job):
+        target = [w.replace("$", "$$") for w in target]
+    return flag, target
 
 
 @dataclass(frozen=True)

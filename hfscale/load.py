@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -12,21 +13,49 @@ from .errors import ConfigError, Problem
 from .hostfile import parse_hostfile
 from .job import Job, resolve
 from .schema_errors import problems_from_validation
-from .yamlsource import dotted, parse
+from .yamlsource import CONTROL, dotted, parse
+
+
+MAX_FILE = 1 << 20  # a config or host file is text people write: 1 MiB is far beyond any
 
 
 def _read(path: Path) -> tuple[str | None, str | None]:
-    """(text, None) or (None, why it cannot be read)."""
+    """(text, None) or (None, why it cannot be read). Only regular files up to ``MAX_FILE``: a FIFO
+    would hang the read, a device (/dev/zero) never end it."""
     try:
-        if path.is_dir():
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait for a writer
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        if isinstance(e, FileNotFoundError):
+            return None, f"no such file: {path}"
+        if isinstance(e, IsADirectoryError):
             return None, f"{path} is a directory, not a file"
-        return path.read_text(encoding="utf-8"), None
-    except FileNotFoundError:
-        return None, f"no such file: {path}"
+        return None, f"cannot read {path}: {getattr(e, 'strerror', None) or e}"
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            return None, f"{path} is a directory, not a file"
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file (a pipe, socket or device)"
+        if st.st_size > MAX_FILE:
+            return None, f"{path} is {st.st_size:,} bytes (at most {MAX_FILE:,})"
+        data = os.read(fd, MAX_FILE + 1)  # /proc files say size 0 and are read like any other
+        if len(data) > MAX_FILE:
+            return None, f"{path} is over {MAX_FILE:,} bytes"
+        return data.decode("utf-8"), None
     except UnicodeDecodeError:
         return None, f"{path} is not UTF-8 text"
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
-        return None, f"cannot read {path}: {getattr(e, 'strerror', None) or e}"
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    finally:
+        os.close(fd)
+
+
+def _name_problem(path: str) -> str | None:
+    """Why a file name given on the command line cannot be used (it is written into generated files)."""
+    m = CONTROL.search(path)
+    if m:
+        return f"the file name holds the control character U+{ord(m.group()):04X}; rename the file"
+    return None
 
 
 def load_text(text: str, source: str, base_dir: Path) -> Job:
@@ -34,16 +63,19 @@ def load_text(text: str, source: str, base_dir: Path) -> Job:
     doc, problems = parse(text)
     if doc is None or problems:
         raise ConfigError(source, problems)
+    early = doc.value_problems  # control characters, lengths, infinities: beside the model's findings
     try:
         cfg = HfscaleConfig.model_validate(doc.data)
     except ValidationError as e:
-        raise ConfigError(source, problems_from_validation(HfscaleConfig, e, doc)) from None
+        seen = {p.path for p in early}
+        found = early + [p for p in problems_from_validation(HfscaleConfig, e, doc) if p.path not in seen]
+        raise ConfigError(source, sorted(found, key=lambda p: (p.line is None, p.line or 0))) from None
     file_hosts: tuple[HostSpec, ...] | None = None
-    extra: list[Problem] = []
+    extra: list[Problem] = list(early)
     if cfg.cluster.hostfile is not None and cfg.cluster.hosts is None:
         key = ("cluster", "hostfile")
         hostfile = base_dir / cfg.cluster.hostfile
-        hf_text, why = _read(hostfile)
+        hf_text, why = _read(hostfile) if not _name_problem(cfg.cluster.hostfile) else (None, "bad file name")
         if hf_text is None:
             extra.append(Problem("cluster.hostfile", why or "unreadable", doc.line(key)))
         else:
@@ -63,6 +95,9 @@ def load_text(text: str, source: str, base_dir: Path) -> Job:
 
 def load_job(path: str | os.PathLike[str]) -> Job:
     """Read and check the config at ``path``; raise ConfigError with every problem."""
+    bad_name = _name_problem(str(path))
+    if bad_name:
+        raise ConfigError(repr(str(path)), [Problem("", bad_name)])
     p = Path(path)
     text, why = _read(p)
     if text is None:

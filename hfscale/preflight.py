@@ -35,7 +35,10 @@ def _script(python: str, port: int | None) -> str:
     ]
     if port is not None:
         bind = f"import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', {port}))"
-        lines.append(f"{render(words([python, '-c', bind]))} 2>/dev/null && echo port=free || echo port=busy")
+        # without a working interpreter nothing can be said about the port (not "in use")
+        lines.append(f"if {render(words([python, '-c', 'pass']))} 2>/dev/null; then "
+                     f"{render(words([python, '-c', bind]))} 2>/dev/null && echo port=free || echo port=busy; "
+                     "else echo port=unknown; fi")
     return "; ".join(lines)
 
 

@@ -52,7 +52,9 @@ def render_sbatch(job: Job, run_dir: str, workdir: str, env: dict[str, str], lau
     are the variables ``NODE_RANK`` and ``MASTER``; ``env`` holds no secret (sbatch passes those)."""
     cfg = job.config
     requeue = cfg.runner.slurm is not None and cfg.runner.slurm.requeue
-    node_line = and_then(Line.of(Sh("cd"), workdir), Line.of(Sh("exec"), words(launcher)))
+    setup = cfg.runner.setup
+    node_line = and_then(Line.of(Sh("cd"), workdir), Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()),
+                         Line.of(Sh("exec"), words(launcher)))
     srun = render(words(["srun", f"--nodes={job.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                          "--label", "bash", "-c", render(node_line)]))
     lines = [

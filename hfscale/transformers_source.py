@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 _BASES = {"PreTrainedConfig", "PretrainedConfig"}
-UNKNOWN = object()  # a default that is not a literal
+UNKNOWN = object()
+_MODEL_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,79}$")  # a default that is not a literal
 # Keys every config accepts whatever its declarations say (PreTrainedConfig's own keywords).
 COMMON = frozenset({"model_type", "torch_dtype", "dtype", "num_labels", "id2label", "label2id", "tie_word_embeddings",
                      "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
@@ -338,7 +340,7 @@ def _class_of(model_type: str) -> tuple[Path, str] | None:
     """(file, class name) of ``model_type``'s config class: the file its name leads to, when a class
     there declares that model_type (most do: no need to read the mapping of all 800), else the mapping."""
     root = _root()
-    if root is None:
+    if root is None or not _MODEL_TYPE.match(model_type):  # it becomes part of a path: no '/', no '..'
         return None
     module = model_type.replace("-", "_")
     guess = root / "models" / module / f"configuration_{module}.py"

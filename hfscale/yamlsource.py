@@ -3,10 +3,17 @@
 Stricter than ``yaml.safe_load`` where silence would hide a mistake: duplicate keys are an
 error, keys must be strings, and ``3e-4`` is a float (YAML 1.2) rather than the string
 PyYAML's YAML 1.1 rules make of it.
+
+Bounded, for a document from anywhere (a colleague's YAML): at most ``MAX_NODES`` values once
+aliases are expanded (a few hundred bytes of nested aliases would otherwise expand to billions),
+no alias that contains itself, nesting at most ``MAX_DEPTH`` deep, integers of at most 30 digits,
+strings of at most ``MAX_STRING`` characters, no control characters (NUL, newline, ESC, ...) or
+lone surrogates in any key or string, and every float finite.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -15,6 +22,12 @@ import yaml
 from .errors import Problem
 
 Path = tuple[str | int, ...]
+MAX_NODES = 100_000  # a 3,000-host config is about 10,000
+MAX_DEPTH = 32
+MAX_STRING = 4096  # PATH_MAX
+MAX_DIGITS = 30
+# C0 controls but tab, DEL, C1 controls, line/paragraph separators, lone surrogates
+CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
 class _Loader(yaml.SafeLoader):
@@ -41,6 +54,16 @@ class _Loader(yaml.SafeLoader):
                     )
                 seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):  # type: ignore[override]
+        digits = sum(c.isdigit() for c in str(node.value))
+        if digits > MAX_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a number of {digits} digits (at most {MAX_DIGITS})", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 class Dumper(yaml.SafeDumper):
@@ -91,11 +114,13 @@ def _line_map(node: yaml.Node, path: Path, lines: dict[Path, int], problems: lis
 
 
 class Document:
-    """Parsed YAML: ``data`` plus the line of every key and list item."""
+    """Parsed YAML: ``data`` plus the line of every key and list item, and the problems of single
+    values (control characters, length, non-finite numbers) to report beside the model's."""
 
-    def __init__(self, data: Any, lines: dict[Path, int]):
+    def __init__(self, data: Any, lines: dict[Path, int], value_problems: list[Problem] | None = None):
         self.data = data
         self.lines = lines
+        self.value_problems = value_problems or []
 
     def line(self, path: Path) -> int | None:
         """Line of ``path`` or of its nearest ancestor that is in the file."""
@@ -107,13 +132,76 @@ class Document:
         return None
 
 
+def _bounds(root: yaml.Node) -> Problem | None:
+    """Why the node graph is too big, too deep or recursive once aliases are expanded, or None."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    # iterative depth-first walk: (node, depth, children done?)
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, done = stack.pop()
+        key = id(node)
+        children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[key] > MAX_NODES:
+                return Problem("", f"the document holds more than {MAX_NODES:,} values once its aliases are expanded",
+                               node.start_mark.line + 1)
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            return Problem("", "an alias refers to a node that contains it", node.start_mark.line + 1)
+        if depth > MAX_DEPTH:
+            return Problem("", f"nested more than {MAX_DEPTH} levels deep", node.start_mark.line + 1)
+        on_path.add(key)
+        stack.append((node, depth, True))
+        stack += [(c, depth + 1, False) for c in children if id(c) not in sizes]
+    return None
+
+
+def _value_problems(data: Any, lines: dict[Path, int]) -> list[Problem]:
+    """Control characters, over-long strings and non-finite numbers, each with its path and line."""
+    out: list[Problem] = []
+    stack: list[tuple[Path, Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        where = dotted(path)
+        line = lines.get(path)
+        if isinstance(value, str):
+            m = CONTROL.search(value)
+            if m:
+                out.append(Problem(where, f"holds the control character U+{ord(m.group()):04X} (at {m.start()}): "
+                                          "values are single lines of printable text", line))
+            elif len(value) > MAX_STRING:
+                out.append(Problem(where, f"is {len(value):,} characters long (at most {MAX_STRING})", line))
+        elif isinstance(value, float) and not math.isfinite(value):
+            out.append(Problem(where, f"must be a finite number, got {value}", line))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, str) and (CONTROL.search(k) or len(k) > 256):
+                    out.append(Problem(where, f"a key holds a control character or is too long: {k[:40]!r}", line))
+                    continue
+                stack.append((path + (k,), v))
+        elif isinstance(value, list):
+            stack += [(path + (i,), v) for i, v in enumerate(value)]
+    return sorted(out, key=lambda p: (p.line is None, p.line or 0))
+
+
 def parse(text: str) -> tuple[Document | None, list[Problem]]:
-    """Parse YAML text; problems (syntax, duplicates, non-mapping top level) come back as a list."""
+    """Parse YAML text; problems that stop everything (syntax, duplicates, non-mapping top level,
+    size) come back as a list, those of single values in ``Document.value_problems``."""
     loader = None
     try:
         loader = _Loader(text)  # reads the stream: bad characters raise here already
-        # one pass: the node tree gives the lines, the same tree is constructed into data
         root = loader.get_single_node()
+        if root is not None:
+            too_big = _bounds(root)
+            if too_big is not None:
+                return None, [too_big]
+        # one pass: the node tree gives the lines, the same tree is constructed into data
         data = loader.construct_document(root) if root is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -121,8 +209,8 @@ def parse(text: str) -> tuple[Document | None, list[Problem]]:
         return None, [Problem("", f"invalid YAML: {msg}", mark.line + 1 if mark else None)]
     except yaml.YAMLError as e:
         return None, [Problem("", f"invalid YAML: {e}")]
-    except RecursionError:
-        return None, [Problem("", "invalid YAML: nested too deeply")]
+    except (RecursionError, ValueError, OverflowError) as e:
+        return None, [Problem("", f"invalid YAML: {e}"[:200])]
     finally:
         if loader is not None:
             loader.dispose()
@@ -134,4 +222,4 @@ def parse(text: str) -> tuple[Document | None, list[Problem]]:
     lines: dict[Path, int] = {}
     problems: list[Problem] = []
     _line_map(root, (), lines, problems)
-    return Document(data, lines), problems
+    return Document(data, lines, _value_problems(data, lines)), problems

@@ -97,7 +97,7 @@ POD_A = {
                 "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(MASTER_ADDR):$(MASTER_PORT)", "--rdzv-id", JOB_ID,
                 "--max-restarts", "2",
-                "train.py", "--note", "$$(HOME) x; rm -rf /", "--lr", "1e-3", "y",
+                "train.py", "--note", "$$$$(HOME) x; rm -rf /", "--lr", "1e-3", "y",
             ],
             "workingDir": "/code",
             "env": [
@@ -437,11 +437,17 @@ def test_kubernetes_expands_only_hfscales_own_references():
     pod_env = {"HOME": "/root", "USER": "u", "MASTER_ADDR": f"llama-sft-{JOB_ID}-master-0", "MASTER_PORT": "29400"}
     pod_env.update({e["name"]: k8s_expand(e["value"], pod_env) for e in container["env"] if "value" in e})
     assert pod_env["ODD"] == ODD
-    assert [k8s_expand(w, pod_env) for w in container["command"]] == [
+    expanded = [k8s_expand(w, pod_env) for w in container["command"]]
+    entry = expanded.index("train.py")
+    assert expanded[:entry] == [
         "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"llama-sft-{JOB_ID}-master-0:29400", "--rdzv-id", JOB_ID,
-        "--max-restarts", "2", "train.py", "--note", "$(HOME) x; rm -rf /", "--lr", "1e-3", "y",
-    ]
+        "--max-restarts", "2"]
+    # torchrun's own expansion of the worker's arguments ($$, ${local_rank}) is the last step
+    from torch.distributed.elastic.utils.api import macros
+
+    assert macros.substitute(expanded[entry:], "0") == ["train.py", "--note", "$(HOME) x; rm -rf /", "--lr", "1e-3",
+                                                        "y"]
     # no shell anywhere: the command is the launcher's own argv
     assert container["command"][0] == "python" and "-c" not in container["command"]
 

@@ -134,8 +134,9 @@ def test_two_node_trainer_script_gets_the_yaml_through_pdsh(cluster2, tmp_path):
 def test_ranks_follow_the_host_list_and_values_arrive_verbatim(cluster2, tmp_path):
     """node1 listed first gets rank 0; shell metacharacters in values and args execute nothing."""
     marker = tmp_path / "PWNED"
-    evil_value = f"$(touch {marker}) `touch {marker}` ; touch {marker}\nsecond line 100%h"
-    evil_args = [f"; touch {marker}", f"$(touch {marker})", f"`touch {marker}`", "a\nb", "64(x2)", "{\"j\": 1}"]
+    evil_value = f"$(touch {marker}) `touch {marker}` ; touch {marker} 100%h"
+    evil_args = [f"; touch {marker}", f"$(touch {marker})", f"`touch {marker}`", "64(x2)", "{\"j\": 1}",
+                 "$$ ${local_rank} $HOME"]
     config = write_config(tmp_path, ["node1", "node0"], port=29612, script_args=["--mode", "ok", *evil_args],
                           env={"PROBE_VALUE": evil_value})
     r = launch(cluster2, config)
@@ -278,8 +279,8 @@ def test_containers_get_env_args_and_mounts_verbatim(podman2, cluster2, tmp_path
     """Inside the containers: ranks follow the host list, values with shell metacharacters arrive
     unchanged through ``-e NAME`` (never on docker's argv), read-only mounts are read-only."""
     marker = tmp_path / "PWNED"
-    evil_value = f"$(touch {marker}) `touch {marker}` ; touch {marker}\nsecond line 100%h"
-    evil_args = [f"; touch {marker}", f"$(touch {marker})", "64(x2)", "{\"j\": 1}"]
+    evil_value = f"$(touch {marker}) `touch {marker}` ; touch {marker} 100%h"
+    evil_args = [f"; touch {marker}", f"$(touch {marker})", "64(x2)", "{\"j\": 1}", "$$ ${local_rank}"]
     config = write_docker_config(podman2, tmp_path, ["node1", "node0"], port=29632,
                                  script_args=["--mode", "ok", *evil_args], env={"PROBE_VALUE": evil_value})
     r = launch(cluster2, config)

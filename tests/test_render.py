@@ -219,8 +219,9 @@ def test_hostfile_bad_lines_are_quoted_with_line_numbers():
     hosts, problems = parse_hostfile("a slots=2\nb slots=0\nc\n$(reboot) slots=1\na slots=2\n", "hf")
     assert [h.host for h in hosts] == ["a"]
     assert [str(p) for p in problems] == [
-        "hf:2: slots must be a whole number >= 1, got '0'",
+        "hf:2: slots must be a whole number from 1 to 1024 (ASCII digits), got '0'",
         "hf:3: expected 'host slots=N', got 'c'",
-        "hf:4: '$(reboot)' is not a host name",
+        "hf:4: '$(reboot)' is not a host name (RFC 1123: labels of letters, digits and inner '-', up to 63 characters "
+        "each, joined by '.') or an IP address",
         "hf:5: duplicate host 'a' (first on line 1)",
     ]

@@ -62,7 +62,7 @@ on_notice() {{ preempted=1; echo "hfscale: preemption notice, the ranks save and
 trap on_notice USR1
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label bash -c 'cd /work && exec /opt/py/bin/python -m \
 torch.distributed.run --nnodes 2 --nproc_per_node 4 --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" \
---master_port 29600 train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $5'"'"'' &
+--master_port 29600 train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $$5'"'"'' &
 step=$!
 # wait returns early when a trapped signal arrives: wait again until the step has ended
 while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || break; done
@@ -100,7 +100,11 @@ def test_the_node_command_survives_two_shells(tmp_path):
     r = subprocess.run(["bash", "-c", f"{drop_options}; {srun_line}"], capture_output=True, text=True,
                        env={"SLURM_NODEID": "1", "MASTER_ADDR": "node0", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[-3:] == ["<train.py>", "<--note>", "<it's $5>"]
+    got = [line[1:-1] for line in r.stdout.splitlines()]
+    # the fake stands in for torchrun, which expands $$ in the worker's arguments last
+    from torch.distributed.elastic.utils.api import macros
+
+    assert macros.substitute(got[-3:], "1") == ["train.py", "--note", "it's $5"]
     assert "<--node_rank>\n<1>" in r.stdout and "<--master_addr>\n<node0>" in r.stdout
 
 
@@ -139,3 +143,10 @@ def test_bad_slurm_values_are_refused():
     assert any(m.startswith("runner.slurm.partition:") for m in messages)
     assert any(m.startswith("runner.slurm.time: 'soon' is not a Slurm time") for m in messages)
     assert any(m.startswith("runner.slurm.extra:") for m in messages)
+
+
+def test_setup_runs_on_every_node_before_the_launcher():
+    plan = plan_of("name: m\ncluster: {num_nodes: 2}\nrunner: {type: slurm, setup: 'source /opt/venv/bin/activate'}\n"
+                   "batch: {micro_batch_size: 1}\n")
+    srun = next(line for line in dict(plan.files)["job.sbatch"].splitlines() if line.startswith("srun "))
+    assert "bash -c 'cd /work && { source /opt/venv/bin/activate ; } && exec /opt/py/bin/python -m accelerate" in srun

@@ -29,10 +29,10 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     inside = dict(ctx.shell_env).get("SLURM_JOB_ID")
     notes = c.notes
     if inside:
-        main, mode = Command(("bash", script), secret, c.workdir), "stream"
+        main, mode = Command(("bash", script), secret), "stream"  # the script changes to the workdir itself
         notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
     else:
-        main, mode = Command(("sbatch", "--parsable", script), secret, c.workdir), "submit"
+        main, mode = Command(("sbatch", "--parsable", script), secret), "submit"  # the workdir is the nodes\' one
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
                       main, None, "done" if c.done else mode, notes, show=(SCRIPT,), moves=c.moves)  # type: ignore[arg-type]
 
