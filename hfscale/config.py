@@ -97,6 +97,8 @@ class RunnerConfig(Strict):
     ssh_port: int = Field(22, ge=1, le=65535, description="ssh port on every host.")
     ssh_user: str | None = Field(None, description="ssh user. Default: your ssh config's.")
     connect_timeout: int = Field(10, ge=1, le=3600, description="Seconds to wait for ssh to connect to a host.")
+    fanout: int = Field(256, ge=1, le=10_000, description="Hosts pdsh works on at a time for short commands (the "
+                        "clean-up); the launch itself holds one ssh session per host.")
     run_dir: str = Field(
         "runs",
         description="Where run directories are made (one per launch). Multi-node: a path every node sees.",
@@ -134,11 +136,17 @@ class EnvConfig(Strict):
 
     vars: dict[str, EnvValue] = Field(default_factory=dict, description="Literal values; always quoted, never expanded.")
     forward: tuple[str, ...] = _seq(
-        description="Names copied from the launching shell, globs allowed (e.g. WANDB_*, HF_TOKEN). "
-        "Secrets are masked in every printout and file."
+        description="Names copied from the launching shell, globs allowed (e.g. WANDB_*, HF_TOKEN). Their values are "
+        "secret unless listed in 'public': masked in every printout, written only to a file only you can read, never "
+        "on a command line."
     )
     per_host: dict[str, dict[str, EnvValue]] = Field(
-        default_factory=dict, description="Per-host values on top of the rest, e.g. {node3: {NCCL_SOCKET_IFNAME: eth1}}."
+        default_factory=dict, description="Per-host values on top of the rest, e.g. {node3: {NCCL_SOCKET_IFNAME: eth1}} "
+        "(secret unless listed in 'public')."
+    )
+    public: tuple[str, ...] = _seq(
+        description="Names (globs allowed) of forwarded and per-host variables whose values may be shown, e.g. "
+        "WANDB_PROJECT, NCCL_*. Names such as *TOKEN*, *SECRET*, *KEY* stay secret even here."
     )
 
     @field_validator("vars")
@@ -146,7 +154,7 @@ class EnvConfig(Strict):
     def _vars(cls, v: dict[str, str]) -> dict[str, str]:
         return _check_env_names(v)
 
-    @field_validator("forward")
+    @field_validator("forward", "public")
     @classmethod
     def _patterns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for p in v:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .config import HfscaleConfig
 
@@ -51,9 +51,26 @@ def is_secret(name: str) -> bool:
     return bool(_SECRET.search(name))
 
 
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def secret_names(cfg: HfscaleConfig, names: Iterable[str], shell_env: Mapping[str, str]) -> set[str]:
+    """The names among ``names`` whose values are secret: by their name (``is_secret``), or because
+    they come from the launching shell (``env.forward``) and are not declared ``env.public``."""
+    pub = cfg.env.public
+    came = set(forwarded(cfg.env.forward, shell_env)) - set(cfg.env.vars)  # env.vars win over forwarded values
+    return {n for n in names if is_secret(n) or (n in came and not _matches(n, pub))}
+
+
+def host_secret(cfg: HfscaleConfig, name: str) -> bool:
+    """Whether a per-host value of ``name`` is secret (every per-host value is, unless public)."""
+    return is_secret(name) or not _matches(name, cfg.env.public)
+
+
 def forwarded(patterns: tuple[str, ...], shell_env: Mapping[str, str]) -> dict[str, str]:
     """The launching shell's variables whose names match ``patterns`` (exact names or globs)."""
-    return {k: shell_env[k] for k in sorted(shell_env) if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+    return {k: shell_env[k] for k in sorted(shell_env) if _matches(k, patterns)}
 
 
 def job_env(cfg: HfscaleConfig, shell_env: Mapping[str, str]) -> dict[str, str]:

@@ -38,10 +38,12 @@ def _env(cmd: Command) -> dict[str, str]:
 
 
 def write_run_dir(plan: LaunchPlan, record: str) -> Path:
-    """Create the run directory with the generated files, the plan as text, and logs/."""
+    """Create the run directory with the generated files, the plan as text, logs/, and the private
+    files (real secret values) readable by this user only."""
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=False)
     write_files(run_dir, {**dict(plan.files), "plan.txt": record})
+    write_files(run_dir, {name: text.real for name, text in plan.private}, mode=0o600)
     (run_dir / "logs").mkdir()
     return run_dir
 

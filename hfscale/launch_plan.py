@@ -10,7 +10,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .shell import Command, Line, render
+from .shell import Command, Line, Text, render
 
 RunnerName = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # stream: run ``main`` and relay its output per node; submit: ``main`` hands the job to a scheduler
@@ -33,11 +33,13 @@ class NodeLaunch:
 @dataclass(frozen=True)
 class LaunchPlan:
     """Everything a launch does, in order: ``moves`` (``--restart``), the ``files`` of the run
-    directory, ``main`` (the one process hfscale starts), and on failure or Ctrl-C ``cleanup``.
+    directory (``private`` ones, which hold secret values, readable by you only: mode 0600),
+    ``main`` (the one process hfscale starts), and on failure or Ctrl-C ``cleanup``.
 
     ``nodes`` describes what each node runs (for people: ``main`` is what starts them); ``logs``
     names the streams ``main``'s output is split into (one per host, or one); ``show`` the files
-    printed in full by ``render`` (the sbatch script, the manifests)."""
+    printed in full by ``render`` (the sbatch script, the manifests; the private files always are,
+    with their secrets masked)."""
 
     job_id: str
     runner: RunnerName
@@ -51,6 +53,7 @@ class LaunchPlan:
     notes: tuple[str, ...] = field(default=())
     show: tuple[str, ...] = ()
     moves: tuple[tuple[str, str], ...] = ()
+    private: tuple[tuple[str, Text], ...] = ()
 
     def where(self) -> str:
         """Where the job runs, for one line of output."""
@@ -66,12 +69,14 @@ class LaunchPlan:
             out += [f"  {a} -> {b}" for a, b in self.moves]
         out.append("files:")
         out += [f"  {posixpath.join(self.run_dir, name)} ({len(text.splitlines())} lines)" for name, text in self.files]
+        out += [f"  {posixpath.join(self.run_dir, name)} ({len(text.shown.splitlines())} lines, mode 0600: secrets)"
+                for name, text in self.private]
         out.append("nodes:")
         for n in self.nodes:
             rank = "?" if n.rank is None else str(n.rank)
             out.append(f"  [{rank}] {n.host or 'picked by ' + self.runner}: {render(n.command)}")
-        for name in self.show:
-            text = dict(self.files)[name]
+        shown = [(name, dict(self.files)[name]) for name in self.show] + [(n, t.shown) for n, t in self.private]
+        for name, text in shown:
             out += [f"--- {posixpath.join(self.run_dir, name)}", text.rstrip("\n"), "---"]
         out += ["run:", f"  {self.main.shell()}"]
         if self.cleanup is not None:

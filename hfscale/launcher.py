@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
-from .envvars import is_secret, job_env
+from .envvars import job_env, secret_names
 from .job import Job
 from .resume import OutputScan
 from .script_rules import SCRIPT_ENTRY, script_argv
@@ -141,9 +141,12 @@ def _join_endpoint(master: Word, port: Word) -> Word:
 
 
 def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secret]:
-    """Environment of every rank: the job's variables plus hfscale's own; secret values as Secret."""
-    env: dict[str, str | Secret] = {k: Secret(k, v) if is_secret(k) else v
-                                    for k, v in job_env(job.config, dict(ctx.shell_env)).items()}
+    """Environment of every rank: the job's variables plus hfscale's own; secret values (by name,
+    or forwarded from the shell and not public: hfscale.envvars.secret_names) as Secret."""
+    shell = dict(ctx.shell_env)
+    values = job_env(job.config, shell)
+    hidden = secret_names(job.config, values, shell)
+    env: dict[str, str | Secret] = {k: Secret(k, v) if k in hidden else v for k, v in values.items()}
     env.update(
         HFSCALE_JOB_ID=ctx.job_id,
         HFSCALE_RUN_DIR=run_dir,

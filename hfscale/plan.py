@@ -12,7 +12,7 @@ import os
 import posixpath
 
 from .artifacts import DEEPSPEED_FILE, render_artifacts
-from .envvars import deepspeed_env_file, masked
+from .envvars import MASK, deepspeed_env_file, host_secret, masked
 from .errors import ConfigError, Problem
 from .job import Job
 from .launch_plan import NOTHING_TO_TRAIN, LaunchPlan
@@ -22,7 +22,7 @@ from .runners import RUNNERS
 from .runners.common import Common
 from .schedule import schedule_note
 from .script_rules import extra_args_problems
-from .shell import value
+from .shell import Secret
 from .trainer_args import given_flags
 from .yamlsource import dump
 
@@ -35,7 +35,8 @@ def resolved_config_yaml(job: Job) -> str:
     data["cluster"]["hosts"] = [{"host": h.host, "slots": h.slots} for h in job.hosts] or None
     data["cluster"]["hostfile"] = None
     data["env"]["vars"] = masked(data["env"]["vars"])
-    data["env"]["per_host"] = {h: masked(v) for h, v in data["env"]["per_host"].items()}
+    data["env"]["per_host"] = {h: {k: MASK if host_secret(job.config, k) else x for k, x in v.items()}
+                               for h, v in data["env"]["per_host"].items()}
     data["network"]["env"] = masked(data["network"]["env"])
     head = f"# Resolved from {job.source} by hfscale (host file read, secrets masked).\n"
     return head + dump(data)
@@ -91,8 +92,9 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     files = dict(render_artifacts(job, posixpath.join(rank_dir, DEEPSPEED_FILE)))
     files[CONFIG_COPY] = resolved_config_yaml(job)
     if rank_dir == run_dir:  # DeepSpeed's own launcher, started by hand from the run directory
-        ds_env, left_out = deepspeed_env_file({k: value(v) for k, v in env.items()})
+        ds_env, unsafe = deepspeed_env_file({k: v for k, v in env.items() if not isinstance(v, Secret)})
         files[".deepspeed_env"] = ds_env
+        left_out = [k for k, v in env.items() if isinstance(v, Secret)] + unsafe
         if left_out:
             notes.append(f".deepspeed_env leaves out {', '.join(left_out)} (secret, or a value DeepSpeed's "
                          "launcher would pass to the shell unsafely)")

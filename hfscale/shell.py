@@ -69,7 +69,10 @@ class Assign:
 
 @dataclass(frozen=True)
 class PdshHost:
-    """pdsh's ``%h`` (the host a line runs on): the one ``%`` not doubled in a pdsh line."""
+    """pdsh's ``%h`` (the host a line runs on): the one ``%`` not doubled in a pdsh line.
+    ``glue``: no space before it (``NAME=%h``)."""
+
+    glue: bool = False
 
 
 Item = Union[Word, Sh, Assign, PdshHost, "Line"]
@@ -127,7 +130,8 @@ def render(line: Line, shown: bool = True, pdsh: bool = False) -> str:
                 text = quote(item, shown)
             text = text.replace("%", "%%") if pdsh else text
         if text:
-            out += text if not out or (isinstance(item, Sh) and item.glue) else " " + text
+            glued = isinstance(item, (Sh, PdshHost)) and item.glue
+            out += text if not out or glued else " " + text
     return out
 
 

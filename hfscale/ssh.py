@@ -19,12 +19,13 @@ def ssh_argv(job: Job, host: str) -> list[str]:
     return argv + [host]
 
 
-def pdsh_argv(job: Job, hosts: tuple[str, ...]) -> tuple[list[str], tuple[tuple[str, str], ...]]:
-    """(``pdsh -R ssh`` over ``hosts``, the variables pdsh passes its options to ssh with)."""
+def pdsh_argv(job: Job, hosts_file: str, fanout: int) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """(``pdsh -R ssh`` over the hosts listed in ``hosts_file``, at most ``fanout`` at a time; the
+    variables pdsh passes its options to ssh with). The host list is read from the file (``-w
+    ^file``): one argument of a command line holds at most 128 KiB."""
     r = job.config.runner
     # pdsh puts its own -oConnectTimeout (from -t) first and ssh keeps the first value: use -t
-    argv = ["pdsh", "-R", "ssh", "-S", "-t", str(r.connect_timeout), "-f", str(max(32, len(hosts))),
-            "-w", ",".join(hosts)]
+    argv = ["pdsh", "-R", "ssh", "-S", "-t", str(r.connect_timeout), "-f", str(max(1, fanout)), "-w", f"^{hosts_file}"]
     if r.ssh_user:
         argv += ["-l", r.ssh_user]
     return argv, (("PDSH_SSH_ARGS_APPEND", " ".join(_options(job))),)

@@ -39,8 +39,9 @@ def test_infiniband_example_plan():
                 env={"WANDB_API_KEY": "wandb-secret-value", "HF_TOKEN": "hf-secret-value"})
     assert r.returncode == 0, r.stderr
     assert "secret-value" not in r.stdout
-    assert "-w gpu-node-01,gpu-node-02,gpu-node-03,gpu-node-04" in r.stdout
+    assert "-w '^/shared/llama/runs/llama-pretrain-" in r.stdout and "gpu-node-04\n" not in r.stdout.split("run:")[1]
     assert "NCCL_IB_HCA=mlx5_0,mlx5_1" in r.stdout and "gpu-node-04) export HFSCALE_NODE_RANK=3 NCCL_SOCKET_IFNAME=ens2f0" in r.stdout
+    assert "WANDB_API_KEY='***'" in r.stdout  # env.sh as the nodes read it, masked
     assert "{ source /shared/venv/bin/activate ; }" in r.stdout
 
 

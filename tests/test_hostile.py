@@ -37,9 +37,10 @@ PDSH = {
     "cluster": {"hosts": [{"host": "node0", "slots": 1}, {"host": "node1", "slots": 1}], "master_port": 29700,
                 "master_addr": "node0"},
     "runner": {"type": "pdsh", "launcher": "torchrun", "ssh_user": "alice", "workdir": "/w", "run_dir": "runs",
-               "connect_timeout": 5, "ssh_port": 22, "max_restarts": 1},
+               "connect_timeout": 5, "ssh_port": 22, "max_restarts": 1, "fanout": 64},
     "network": {"preset": "infiniband", "env": {"NCCL_IB_HCA": "mlx5_0"}},
-    "env": {"vars": {"A_VAR": "a"}, "forward": ["WANDB_*"], "per_host": {"node1": {"NCCL_SOCKET_IFNAME": "eth1"}}},
+    "env": {"vars": {"A_VAR": "a"}, "forward": ["WANDB_*"], "per_host": {"node1": {"NCCL_SOCKET_IFNAME": "eth1"}},
+            "public": ["NCCL_*"]},
     "distributed": {"backend": "deepspeed", "deepspeed": {
         "stage": 3, "reduce_bucket_size": 1000, "allgather_bucket_size": 1000, "stage3_prefetch_bucket_size": 1000,
         "stage3_param_persistence_threshold": 1000, "stage3_max_live_parameters": 1000,
@@ -200,7 +201,12 @@ def _pdsh_substitute(line: str, host: str) -> str:
 
 
 def _run_pdsh_line(plan, tmp: Path) -> None:
-    """The remote line as a node runs it (pdsh's %-substitution, then sh), up to a stand-in launcher."""
+    """The remote line as a node runs it (pdsh's %-substitution, then sh), up to a stand-in launcher,
+    with the run directory's files (the environment, the rank table) in place."""
+    run = Path(plan.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    for name, text in plan.private:
+        (run / name).write_text(text.real)
     line = _pdsh_substitute(plan.main.real_argv()[-1], "node1")
     line = line.replace("cd /w &&", f"cd {tmp} &&", 1).replace("cd /code &&", f"cd {tmp} &&", 1)
     subprocess.run(["sh", "-c", line], cwd=tmp, capture_output=True, timeout=20,

@@ -79,6 +79,7 @@ TWO_NODES = """
       vars:
         ODD: "a b  $(HOME) $USER 'single' \\"double\\" $$ end$"
       forward: [WANDB_*]
+      public: [WANDB_PROJECT]
     batch: {micro_batch_size: 1}
     training: {pass_args: none, script: train.py, script_args: [--note, "$(HOME) x; rm -rf /", --lr, "1e-3", "y"]}
 """

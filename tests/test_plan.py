@@ -82,26 +82,38 @@ PDSH = """
 
 EXPORTS = (
     "export NCCL_IB_DISABLE=0 NCCL_IB_HCA=mlx5_0 NCCL_IB_GID_INDEX=3 NCCL_SOCKET_IFNAME='^lo,docker0' "
-    "WANDB_API_KEY={key} WANDB_PROJECT=proj SPACES='a b  c' QUOTES='it'\"'\"'s \"q\"' "
-    "DOLLAR='$(touch /tmp/pwned) $HOME `id`' JSON='{{\"a\": [1, 2]}}' PAREN='64(x2)' PCT='100%%h %%n' "
-    f"HFSCALE_JOB_ID=20261122-120000-abcdef HFSCALE_RUN_DIR={RUN} HFSCALE_CONFIG={RUN}/config.yaml "
-    f"PYTHONUNBUFFERED=1 HFSCALE_DS_CONFIG={RUN}/ds_config.json"
+    "WANDB_API_KEY={key} WANDB_PROJECT={project} SPACES='a b  c' QUOTES='it'\"'\"'s \"q\"' "
+    "DOLLAR='$(touch /tmp/pwned) $HOME `id`' JSON='{{\"a\": [1, 2]}}' PAREN='64(x2)' PCT='100%h %n' "
+    "HFSCALE_JOB_ID=20261122-120000-abcdef HFSCALE_RUN_DIR={run} HFSCALE_CONFIG={run}/config.yaml "
+    "PYTHONUNBUFFERED=1 HFSCALE_DS_CONFIG={run}/ds_config.json"
 )
+ENV_HEAD = "# The ranks' environment, sourced on every node by hfscale's launch line (mode 0600: secrets).\n"
+NODES = """\
+# Each node's rank and own variables, by host name; sourced after env.sh.
+case "$HFSCALE_HOST" in
+  node0) export HFSCALE_NODE_RANK=0 ;;
+  node1) export HFSCALE_NODE_RANK=1 NCCL_SOCKET_IFNAME={eth} ;;
+  *) echo "hfscale: host $HFSCALE_HOST is not in the plan" >&2; exit 97 ;;
+esac
+"""
 
 
 def test_pdsh_plan_exact():
+    """No value of the job on any command line: pdsh reads the hosts from a file, every node sources
+    the environment and its own rank from files only you can read."""
     plan = build_plan(job_of(PDSH), CTX)
     launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
                 "--machine_rank \"$HFSCALE_NODE_RANK\" train.py --name 'x; rm -rf /'")
-    script = (
-        "cd /shared/code && " + EXPORTS.format(key="wk-secret") + " && case %h in "
-        "node0) export HFSCALE_NODE_RANK=0 ;; node1) export HFSCALE_NODE_RANK=1 NCCL_SOCKET_IFNAME=eth1 ;; "
-        "*) echo 'hfscale: host %h is not in the plan' >&2; exit 97 ;; esac && " + launcher +
-        '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc'
-    )
-    assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "32", "-w", "node0,node1",
-                                            "-l", "alice", script)
+    script = (f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
+              '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
+    assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "2", "-w",
+                                            f"^{RUN}/pdsh_hosts", "-l", "alice", script)
     assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o BatchMode=yes"),)
+    assert dict(plan.files)["pdsh_hosts"] == "node0\nnode1\n"
+    private = dict(plan.private)
+    assert private["env.sh"].real == ENV_HEAD + EXPORTS.format(key="wk-secret", project="proj", run=RUN) + "\n"
+    assert private["env.sh"].shown == ENV_HEAD + EXPORTS.format(key="'***'", project="'***'", run=RUN) + "\n"
+    assert private["nodes.sh"].real == NODES.format(eth="eth1") and private["nodes.sh"].shown == NODES.format(eth="'***'")
     assert [(n.host, n.rank) for n in plan.nodes] == [("node0", 0), ("node1", 1)]
     assert render(plan.nodes[1].command) == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
@@ -112,7 +124,12 @@ def test_pdsh_plan_exact():
 def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
     """pdsh's own exec module substitutes %h like ssh does; the shell must then see every value intact."""
     job = job_of(PDSH)
-    plan = build_plan(job, CTX)
+    plan = build_plan(job, LaunchContext.of(str(tmp_path), "/opt/py/bin/python", "20261122-120000-abcdef",
+                                            dict(CTX.shell_env)))
+    run = Path(plan.run_dir)
+    run.mkdir(parents=True)
+    for name, text in plan.private:
+        (run / name).write_text(text.real)
     script = plan.main.real_argv()[-1]
     # run the line locally with pdsh's exec backend: replace the launcher by printing the environment
     probe = script.split(" && /opt/py/bin/python")[0].replace("cd /shared/code", f"cd {tmp_path}")
@@ -126,6 +143,7 @@ def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
     assert env["JSON"] == '{"a": [1, 2]}'
     assert env["PAREN"] == "64(x2)"
     assert env["PCT"] == "100%h %n"
+    assert env["WANDB_API_KEY"] == "wk-secret"
     assert env["HFSCALE_NODE_RANK"] == "1" and env["NCCL_SOCKET_IFNAME"] == "eth1"
     assert not Path("/tmp/pwned").exists()
 
@@ -133,12 +151,20 @@ def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
 def test_one_plan_shows_secrets_masked_and_runs_them_real():
     plan = build_plan(job_of(PDSH), CTX)
     text = plan.render()
-    assert "wk-secret" not in text and "WANDB_API_KEY='***'" in plan.main.shown_argv()[-1]
+    assert "wk-secret" not in text and "mode 0600" in text
     for _, content in plan.files:
-        assert "wk-secret" not in content and "hf_secret" not in content
-    assert "WANDB_API_KEY=wk-secret" in plan.main.real_argv()[-1]  # the same plan carries it to the nodes
-    assert "HF_TOKEN" not in plan.main.real_argv()[-1]  # never forwarded unless asked for
-    assert "wk-secret" not in repr(plan) and "wk-secret" not in str(plan.main.env)
+        assert "wk-secret" not in content and "hf_secret" not in content and "proj" not in content
+    assert "wk-secret" not in " ".join(plan.main.real_argv())  # never on a command line
+    assert "wk-secret" in dict(plan.private)["env.sh"].real  # the nodes read it from a file only you can read
+    assert "HF_TOKEN" not in dict(plan.private)["env.sh"].real  # never forwarded unless asked for
+    assert "wk-secret" not in repr(plan)
+
+
+def test_public_names_are_shown():
+    job = job_of(PDSH.replace("forward: [WANDB_*]", "forward: [WANDB_*]\n      public: [WANDB_PROJECT, NCCL_*]"))
+    private = dict(build_plan(job, CTX).private)
+    assert "WANDB_PROJECT=proj" in private["env.sh"].shown and "WANDB_API_KEY='***'" in private["env.sh"].shown
+    assert "NCCL_SOCKET_IFNAME=eth1" in private["nodes.sh"].shown
 
 
 def test_secret_in_yaml_is_masked_in_resolved_config():
@@ -157,12 +183,12 @@ def test_deepspeed_env_leaves_out_values_deepspeed_would_expand():
     assert "QUOTES" in plan.notes[0] and "DOLLAR" in plan.notes[0] and "WANDB_API_KEY" in plan.notes[0]
 
 
-def test_single_host_pdsh_has_no_host_switch():
+def test_single_host_pdsh():
     job = job_of("name: one\ncluster: {hosts: [{host: gpu7, slots: 8}]}\nrunner: {type: pdsh}\nbatch: {micro_batch_size: 1}\n"
                  "training: {script: t.py}\n")
-    script = build_plan(job, CTX).main.real_argv()[-1]
-    assert "case %h" not in script and "&& export HFSCALE_NODE_RANK=0 && " in script
-    assert "--machine_rank" not in script  # one node: the accelerate config says it all
+    plan = build_plan(job, CTX)
+    assert "--machine_rank" not in plan.main.real_argv()[-1]  # one node: the accelerate config says it all
+    assert "  gpu7) export HFSCALE_NODE_RANK=0 ;;" in dict(plan.private)["nodes.sh"].real
 
 
 DOCKER = """
@@ -189,7 +215,7 @@ DOCKER = """
 def test_pdsh_docker_plan_exact():
     plan = build_plan(job_of(DOCKER), CTX)
     script = plan.main.real_argv()[-1]
-    docker = script.split(" esac && ", 1)[1].split("; rc=$?", 1)[0]
+    docker = script.split("/nodes.sh && ", 1)[1].split("; rc=$?", 1)[0]
     names = ["NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "A", "HFSCALE_JOB_ID",
              "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "HFSCALE_NODE_RANK"]
     assert docker == (
@@ -201,7 +227,7 @@ def test_pdsh_docker_plan_exact():
         f"python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
         '--machine_rank "$HFSCALE_NODE_RANK" train.py'
     )
-    assert "A='x y'" in script.split(" && case")[0]  # values only in the shell's export, not on docker's argv
+    assert "x y" not in script and "A='x y'" in dict(plan.private)["env.sh"].real  # values never on an argv
     assert plan.cleanup.real_argv()[-1] == (
         "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f")
 
@@ -222,7 +248,7 @@ def test_dry_run_text_is_shell_quoted_and_parseable():
     run_line = text.split("\nrun:\n  ", 1)[1].split("\n", 1)[0]
     words = shlex.split(run_line)
     assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o BatchMode=yes"
-    assert words[1:11] == ["pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "32", "-w", "node0,node1"]
+    assert words[1:11] == ["pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "2", "-w", f"^{RUN}/pdsh_hosts"]
 
 
 @pytest.mark.parametrize("bad", ["", "UPPER", "a b", "a;b", "x" * 65])

@@ -1,55 +1,79 @@
 """Runner type pdsh: one ``pdsh -R ssh`` fan-out to every host.
 
-Each host runs the same line: change to the working directory, run ``runner.setup``, export the
-job's variables, take its node rank and per-host variables from a ``case %h`` on its own name (so
-ranks never depend on pdsh's host order), run the launcher, and print ``HFSCALE_EXIT rc=N``.
-Every literal value is quoted and has its ``%`` doubled for pdsh; only ``runner.setup`` runs as
-written. The cleanup signals exactly the processes whose environment holds this job's id.
+Per-host data never rides on a command line (one argument may hold 128 KiB, and ``ps`` shows
+every argument to every user): the hosts are read by pdsh from ``pdsh_hosts`` (``-w ^file``), the
+ranks' environment from ``env.sh`` and each host's rank and own variables from ``nodes.sh``, both
+in the run directory (which every node sees) and readable by you only (mode 0600: they hold the
+secret values). Every host runs the same short line: change to the working directory, source the
+environment (so the job id is set before anything else runs), take its rank from ``nodes.sh`` by
+its own name (pdsh's ``%h``: ranks never depend on pdsh's order), run ``runner.setup``, run the
+launcher, print ``HFSCALE_EXIT rc=N``. Literal values are quoted and their ``%`` doubled for pdsh;
+only ``runner.setup`` runs as written. The cleanup signals exactly the processes whose environment
+holds this job's id, at most ``runner.fanout`` hosts at a time.
 """
 
 from __future__ import annotations
 
-from ..envvars import host_env, is_secret
+import posixpath
+
+from ..envvars import host_env, host_secret
 from ..job import Job
 from ..launch_plan import EXIT_MARK, LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
-from ..shell import Assign, Command, Item, Line, PdshHost, Secret, Sh, Var, Word, and_then, exports, words
+from ..shell import Assign, Command, Line, PdshHost, Secret, Sh, Text, Var, Word, and_then, exports, render, words
 from ..ssh import pdsh_argv
 from .common import Common
 
 RANK_VAR = "HFSCALE_NODE_RANK"
+HOST_VAR = "HFSCALE_HOST"
 UNKNOWN_HOST_EXIT = 97
+ENV_FILE = "env.sh"
+NODES_FILE = "nodes.sh"
+HOSTS_FILE = "pdsh_hosts"
+
+
+def env_file(c: Common) -> Text:
+    """``env.sh``: ``export K='v'`` for every variable of the ranks (real and shown forms)."""
+    line = exports(c.env)
+    head = "# The ranks' environment, sourced on every node by hfscale's launch line (mode 0600: secrets).\n"
+    return Text(real=head + render(line, shown=False) + "\n", shown=head + render(line) + "\n")
+
+
+def nodes_file(job: Job, hosts: tuple[str, ...]) -> Text:
+    """``nodes.sh``: each host's rank and per-host variables, picked by ``$HFSCALE_HOST`` (host names
+    are validated: they are shell syntax here)."""
+    def block(shown: bool) -> str:
+        out = ["# Each node's rank and own variables, by host name; sourced after env.sh.", f'case "${HOST_VAR}" in']
+        for i, h in enumerate(hosts):
+            extra = {k: (Secret(k, v) if host_secret(job.config, k) else v) for k, v in host_env(job.config, h).items()}
+            assigns = Line.of(Sh("export"), Assign(RANK_VAR, str(i)), *(Assign(k, v) for k, v in extra.items()))
+            out.append(f"  {h}) {render(assigns, shown)} ;;")
+        out.append(f'  *) echo "hfscale: host ${HOST_VAR} is not in the plan" >&2; exit {UNKNOWN_HOST_EXIT} ;;')
+        out.append("esac")
+        return "\n".join(out) + "\n"
+
+    return Text(real=block(False), shown=block(True))
+
+
+def private_files(job: Job, c: Common, hosts: tuple[str, ...]) -> tuple[tuple[str, Text], ...]:
+    return ((ENV_FILE, env_file(c)), (NODES_FILE, nodes_file(job, hosts)))
 
 
 def prelude(job: Job, c: Common) -> Line:
-    """``cd <workdir> && { setup ; } && export ...``: what every host does before its launcher."""
+    """``cd <workdir> && . env.sh && export HFSCALE_HOST=%h && . nodes.sh && { setup ; }``: what every
+    host does before its launcher (the job id is in the environment before ``runner.setup`` runs)."""
     setup = job.config.runner.setup
     return and_then(Line.of(Sh("cd"), c.workdir),
-                    Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()),
-                    exports(c.env))
+                    Line.of(Sh("."), posixpath.join(c.run_dir, ENV_FILE)),
+                    Line.of(Sh(f"export {HOST_VAR}="), PdshHost(glue=True)),
+                    Line.of(Sh("."), posixpath.join(c.run_dir, NODES_FILE)),
+                    Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
 
 
-def _assigns(job: Job, i: int, host: str) -> Line:
-    extra = {k: (Secret(k, v) if is_secret(k) else v) for k, v in host_env(job.config, host).items()}
-    return Line.of(Sh("export"), Assign(RANK_VAR, str(i)), *(Assign(k, v) for k, v in extra.items()))
-
-
-def rank_switch(job: Job, hosts: tuple[str, ...]) -> Line:
-    """Each host's rank and per-host variables, picked by pdsh's ``%h`` (host names are validated)."""
-    if len(hosts) == 1:
-        return _assigns(job, 0, hosts[0])
-    items: list[Item] = [Sh("case"), PdshHost(), Sh("in")]
-    for i, h in enumerate(hosts):
-        items += [Sh(f"{h})"), _assigns(job, i, h), Sh(";;")]
-    items += [Sh("*) echo 'hfscale: host"), PdshHost(),
-              Sh(f"is not in the plan' >&2; exit {UNKNOWN_HOST_EXIT} ;; esac")]
-    return Line(tuple(items))
-
-
-def fan_out(job: Job, hosts: tuple[str, ...], before: Line, launcher: list[Word]) -> Line:
+def fan_out(before: Line, launcher: list[Word]) -> Line:
     """The one line pdsh sends to every host; it ends by printing the launcher's exit code."""
     tail = Sh(f'; rc=$?; echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
-    return Line((and_then(before, rank_switch(job, hosts), words(launcher)), tail), pdsh=True)
+    return Line((and_then(before, words(launcher)), tail), pdsh=True)
 
 
 def kill_line(job_id: str) -> Line:
@@ -59,14 +83,20 @@ def kill_line(job_id: str) -> Line:
     return Line((Sh(f"{probe.format(sig='TERM')}; sleep 3; {probe.format(sig='KILL')}; true"),), pdsh=True)
 
 
+def hosts_file(hosts: tuple[str, ...]) -> tuple[str, str]:
+    return HOSTS_FILE, "".join(h + "\n" for h in hosts)
+
+
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     hosts = tuple(h.host for h in job.hosts)
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
-    pdsh, pdsh_env = pdsh_argv(job, hosts)
-    main = Command((*pdsh, fan_out(job, hosts, prelude(job, c), launcher)), pdsh_env)
-    cleanup = Command((*pdsh, kill_line(ctx.job_id)), pdsh_env)
+    listing = posixpath.join(c.run_dir, HOSTS_FILE)
+    pdsh, pdsh_env = pdsh_argv(job, listing, len(hosts))
+    main = Command((*pdsh, fan_out(prelude(job, c), launcher)), pdsh_env)
+    stop, stop_env = pdsh_argv(job, listing, min(len(hosts), job.config.runner.fanout))
+    cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
-    return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, c.files, nodes, hosts, main, cleanup, c.mode,  # type: ignore[arg-type]
-                      c.notes, moves=c.moves)
+    return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, hosts, main, cleanup,
+                      c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts))  # type: ignore[arg-type]

@@ -8,6 +8,8 @@ container runs on this node without pdsh. Cleanup removes the job's containers b
 
 from __future__ import annotations
 
+import posixpath
+
 from ..envvars import RDMA_PRESETS
 from ..job import Job
 from ..launch_plan import LaunchPlan, NodeLaunch
@@ -62,13 +64,15 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
         cleanup = Command((d.binary, "rm", "-f", f"hfscale-{ctx.job_id}-0"))
         return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
                           ("local",), main, cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
-    fan, fan_env = pdsh_argv(job, hosts)
-    main = Command((*fan, pdsh.fan_out(job, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))),
-                   fan_env)
+    listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
+    fan, fan_env = pdsh_argv(job, listing, len(hosts))
+    main = Command((*fan, pdsh.fan_out(pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))), fan_env)
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
                    Sh("rm -f")), pdsh=True)
-    cleanup = Command((*fan, remove), fan_env)
+    stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
+    cleanup = Command((*stop, remove), stop_env)
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
-    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, nodes, hosts, main, cleanup, c.mode,  # type: ignore[arg-type]
-                      c.notes, moves=c.moves)
+    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, hosts, main,
+                      cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
+                      private=pdsh.private_files(job, c, hosts))
