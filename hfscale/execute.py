@@ -1,12 +1,15 @@
 """The only module that starts processes: it runs launch plans and preflight probes.
 
 A plan runs as one local process (pdsh, docker, or the launcher itself). Its output is echoed,
-split into one log per node, and watched: the first node that fails, or Ctrl-C / SIGTERM to
-hfscale, runs the plan's cleanup on every node so no rank is left behind. A host ssh cannot reach
-shows up in the same stream (pdsh reports ssh's exit code 255 for a host that never printed its
-exit line), so there is no separate reachability round before the launch: that host's job ends
-the launch with exit code 3 and the host named. Submitting plans hand the job to a scheduler,
-with what each runner knows about its scheduler's answers (hfscale.runners).
+split into one log per node, and watched: the first node that fails, SIGINT / SIGTERM / SIGHUP
+to hfscale, or that process killed by someone else, runs the plan's cleanup on every node so no
+rank is left behind (TERM, then KILL after hfscale.runners.stopping's grace period). A host ssh
+cannot reach shows up in the same stream (pdsh reports ssh's exit code 255 for a host that never
+printed its exit line), so there is no separate reachability round before the launch: that
+host's job ends the launch with exit code 3 and the host named. A host lost during the run is
+found the same way: ssh's keep-alives (hfscale.ssh) end its connection within a minute.
+Submitting plans hand the job to a scheduler, with what each runner knows about its scheduler's
+answers (hfscale.runners).
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from . import exitcodes
 from .files import write_files
 from .launch_plan import EXIT_MARK, LaunchPlan
 from .runners import RUNNERS
+from .runners.stopping import STOP_GRACE_S
 from .shell import Command
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 _PDSH_FAIL = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ exited with exit code (?P<rc>\d+)$")
+_PDSH_KILLED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ killed by signal (?P<sig>\d+)$")
 _PREFIXED = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[^\s:]+): ")
-SSH_FAILED = 255  # ssh's own exit code when it could not connect or log in
+SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
+CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _env(cmd: Command) -> dict[str, str]:
@@ -51,18 +58,19 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
 class _Run:
     """Bookkeeping for one running plan: logs, first failure, stopping once."""
 
-    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None], grace: float):
+    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]):
         self.plan = plan
         self.echo = echo
-        self.grace = grace
         self.logs: dict[str, TextIO] = {h: open(run_dir / "logs" / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
         self.failure: tuple[str, int] | None = None
         self.unreachable: dict[str, str] = {}  # host -> what ssh said
         self._exited: set[str] = set()  # hosts that printed their exit line
         self._last: dict[str, str] = {}  # each host's last line (ssh's complaint, for an unreachable one)
+        self._lines: dict[str, int] = {}  # lines per host: more than ssh's one complaint means it was reached
         self.signalled: int | None = None
         self._stop_lock = threading.Lock()
         self._stopping = False
+        self._stopper: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
 
     def route(self, line: str) -> None:
@@ -74,59 +82,99 @@ class _Run:
             self.logs[host].write(line + "\n")
             self.logs[host].flush()
         self.echo(line)
-        done, fail = _EXIT.match(line), _PDSH_FAIL.match(line)
+        done, fail, killed = _EXIT.match(line), _PDSH_FAIL.match(line), _PDSH_KILLED.match(line)
         if done:
             self._exited.add(done["host"])
-        elif m and not fail and not line.startswith("pdsh@"):
+        elif m and not fail and not killed and not line.startswith("pdsh@"):
+            self._lines[m["host"]] = self._lines.get(m["host"], 0) + 1
             self._last[m["host"]] = line[m.end():]
-        found = done or fail
-        if not found or int(found["rc"]) == 0 or self.failure is not None or self.signalled is not None:
+        if self.failure is not None or self.signalled is not None:
             return
-        host, rc = found["host"], int(found["rc"])
-        if fail and rc == SSH_FAILED and host not in self._exited:
-            self.unreachable[host] = self._last.get(host, "ssh failed")
-            self.failure = (host, exitcodes.UNREACHABLE)
-            self.echo(f"hfscale: cannot reach {host} over ssh ({self.unreachable[host]}); stopping the job on every node")
-        else:
-            self.failure = (host, rc)
-            self.echo(f"hfscale: {host} failed (exit code {rc}); stopping the job on every node")
+        if killed:
+            sig = int(killed["sig"])
+            self.fail(killed["host"], 128 + sig, f"the ssh to {killed['host']} was killed ({_signame(sig)})")
+        elif fail and int(fail["rc"]) == SSH_FAILED and fail["host"] not in self._exited:
+            host = fail["host"]
+            said = self._last.get(host, "ssh failed")
+            self.unreachable[host] = said
+            what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
+            self.fail(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({said})")
+        elif (done or fail) and int((done or fail)["rc"]) != 0:
+            found = done or fail
+            self.fail(found["host"], int(found["rc"]), f"{found['host']} failed (exit code {found['rc']})")
+
+    def fail(self, where: str, rc: int, what: str) -> None:
+        """The first failure: say it and stop the job everywhere."""
+        self.failure = (where, rc)
+        self.echo(f"hfscale: {what}; stopping the job on every node")
         self.stop()
 
+    def watch_main(self) -> None:
+        """``main`` killed by a signal hfscale did not send (pdsh, srun, the launcher): the job's
+        ranks live on and the processes it left hold its output open, so stop the job."""
+        assert self.proc is not None
+        rc = self.proc.wait()
+        if rc < 0 and self.failure is None and self.signalled is None and not self._stopping:
+            name = os.path.basename(self.plan.main.real_argv()[0])
+            self.fail(name, 128 - rc, f"{name} was killed ({_signame(-rc)})")
+
     def stop(self) -> None:
-        """Run the cleanup (once, in the background), then end the main process if still alive."""
+        """Run the cleanup (once, in the background), then end what is left of the main process."""
         with self._stop_lock:
             if self._stopping:
                 return
             self._stopping = True
-        threading.Thread(target=self._cleanup, daemon=True).start()
+            self._stopper = threading.Thread(target=self._cleanup, daemon=True)
+            self._stopper.start()
+
+    def finish(self) -> None:
+        """Wait for a stop in progress: the cleanup must have reached every node before hfscale exits."""
+        with self._stop_lock:
+            stopper = self._stopper
+        if stopper is not None:
+            stopper.join(CLEANUP_TIMEOUT_S + STOP_GRACE_S + 5)
 
     def _cleanup(self) -> None:
         c = self.plan.cleanup
         if c is not None:
             try:
+                # its own session: a second Ctrl-C in the terminal must not cut the stop short
                 subprocess.run(c.real_argv(), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=self.grace)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=CLEANUP_TIMEOUT_S,
+                               start_new_session=True)
             except subprocess.TimeoutExpired:
-                self.echo("hfscale: cleanup timed out")
+                self.echo(f"hfscale: the cleanup did not finish in {CLEANUP_TIMEOUT_S} s")
+            except OSError as e:
+                self.echo(f"hfscale: cannot run the cleanup: {e.strerror or e}")
         proc = self.proc
         if proc is None:
             return
-        if c is None:  # local launcher: its whole process group is this job
+        if c is None:
             _signal_group(proc, signal.SIGTERM)
         try:
-            proc.wait(timeout=self.grace)
+            proc.wait(timeout=STOP_GRACE_S + 2)
         except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
+            pass
+        # whatever is left of main's group (ssh to a host that stopped answering, the children of a
+        # killed pdsh) would hold its output open
+        _signal_group(proc, signal.SIGKILL)
 
     def close(self) -> None:
         for f in self.logs.values():
             f.close()
 
 
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
@@ -171,52 +219,86 @@ def _move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None])
     return True
 
 
-def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None, grace: float = 30.0) -> int:
-    """Run ``plan``; return its exit code (the failing node's, or 128+signal when stopped)."""
-    echo = echo or (lambda s: print(s, flush=True))
+def _quiet(echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that never raises: after SIGHUP the terminal is gone, and the job must still stop."""
+    def say(text: str) -> None:
+        try:
+            echo(text)
+        except (OSError, ValueError):
+            pass
+    return say
+
+
+def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None) -> int:
+    """Run ``plan``; return its exit code (the failing node's, or 128+N after signal N).
+
+    From the first line on, SIGINT, SIGTERM and SIGHUP stop the job: before ``main`` starts
+    nothing is started; after, the plan's cleanup runs on every node."""
+    echo = _quiet(echo or (lambda s: print(s, flush=True)))
     if plan.mode == "done":
         return 0
-    if not _move_aside(plan.moves, echo):
-        return 1
-    try:
-        run_dir = write_run_dir(plan, record)
-    except OSError as e:
-        echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
-             "nothing was started")
-        return exitcodes.BAD_INPUT
-    if plan.mode == "submit":
-        return submit(plan, run_dir, echo)
-    run = _Run(plan, run_dir, echo, grace)
+    run: _Run | None = None
+    signalled: list[int] = []
 
     def on_signal(signum, _frame):
-        if run.signalled is None:
+        # only flags here: printing from a handler can re-enter a write the main thread is in
+        if not signalled:
+            signalled.append(signum)
+            threading.Thread(target=_stop_for_signal, args=(signum,), daemon=True).start()
+
+    def _stop_for_signal(signum: int) -> None:
+        echo(f"hfscale: got {_signame(signum)}; stopping the job on every node")
+        if run is not None and run.proc is not None:  # else _stream stops it once main exists
             run.signalled = signum
-            echo(f"hfscale: got {signal.Signals(signum).name}; stopping the job on every node")
             run.stop()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
-        m = plan.main
+        if not _move_aside(plan.moves, echo):
+            return 1
         try:
-            run.proc = subprocess.Popen(
-                m.real_argv(), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
-            )
+            run_dir = write_run_dir(plan, record)
         except OSError as e:
-            echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
+            echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
+                 "nothing was started")
             return exitcodes.BAD_INPUT
-        if run.signalled is not None:
-            run.stop()
-        assert run.proc.stdout is not None
-        for line in run.proc.stdout:
-            run.route(line.rstrip("\n"))
-        rc = run.proc.wait()
+        if signalled:
+            return 128 + signalled[0]
+        if plan.mode == "submit":
+            return submit(plan, run_dir, echo)
+        run = _Run(plan, run_dir, echo)
+        try:
+            return _stream(run, signalled)
+        finally:
+            run.close()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-        run.close()
-    if run.signalled is not None:
-        return 128 + run.signalled
+
+
+def _stream(run: _Run, signalled: list[int]) -> int:
+    m = run.plan.main
+    try:
+        run.proc = subprocess.Popen(
+            m.real_argv(), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
+        )
+    except OSError as e:
+        run.echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
+        return exitcodes.BAD_INPUT
+    if signalled:  # came while main was starting (the handler stops it once run.proc is set)
+        run.signalled = signalled[0]
+        run.stop()
+    watcher = threading.Thread(target=run.watch_main, daemon=True)
+    watcher.start()
+    assert run.proc.stdout is not None
+    for line in run.proc.stdout:
+        run.route(line.rstrip("\n"))
+    rc = run.proc.wait()
+    watcher.join()  # it may be deciding on a stop right now: finish() must see it
+    run.finish()
+    if signalled:
+        return 128 + signalled[0]
     if run.failure is not None:
         return run.failure[1]
     return rc

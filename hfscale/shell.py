@@ -75,7 +75,15 @@ class PdshHost:
     glue: bool = False
 
 
-Item = Union[Word, Sh, Assign, PdshHost, "Line"]
+@dataclass(frozen=True)
+class Script:
+    """A whole line as one quoted word (``bash -c '<line>'``). In a pdsh line its ``%`` are
+    doubled, and its ``PdshHost`` kept, before it is quoted: pdsh expands ``%h`` anywhere."""
+
+    line: "Line"
+
+
+Item = Union[Word, Sh, Assign, PdshHost, Script, "Line"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,8 @@ def render(line: Line, shown: bool = True, pdsh: bool = False) -> str:
             text = render(item, shown, pdsh)
         elif isinstance(item, PdshHost):
             text = "%h"
+        elif isinstance(item, Script):
+            text = shlex.quote(render(item.line, shown, pdsh))
         else:
             if isinstance(item, Sh):
                 text = item.text

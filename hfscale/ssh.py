@@ -1,13 +1,21 @@
-"""ssh as hfscale uses it, one owner for its options: the port, the user, the connect timeout and
-never a password prompt, for single hosts (``ssh``) and the fan-out (``pdsh -R ssh``)."""
+"""ssh as hfscale uses it, one owner for its options: the port, the user, the connect timeout,
+keep-alives and never a password prompt, for single hosts (``ssh``) and the fan-out (``pdsh -R
+ssh``)."""
 
 from __future__ import annotations
 
 from .job import Job
 
 
+# a host that stops answering (network cut, kernel panic) ends its ssh after at most
+# INTERVAL * (COUNT + 1) = 40 s of silence, exit code 255: node loss is noticed within a minute
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_COUNT = 3
+
+
 def _options(job: Job) -> list[str]:
-    return ["-p", str(job.config.runner.ssh_port), "-o", "BatchMode=yes"]
+    return ["-p", str(job.config.runner.ssh_port), "-o", "BatchMode=yes",
+            "-o", f"ServerAliveInterval={KEEPALIVE_INTERVAL_S}", "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
 
 
 def ssh_argv(job: Job, host: str) -> list[str]:

@@ -20,6 +20,7 @@ import yaml
 
 from cluster import leftover_processes
 from conftest import ROOT
+from hfscale.runners.stopping import STOP_GRACE_S
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
 pytestmark = pytest.mark.slow
@@ -65,14 +66,27 @@ def launch_until_ready(cluster, config: Path, ranks: int) -> tuple[subprocess.Po
     """Start ``hfscale launch`` and read its output until ``ranks`` PROBE_READY lines were seen."""
     proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, read_until(proc, "PROBE_READY", ranks)
+
+
+def read_until(proc: subprocess.Popen, marker: str, count: int) -> list[str]:
     seen: list[str] = []
     deadline = time.monotonic() + 120
     assert proc.stdout is not None
-    while sum("PROBE_READY" in line for line in seen) < ranks:
+    while sum(marker in line for line in seen) < count:
         line = proc.stdout.readline()
         assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
         seen.append(line)
-    return proc, seen
+    return seen
+
+
+def _children(pid: int) -> list[int]:
+    # pdsh starts each ssh from one of its threads: every thread's children
+    return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
+
+
+def _cmd(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def run_dir_of(tmp_path: Path) -> Path:
@@ -103,7 +117,10 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
         assert f"HFSCALE_RANK rank={i} world_size=2" in log
         assert "HFSCALE_EXIT rc=0" in log
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "hostfile", "logs", "plan.txt"]
+        ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "env.sh", "hostfile", "logs",
+        "nodes.sh", "pdsh_hosts", "plan.txt"]
+    for secret_file in ("env.sh", "nodes.sh"):
+        assert (run_dir / secret_file).stat().st_mode & 0o777 == 0o600
     assert leftover_processes(cluster2, timeout=5) == {}
 
 
@@ -163,17 +180,103 @@ def test_a_crashing_rank_stops_every_node(cluster2, tmp_path):
     assert "PROBE_READY" in log0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_stops_every_node(cluster2, tmp_path, sig):
-    port = 29614 if sig == signal.SIGINT else 29618
-    config = write_config(tmp_path, cluster2.nodes, port=port, script_args=["--mode", "hang"])
+    """Ctrl-C, a scheduler's TERM, a closed terminal: every node's ranks end, the one on node1 that
+    ignores those signals (SIGHUP case) by the stop's KILL pass after the grace period."""
+    port = {signal.SIGINT: 29614, signal.SIGTERM: 29618, signal.SIGHUP: 29619}[sig]
+    mode = ["--mode", "stubborn", "--rank", "1"] if sig == signal.SIGHUP else ["--mode", "hang"]
+    config = write_config(tmp_path, cluster2.nodes, port=port, script_args=mode)
     proc, seen = launch_until_ready(cluster2, config, ranks=2)
     assert leftover_processes(cluster2, contains="dist_probe") != {}  # the job really runs on the nodes
+    t0 = time.monotonic()
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - t0
     assert proc.returncode == 128 + sig, "".join(seen) + out
     assert f"got {sig.name}; stopping the job on every node" in out
-    assert leftover_processes(cluster2, timeout=10) == {}
+    # hfscale returns once main's processes ended; the KILL pass on the nodes may still be due
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, out
+    assert time.monotonic() - t0 < STOP_GRACE_S + 8, f"stop took {took:.1f}s"
+
+
+def test_pdsh_killed_under_hfscale_stops_every_node(cluster2, tmp_path):
+    """pdsh SIGKILLed by someone else: its ssh sessions die with it, the ranks would live on; hfscale
+    notices and runs the stop on every node."""
+    config = write_config(tmp_path, cluster2.nodes, port=29620, script_args=["--mode", "hang"])
+    proc, seen = launch_until_ready(cluster2, config, ranks=2)
+    (pdsh,) = [p for p in _children(proc.pid) if _cmd(p).startswith("pdsh")]
+    os.kill(pdsh, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL, "".join(seen) + out
+    assert "hfscale: pdsh was killed (SIGKILL); stopping the job on every node" in out
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, out
+
+
+def test_a_killed_ssh_session_stops_every_node(cluster2, tmp_path):
+    """One node's ssh killed (pdsh reports 'ssh killed by signal 9'): that node counts as failed."""
+    config = write_config(tmp_path, cluster2.nodes, port=29621, script_args=["--mode", "hang"])
+    proc, seen = launch_until_ready(cluster2, config, ranks=2)
+    (pdsh,) = [p for p in _children(proc.pid) if _cmd(p).startswith("pdsh")]
+    sessions = {p: _cmd(p).split() for p in _children(pdsh)}
+    to_node1 = [p for p, argv in sessions.items() if os.path.basename(argv[0]) == "ssh" and "node1" in argv]
+    assert len(to_node1) == 1, sessions
+    os.kill(to_node1[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL, "".join(seen) + out
+    assert "hfscale: the ssh to node1 was killed (SIGKILL); stopping the job on every node" in out
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, out
+
+
+SETUP_LOOP = "echo SETUP_RUNNING; for i in 1 2 3 4 5 6 7 8 9 10 11 12; do sleep 5; done"
+
+
+def test_a_signal_during_runner_setup_stops_it_on_every_node(cluster2, tmp_path):
+    """runner.setup (a pip install, a data copy) runs before the launcher: a stop must end it too."""
+    config = write_config(tmp_path, cluster2.nodes, port=29622, extra={"runner": {"setup": SETUP_LOOP}})
+    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster2.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = read_until(proc, "SETUP_RUNNING", 2)
+    assert leftover_processes(cluster2, contains="sleep 5") != {}
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + out
+    assert "PROBE_READY" not in out
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, out
+
+
+def test_a_node_failing_in_setup_stops_the_others_setup(cluster2, tmp_path):
+    setup = f'if [ "$(hostname)" = node0 ]; then sleep 2; exit 7; fi; {SETUP_LOOP}'
+    config = write_config(tmp_path, cluster2.nodes, port=29623, extra={"runner": {"setup": setup}})
+    t0 = time.monotonic()
+    r = launch(cluster2, config, timeout=120)
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert "hfscale: node0 failed (exit code 7); stopping the job on every node" in r.stdout
+    assert "node1: SETUP_RUNNING" in r.stdout and "PROBE_READY" not in r.stdout
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, r.stdout
+    assert time.monotonic() - t0 < 40, "node1's 60 s setup was not cut short"
+
+
+def test_a_lost_node_is_noticed_within_a_minute(make_cluster, tmp_path):
+    """node1's link goes down mid-run (a dead switch port, a kernel panic): no process says anything,
+    node0's rank blocks in all_reduce. ssh's keep-alives end node1's session, hfscale names the host,
+    exits 3 and stops node0."""
+    cluster = make_cluster(2)
+    config = write_config(tmp_path, cluster.nodes, port=29624, script_args=["--mode", "hang"])
+    proc, seen = launch_until_ready(cluster, config, ranks=2)
+    link = f"hfs{cluster.id}v1"  # node1's veth end on the bridge
+    subprocess.run(["ip", "link", "set", link, "down"], check=True)
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    assert proc.returncode == 3, "".join(seen) + out
+    assert "hfscale: lost the connection to node1 over ssh" in out, out
+    print(f"lost node noticed after {took:.1f}s")
+    assert took < 60, f"the lost node was noticed after {took:.0f}s"
+    assert leftover_processes(cluster, timeout=STOP_GRACE_S + 3).get("node0") is None, "node0's rank was left"
 
 
 def test_unrelated_processes_survive_cleanup(cluster2, tmp_path):
@@ -185,7 +288,7 @@ def test_unrelated_processes_survive_cleanup(cluster2, tmp_path):
         config = write_config(tmp_path, cluster2.nodes, port=29615, script_args=["--mode", "crash", "--rank", "0"])
         r = launch(cluster2, config, timeout=120)
         assert r.returncode != 0
-        time.sleep(4)  # the cleanup's KILL pass runs 3 s after TERM
+        time.sleep(STOP_GRACE_S + 2)  # the stop's KILL pass comes up to STOP_GRACE_S after TERM
         assert other.poll() is None, "cleanup killed a process of another job"
     finally:
         other.kill()

@@ -13,6 +13,7 @@ import pytest
 
 from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
 from hfscale.plan import build_plan
+from hfscale.runners.stopping import stop_script
 from hfscale.shell import render
 
 from conftest import job_of
@@ -44,7 +45,8 @@ def test_local_accelerate_plan_exact():
         "PYTHONUNBUFFERED": "1",
         "HFSCALE_DS_CONFIG": f"{RUN}/ds_config.json",
     }
-    assert plan.cleanup is None and plan.logs == ("local",)
+    assert plan.cleanup.real_argv() == ["bash", "-c", stop_script("20261122-120000-abcdef")]
+    assert plan.logs == ("local",)
     assert [name for name, _ in plan.files] == [
         "accelerate_config.yaml", "ds_config.json", "config.yaml", ".deepspeed_env"]
 
@@ -104,11 +106,14 @@ def test_pdsh_plan_exact():
     plan = build_plan(job_of(PDSH), CTX)
     launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
                 "--machine_rank \"$HFSCALE_NODE_RANK\" train.py --name 'x; rm -rf /'")
-    script = (f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
-              '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
+    node = (f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
+            '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
+    # the node's shell starts with the job id in its environment: the stop finds it (and runner.setup)
+    script = "exec env HFSCALE_JOB_ID=20261122-120000-abcdef bash -c " + shlex.quote(node)
     assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "2", "-w",
                                             f"^{RUN}/pdsh_hosts", "-l", "alice", script)
-    assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o BatchMode=yes"),)
+    assert plan.main.env == (("PDSH_SSH_ARGS_APPEND", "-p 2222 -o BatchMode=yes -o ServerAliveInterval=10 "
+                                                      "-o ServerAliveCountMax=3"),)
     assert dict(plan.files)["pdsh_hosts"] == "node0\nnode1\n"
     private = dict(plan.private)
     assert private["env.sh"].real == ENV_HEAD + EXPORTS.format(key="wk-secret", project="proj", run=RUN) + "\n"
@@ -117,26 +122,28 @@ def test_pdsh_plan_exact():
     assert [(n.host, n.rank) for n in plan.nodes] == [("node0", 0), ("node1", 1)]
     assert render(plan.nodes[1].command) == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
-    assert "grep -qx 'HFSCALE_JOB_ID=20261122-120000-abcdef' && kill -TERM" in plan.cleanup.real_argv()[-1]
-    assert "pkill" not in plan.cleanup.real_argv()[-1]
+    assert plan.cleanup.real_argv()[-1] == stop_script("20261122-120000-abcdef")
 
 
 def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):
     """pdsh's own exec module substitutes %h like ssh does; the shell must then see every value intact."""
     job = job_of(PDSH)
-    plan = build_plan(job, LaunchContext.of(str(tmp_path), "/opt/py/bin/python", "20261122-120000-abcdef",
-                                            dict(CTX.shell_env)))
+    # a stand-in interpreter prints the environment the launcher would get
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, os; print(json.dumps(dict(os.environ)))'\n")
+    python.chmod(0o755)
+    plan = build_plan(job, LaunchContext.of(str(tmp_path), str(python), "20261122-120000-abcdef", dict(CTX.shell_env)))
     run = Path(plan.run_dir)
     run.mkdir(parents=True)
     for name, text in plan.private:
         (run / name).write_text(text.real)
-    script = plan.main.real_argv()[-1]
-    # run the line locally with pdsh's exec backend: replace the launcher by printing the environment
-    probe = script.split(" && /opt/py/bin/python")[0].replace("cd /shared/code", f"cd {tmp_path}")
-    probe += f" && {sys.executable} -c 'import json, os; print(json.dumps(dict(os.environ)))'"
-    r = subprocess.run(["pdsh", "-R", "exec", "-w", "node1", "sh", "-c", probe], capture_output=True, text=True)
+    line = plan.main.real_argv()[-1].replace("cd /shared/code", f"cd {tmp_path}")
+    # the whole line, run locally with pdsh's exec backend (which substitutes %h as for ssh)
+    r = subprocess.run(["pdsh", "-R", "exec", "-w", "node1", "sh", "-c", line], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    env = json.loads(r.stdout.split("node1: ", 1)[1])
+    assert r.stdout.splitlines()[-1] == "node1: HFSCALE_EXIT rc=0"
+    env = json.loads(r.stdout.split("node1: ", 1)[1].split("\n", 1)[0])
+    assert env["HFSCALE_JOB_ID"] == "20261122-120000-abcdef" and env["HFSCALE_HOST"] == "node1"
     assert env["SPACES"] == "a b  c"
     assert env["QUOTES"] == "it's \"q\""
     assert env["DOLLAR"] == "$(touch /tmp/pwned) $HOME `id`"
@@ -215,7 +222,7 @@ DOCKER = """
 def test_pdsh_docker_plan_exact():
     plan = build_plan(job_of(DOCKER), CTX)
     script = plan.main.real_argv()[-1]
-    docker = script.split("/nodes.sh && ", 1)[1].split("; rc=$?", 1)[0]
+    docker = shlex.split(script)[-1].split("/nodes.sh && ", 1)[1].split("; rc=$?", 1)[0]
     names = ["NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "A", "HFSCALE_JOB_ID",
              "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "HFSCALE_NODE_RANK"]
     assert docker == (
@@ -229,7 +236,8 @@ def test_pdsh_docker_plan_exact():
     )
     assert "x y" not in script and "A='x y'" in dict(plan.private)["env.sh"].real  # values never on an argv
     assert plan.cleanup.real_argv()[-1] == (
-        "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f")
+        "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f; "
+        + stop_script("20261122-120000-abcdef"))
 
 
 def test_local_docker_runs_without_pdsh():
@@ -247,7 +255,8 @@ def test_dry_run_text_is_shell_quoted_and_parseable():
     text = build_plan(job_of(PDSH), CTX).render()
     run_line = text.split("\nrun:\n  ", 1)[1].split("\n", 1)[0]
     words = shlex.split(run_line)
-    assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o BatchMode=yes"
+    assert words[0] == "PDSH_SSH_ARGS_APPEND=-p 2222 -o BatchMode=yes -o ServerAliveInterval=10 -o ServerAliveCountMax=3"
+    assert words[-1] == build_plan(job_of(PDSH), CTX).main.real_argv()[-1]  # the node's line, no secret in it
     assert words[1:11] == ["pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "2", "-w", f"^{RUN}/pdsh_hosts"]
 
 

@@ -26,7 +26,8 @@ def facts(**over):
 def test_probe_commands():
     cmds = probes(job_of(TWO), "/py")
     assert sorted(cmds) == ["node0", "node0/shell", "node1", "node1/shell"]
-    ssh = ["ssh", "-p", "2200", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", "-l", "bob"]
+    ssh = ["ssh", "-p", "2200", "-o", "ConnectTimeout=3", "-o", "BatchMode=yes", "-o", "ServerAliveInterval=10",
+           "-o", "ServerAliveCountMax=3", "-l", "bob"]
     assert list(cmds["node1/shell"].argv) == ssh + ["node1", "true"]
     assert list(cmds["node0"].argv[:-1]) == ssh + ["node0"]
     assert "port=free" in cmds["node0"].argv[-1] and "29555" in cmds["node0"].argv[-1]

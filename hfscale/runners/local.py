@@ -5,17 +5,19 @@ from __future__ import annotations
 from ..job import Job
 from ..launch_plan import LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
-from ..shell import Command, words
+from ..shell import Command, Line, Sh, words
 from .common import Common
+from .stopping import stop_script
 
 LOG = "local"
 
 
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     """``accelerate launch`` (or torchrun) with the generated config, in the working directory;
-    stopping it is stopping its process group (hfscale.execute)."""
+    stopping it is stopping this job's processes here (torchrun's workers leave its process group)."""
     argv = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, "0"))
     main = Command(tuple(argv), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
     host = job.hosts[0].host if job.hosts else LOG
+    cleanup = Command(("bash", "-c", Line((Sh(stop_script(ctx.job_id)),))))
     return LaunchPlan(ctx.job_id, "local", c.run_dir, c.files, (NodeLaunch(host, 0, words(argv)),), (host,), main,
-                      None, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
+                      cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]

@@ -8,8 +8,9 @@ secret values). Every host runs the same short line: change to the working direc
 environment (so the job id is set before anything else runs), take its rank from ``nodes.sh`` by
 its own name (pdsh's ``%h``: ranks never depend on pdsh's order), run ``runner.setup``, run the
 launcher, print ``HFSCALE_EXIT rc=N``. Literal values are quoted and their ``%`` doubled for pdsh;
-only ``runner.setup`` runs as written. The cleanup signals exactly the processes whose environment
-holds this job's id, at most ``runner.fanout`` hosts at a time.
+only ``runner.setup`` runs as written. The line runs in a shell started with the job id in its
+environment; the cleanup stops exactly the processes whose environment holds it (TERM, then KILL
+after a grace period: hfscale.runners.stopping), at most ``runner.fanout`` hosts at a time.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from ..envvars import host_env, host_secret
 from ..job import Job
 from ..launch_plan import EXIT_MARK, LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
-from ..shell import Assign, Command, Line, PdshHost, Secret, Sh, Text, Var, Word, and_then, exports, render, words
+from ..shell import Assign, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports, render, words
 from ..ssh import pdsh_argv
 from .common import Common
+from .stopping import JOB_ID_VAR, stop_script
 
 RANK_VAR = "HFSCALE_NODE_RANK"
 HOST_VAR = "HFSCALE_HOST"
@@ -70,17 +72,18 @@ def prelude(job: Job, c: Common) -> Line:
                     Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
 
 
-def fan_out(before: Line, launcher: list[Word]) -> Line:
-    """The one line pdsh sends to every host; it ends by printing the launcher's exit code."""
+def fan_out(job_id: str, before: Line, launcher: list[Word]) -> Line:
+    """The one line pdsh sends to every host: a shell started with the job id in its environment
+    (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) runs ``before``
+    and the launcher, and ends by printing the launcher's exit code."""
     tail = Sh(f'; rc=$?; echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
-    return Line((and_then(before, words(launcher)), tail), pdsh=True)
+    node = Line((and_then(before, words(launcher)), tail))
+    return Line((Sh("exec env"), Assign(JOB_ID_VAR, job_id), Sh("bash -c"), Script(node)), pdsh=True)
 
 
 def kill_line(job_id: str) -> Line:
-    """Signal only processes whose environment carries this job's id: never a match on names."""
-    probe = (f"for p in /proc/[0-9]*; do tr '\\0' '\\n' < $p/environ 2>/dev/null | grep -qx 'HFSCALE_JOB_ID={job_id}' "
-             "&& kill -{sig} ${{p#/proc/}} 2>/dev/null; done")
-    return Line((Sh(f"{probe.format(sig='TERM')}; sleep 3; {probe.format(sig='KILL')}; true"),), pdsh=True)
+    """The stop every host runs: this job's processes only (hfscale.runners.stopping)."""
+    return Line((Sh(stop_script(job_id)),), pdsh=True)
 
 
 def hosts_file(hosts: tuple[str, ...]) -> tuple[str, str]:
@@ -92,7 +95,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
     listing = posixpath.join(c.run_dir, HOSTS_FILE)
     pdsh, pdsh_env = pdsh_argv(job, listing, len(hosts))
-    main = Command((*pdsh, fan_out(prelude(job, c), launcher)), pdsh_env)
+    main = Command((*pdsh, fan_out(ctx.job_id, prelude(job, c), launcher)), pdsh_env)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), job.config.runner.fanout))
     cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,

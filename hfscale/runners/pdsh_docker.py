@@ -3,7 +3,9 @@
 ``docker run --rm --network host`` with a per-job name and label, the mounts, ``--gpus``, and the
 RDMA device and locked memory with the infiniband/roce presets. Values are exported in the host
 shell and passed as ``-e NAME`` only, so they never sit on docker's argv. With no hosts the
-container runs on this node without pdsh. Cleanup removes the job's containers by label.
+container runs on this node without pdsh. Cleanup removes the job's containers by label, then
+stops what is left of the job on the host (hfscale.runners.stopping: ``runner.setup``, the docker
+client).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..shell import Cat, Command, Line, Sh, Var, Word, words
 from ..ssh import pdsh_argv
 from . import pdsh
 from .common import Common
+from .stopping import stop_script
 
 
 def docker_argv(job: Job, env_names: list[str], rank: Word, workdir: str, launcher: list[Word], job_id: str
@@ -66,10 +69,10 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                           ("local",), main, cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
     listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
     fan, fan_env = pdsh_argv(job, listing, len(hosts))
-    main = Command((*fan, pdsh.fan_out(pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))), fan_env)
+    main = Command((*fan, pdsh.fan_out(ctx.job_id, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))), fan_env)
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
-                   Sh("rm -f")), pdsh=True)
+                   Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))), pdsh=True)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
     cleanup = Command((*stop, remove), stop_env)
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))

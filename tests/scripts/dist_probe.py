@@ -3,6 +3,9 @@
     --mode ok        barrier, print PROBE_DONE, exit 0
     --mode crash     rank --rank exits 3 after the group formed; the others block in all_reduce
     --mode hang      every rank loops on all_reduce until it is killed
+    --mode stubborn  as hang, but rank --rank ignores SIGTERM, SIGINT and SIGHUP and sleeps outside
+                     any collective (stuck, or a preemption handler that never gets to its step
+                     boundary): only SIGKILL ends it
 Each rank prints ``PROBE_READY {json}`` with its rank, world size, host, argv, $PROBE_VALUE,
 whether it runs in a container and whether its interpreter's prefix is writable.
 """
@@ -10,6 +13,7 @@ whether it runs in a container and whether its interpreter's prefix is writable.
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -25,9 +29,12 @@ def say(line: str) -> None:
 
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--mode", default="ok", choices=["ok", "crash", "hang"])
+ap.add_argument("--mode", default="ok", choices=["ok", "crash", "hang", "stubborn"])
 ap.add_argument("--rank", type=int, default=1)
 args, rest = ap.parse_known_args()
+if args.mode == "stubborn" and int(os.environ.get("RANK", "0")) == args.rank:
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -41,7 +48,10 @@ dist.barrier()
 if args.mode == "crash" and rank == args.rank:
     say(f"PROBE_CRASH rank={rank}")
     sys.exit(3)
-if args.mode in ("crash", "hang"):
+if args.mode == "stubborn" and rank == args.rank:
+    while True:  # stuck outside any collective: a peer's death does not end it either
+        time.sleep(0.2)
+if args.mode in ("crash", "hang", "stubborn"):
     t = torch.zeros(1)
     while True:
         dist.all_reduce(t)
