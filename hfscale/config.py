@@ -97,8 +97,9 @@ class RunnerConfig(Strict):
     ssh_port: int = Field(22, ge=1, le=65535, description="ssh port on every host.")
     ssh_user: str | None = Field(None, description="ssh user. Default: your ssh config's.")
     connect_timeout: int = Field(10, ge=1, le=3600, description="Seconds to wait for ssh to connect to a host.")
-    fanout: int = Field(256, ge=1, le=10_000, description="Hosts pdsh works on at a time for short commands (the "
-                        "clean-up); the launch itself holds one ssh session per host.")
+    fanout: int = Field(256, ge=1, le=10_000, description="Most ssh sessions at a time. Up to this many hosts the "
+                        "launch holds one per host and streams the output; with more it starts the nodes detached, this "
+                        "many at a time, and follows their logs and heartbeats in the run directory.")
     run_dir: str = Field(
         "runs",
         description="Where run directories are made (one per launch). Multi-node: a path every node sees.",

@@ -7,7 +7,9 @@ rank is left behind (TERM, then KILL after hfscale.runners.stopping's grace peri
 cannot reach shows up in the same stream (pdsh reports ssh's exit code 255 for a host that never
 printed its exit line), so there is no separate reachability round before the launch: that
 host's job ends the launch with exit code 3 and the host named. A host lost during the run is
-found the same way: ssh's keep-alives (hfscale.ssh) end its connection within a minute.
+found the same way: ssh's keep-alives (hfscale.ssh) end its connection within a minute. A
+detached launch (more hosts than runner.fanout) is followed through the run directory instead:
+the nodes' logs and heartbeats (hfscale.follow).
 Submitting plans hand the job to a scheduler, with what each runner knows about its scheduler's
 answers (hfscale.runners).
 """
@@ -20,13 +22,15 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, TextIO
 
 from . import exitcodes
 from .files import write_files
-from .launch_plan import EXIT_MARK, LaunchPlan
+from .follow import Follower
+from .launch_plan import EXIT_MARK, Follow, LaunchPlan
 from .runners import RUNNERS
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
@@ -38,6 +42,7 @@ _PREFIXED = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[^\s:]+): ")
 SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+FOLLOW_POLL_S = 1.0  # a detached job's logs are read this often
 
 
 def _env(cmd: Command) -> dict[str, str]:
@@ -52,6 +57,8 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
     write_files(run_dir, {**dict(plan.files), "plan.txt": record})
     write_files(run_dir, {name: text.real for name, text in plan.private}, mode=0o600)
     (run_dir / "logs").mkdir()
+    if plan.follow is not None:
+        Path(plan.follow.beats_dir).mkdir()
     return run_dir
 
 
@@ -72,6 +79,12 @@ class _Run:
         self._stopping = False
         self._stopper: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
+        self.following = False  # main started a detached job and ended: its process group is gone
+
+    @property
+    def exited(self) -> set[str]:
+        """Hosts that printed their exit line."""
+        return self._exited
 
     def route(self, line: str) -> None:
         m = _PREFIXED.match(line)
@@ -147,7 +160,7 @@ class _Run:
             except OSError as e:
                 self.echo(f"hfscale: cannot run the cleanup: {e.strerror or e}")
         proc = self.proc
-        if proc is None:
+        if proc is None or self.following:
             return
         if c is None:
             _signal_group(proc, signal.SIGTERM)
@@ -276,6 +289,31 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             signal.signal(s, h)
 
 
+def _follow(run: _Run, follow: Follow, signalled: list[int]) -> None:
+    """Relay a detached job's output and exit lines from the run directory until every host has
+    exited, one failed or went silent, or a signal came."""
+    run.following = True
+    follower = Follower(follow, time.monotonic())
+    next_check = time.monotonic() + follow.beat_s / 2
+    while run.failure is None and not signalled:
+        for host, line in follower.lines():
+            run.route(f"{host}: {line}")
+        if run.failure is not None or signalled or run.exited >= set(follow.hosts):
+            return
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + follow.beat_s / 2
+            lost = follower.silent(now, run.exited)
+            if lost:
+                host, more = lost[0], (f" (and {len(lost) - 1} more host(s))" if len(lost) > 1 else "")
+                what = (f"lost {host}: no heartbeat for {follow.lost_after_s} s" if follower.ever_beat(host) else
+                        f"no heartbeat from {host} in {follow.lost_after_s} s: its line did not start, or it does not "
+                        f"see the run directory {run.plan.run_dir} (it must be on a filesystem every node shares)")
+                run.fail(host, exitcodes.UNREACHABLE, what + more)
+                return
+        time.sleep(FOLLOW_POLL_S)
+
+
 def _stream(run: _Run, signalled: list[int]) -> int:
     m = run.plan.main
     try:
@@ -296,6 +334,8 @@ def _stream(run: _Run, signalled: list[int]) -> int:
         run.route(line.rstrip("\n"))
     rc = run.proc.wait()
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
+    if run.plan.follow is not None and rc == 0 and run.failure is None and not signalled:
+        _follow(run, run.plan.follow, signalled)
     run.finish()
     if signalled:
         return 128 + signalled[0]

@@ -31,13 +31,30 @@ class NodeLaunch:
 
 
 @dataclass(frozen=True)
+class Follow:
+    """A detached launch (more hosts than ``runner.fanout``): ``main`` only starts every node, at
+    most ``runner.fanout`` at a time, and returns; each node appends its output to
+    ``logs_dir/<host>.log`` and rewrites ``beats_dir/<host>`` every ``beat_s`` seconds, on the
+    run directory's shared filesystem. hfscale then follows those files (hfscale.follow): a host
+    whose heartbeat has not changed for ``lost_after_s`` seconds is lost."""
+
+    hosts: tuple[str, ...]
+    logs_dir: str
+    beats_dir: str
+    beat_s: int
+    lost_after_s: int
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """Everything a launch does, in order: ``moves`` (``--restart``), the ``files`` of the run
     directory (``private`` ones, which hold secret values, readable by you only: mode 0600),
     ``main`` (the one process hfscale starts), and on failure or Ctrl-C ``cleanup``.
 
     ``nodes`` describes what each node runs (for people: ``main`` is what starts them); ``logs``
-    names the streams ``main``'s output is split into (one per host, or one); ``show`` the files
+    names the streams ``main``'s output is split into (one per host, or one; none when the nodes
+    write their own logs: ``follow``, what hfscale watches once ``main`` started a detached job);
+    ``show`` the files
     printed in full by ``render`` (the sbatch script, the manifests; the private files always are,
     with their secrets masked)."""
 
@@ -54,6 +71,7 @@ class LaunchPlan:
     show: tuple[str, ...] = ()
     moves: tuple[tuple[str, str], ...] = ()
     private: tuple[tuple[str, Text], ...] = ()
+    follow: Follow | None = None
 
     def where(self) -> str:
         """Where the job runs, for one line of output."""
@@ -79,6 +97,12 @@ class LaunchPlan:
         for name, text in shown:
             out += [f"--- {posixpath.join(self.run_dir, name)}", text.rstrip("\n"), "---"]
         out += ["run:", f"  {self.main.shell()}"]
+        if self.follow is not None:
+            f = self.follow
+            out += ["then follow (the nodes run detached):",
+                    f"  output: {posixpath.join(f.logs_dir, '<host>.log')}",
+                    f"  heartbeat every {f.beat_s} s: {posixpath.join(f.beats_dir, '<host>')}; "
+                    f"a host silent for {f.lost_after_s} s is lost"]
         if self.cleanup is not None:
             out += ["on failure or Ctrl-C:", f"  {self.cleanup.shell()}"]
         out += [f"note: {n}" for n in self.notes]

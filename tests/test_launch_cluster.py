@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import leftover_processes
+from cluster import leftover_processes, pids_in_node
 from conftest import ROOT
 from hfscale.runners.stopping import STOP_GRACE_S
 
@@ -327,6 +327,88 @@ def test_preflight_on_the_cluster(cluster2, tmp_path):
 
     assert [row[0] for row in rows] == cluster2.nodes
     assert all(row[2] == torch.__version__ and row[-1] == "ok" for row in rows)
+
+
+# ---- more hosts than runner.fanout: the nodes run detached, hfscale follows the run directory ----
+
+
+def detached_config(tmp_path: Path, hosts: list[str], fanout: int, **kw) -> Path:
+    extra = kw.pop("extra", {})
+    return write_config(tmp_path, hosts, **kw, extra={**extra, "runner": {**extra.get("runner", {}), "fanout": fanout}})
+
+
+def test_detached_launch_trains_and_relays_every_node(cluster2, tmp_path):
+    config = detached_config(tmp_path, cluster2.nodes, 1, port=29625, script_args=["--mode", "ok"])
+    r = launch(cluster2, config, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = run_dir_of(tmp_path)
+    assert " -f 1 " in (run_dir / "plan.txt").read_text()
+    for i, node in enumerate(cluster2.nodes):
+        assert f"{node}: PROBE_DONE rank={i}" in r.stdout  # relayed from the node's own log
+        log = (run_dir / "logs" / f"{node}.log").read_text()
+        assert f"PROBE_DONE rank={i}" in log and log.rstrip().endswith("HFSCALE_EXIT rc=0")
+        assert (run_dir / "alive" / node).read_text().strip().isdigit()
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}
+
+
+def test_detached_crash_stops_every_node(cluster2, tmp_path):
+    config = detached_config(tmp_path, cluster2.nodes, 1, port=29626, script_args=["--mode", "crash", "--rank", "1"])
+    r = launch(cluster2, config, timeout=120)
+    assert r.returncode not in (0, 3), r.stdout + r.stderr
+    assert "node1: PROBE_CRASH rank=1" in r.stdout and "hfscale: node1 failed" in r.stdout
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, r.stdout
+
+
+def test_detached_sigterm_stops_every_node(cluster2, tmp_path):
+    config = detached_config(tmp_path, cluster2.nodes, 1, port=29627, script_args=["--mode", "stubborn", "--rank", "0"])
+    proc, seen = launch_until_ready(cluster2, config, ranks=2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + out
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, out
+
+
+def test_detached_dead_node_is_noticed_by_its_heartbeat(make_cluster, tmp_path):
+    """Every process of node1 frozen at once (a hung kernel: its connections stay open, nothing is
+    reset, node0's rank waits in all_reduce): no exit line, no more heartbeats; within a minute
+    hfscale names node1, exits 3 and stops node0."""
+    cluster = make_cluster(2)
+    config = detached_config(tmp_path, cluster.nodes, 1, port=29628, script_args=["--mode", "hang"])
+    proc, seen = launch_until_ready(cluster, config, ranks=2)
+    t0 = time.monotonic()
+    for pid in pids_in_node(cluster, "node1", include_infra=True):
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
+    print(f"dead node noticed after {took:.1f}s")
+    assert proc.returncode == 3, "".join(seen) + out
+    assert "hfscale: lost node1: no heartbeat for 40 s; stopping the job on every node" in out
+    assert took < 60
+    assert leftover_processes(cluster, timeout=STOP_GRACE_S + 3).get("node0") is None, out
+
+
+def test_eight_hosts_attached_and_detached(make_cluster, tmp_path):
+    """8 namespace hosts, the launcher replaced by a stand-in (8 torch imports would not fit 2
+    cores): attached (fanout 256) and detached 3 at a time, every host gets its own rank."""
+    cluster = make_cluster(8)
+    standin = tmp_path / "python"
+    standin.write_text('#!/bin/sh\necho "STANDIN rank=$HFSCALE_NODE_RANK host=$(hostname)"\n')
+    standin.chmod(0o755)
+    for fanout in (256, 3):
+        work = tmp_path / f"fanout{fanout}"
+        work.mkdir()
+        config = detached_config(work, cluster.nodes, fanout, port=29629,
+                                 extra={"runner": {"python": str(standin)}})
+        r = launch(cluster, config, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = sorted(line.split(": ", 1)[1] for line in r.stdout.splitlines() if "STANDIN" in line)
+        assert said == sorted(f"STANDIN rank={i} host=node{i}" for i in range(8)), r.stdout
+        plan = (run_dir_of(work) / "plan.txt").read_text()
+        assert f" -f {min(fanout, 8)} " in plan and ("then follow" in plan) == (fanout < 8)
+    assert leftover_processes(cluster, timeout=5) == {}
 
 
 # ---- pdsh_docker: the same fan-out, each node's launcher inside a real container ----------------

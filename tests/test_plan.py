@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from hfscale.launch_plan import Follow
 from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
 from hfscale.plan import build_plan
 from hfscale.runners.stopping import stop_script
@@ -123,6 +126,68 @@ def test_pdsh_plan_exact():
     assert render(plan.nodes[1].command) == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
     assert plan.cleanup.real_argv()[-1] == stop_script("20261122-120000-abcdef")
+
+
+def test_more_hosts_than_fanout_launch_detached_exact():
+    """Beyond runner.fanout hosts the launch holds no ssh per host: pdsh starts each node's line
+    (the attached one, unchanged) in a new session, fanout hosts at a time, with its output going
+    to logs/<host>.log and a heartbeat loop beside it; hfscale follows the files."""
+    attached = build_plan(job_of(PDSH), CTX)
+    plan = build_plan(job_of(PDSH.replace("connect_timeout: 7}", "connect_timeout: 7, fanout: 1}")), CTX)
+    node = shlex.split(attached.main.real_argv()[-1])[-1]  # bash -c's script in the attached line
+    node = node.replace("; rc=$?;", "; rc=$?; kill $hb 2>/dev/null;")  # ... which also ends the heartbeat
+    beat = ("( trap 'kill $s 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; do n=$((n+1)); "
+            f"echo $n > {RUN}/alive/\"$HFSCALE_HOST\"; sleep 10 & s=$!; wait $s; done ) </dev/null >/dev/null "
+            "2>&1 & hb=$!;")
+    script = ("export HFSCALE_HOST=%h; env HFSCALE_JOB_ID=20261122-120000-abcdef setsid bash -c "
+              + shlex.quote(beat + " " + node) + f' </dev/null >> {RUN}/logs/"$HFSCALE_HOST".log 2>&1 &')
+    assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "1", "-w",
+                                            f"^{RUN}/pdsh_hosts", "-l", "alice", script)
+    assert plan.logs == () and attached.logs == ("node0", "node1") and attached.follow is None
+    assert plan.follow == Follow(("node0", "node1"), f"{RUN}/logs", f"{RUN}/alive", 10, 40)
+    assert plan.cleanup == attached.cleanup.__class__(
+        (*plan.main.argv[:-1], attached.cleanup.argv[-1]), attached.cleanup.env)
+    assert "a host silent for 40 s is lost" in plan.render()
+
+
+def test_detached_line_runs_the_node_and_returns(tmp_path):
+    """The detached line, run locally through pdsh's exec backend: it returns at once, the node's
+    line runs on in its own session, writes its log with the exit line and beats while it runs."""
+    job = job_of(PDSH.replace("connect_timeout: 7}", "connect_timeout: 7, fanout: 1}"))
+    python = tmp_path / "python"  # stands in for the launcher: runs 2 s, says its rank
+    python.write_text('#!/bin/sh\nsleep 2; echo "rank=$HFSCALE_NODE_RANK sid=$(ps -o sid= $$)"\n')
+    python.chmod(0o755)
+    plan = build_plan(job, LaunchContext.of(str(tmp_path), str(python), "20261122-120000-abcdef", dict(CTX.shell_env)))
+    run = Path(plan.run_dir)
+    (run / "logs").mkdir(parents=True)
+    (run / "alive").mkdir()
+    for name, text in plan.private:
+        (run / name).write_text(text.real)
+    line = plan.main.real_argv()[-1].replace("cd /shared/code", f"cd {tmp_path}")
+    t0 = time.monotonic()
+    r = subprocess.run(["pdsh", "-R", "exec", "-w", "node1", "sh", "-c", line], capture_output=True, text=True,
+                       timeout=10)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert time.monotonic() - t0 < 1.5  # the launcher runs 2 s: pdsh did not wait for it
+    log, beat = run / "logs" / "node1.log", run / "alive" / "node1"
+    deadline = time.monotonic() + 10
+    while "HFSCALE_EXIT" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert beat.read_text() == "1\n"  # its first beat (the next one would be 10 s later)
+    rank, exit_line = log.read_text().splitlines()
+    assert rank.startswith("rank=1 sid=") and int(rank.split("sid=")[1]) != os.getsid(0)
+    assert exit_line == "HFSCALE_EXIT rc=0"
+    # nothing of the node's line is left: the heartbeat loop and its sleep ended with it
+    deadline = time.monotonic() + 3
+    while (left := _with_job_id("20261122-120000-abcdef")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
+
+
+def _with_job_id(job: str) -> list[str]:
+    r = subprocess.run(["bash", "-c", f"grep -lsxzF 'HFSCALE_JOB_ID={job}' /proc/[0-9]*/environ"],
+                       capture_output=True, text=True)
+    return r.stdout.split()
 
 
 def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):

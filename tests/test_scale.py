@@ -1,4 +1,4 @@
-"""3,000 hosts: nothing per host rides on a command line, the clean-up fan-out is bounded, and
+"""3,000 hosts: nothing per host rides on a command line, the launch and clean-up fan-out are bounded, and
 `hfscale launch` drives a stand-in pdsh (on PATH, recording its argv) to the end. Timings of check,
 plan and dry-run at this size are measured by bench/bench_scale.py, not asserted here."""
 
@@ -27,8 +27,13 @@ out = os.environ["SCALE_OUT"]
 n = len([f for f in os.listdir(out) if f.startswith("pdsh-")])
 with open(os.path.join(out, f"pdsh-{n}.json"), "w") as f:
     json.dump({"argv": sys.argv, "env": {k: v for k, v in os.environ.items() if k.startswith("PDSH")}}, f)
-hosts = open(sys.argv[sys.argv.index("-w") + 1][1:]).read().split()
-if "HFSCALE_EXIT" in sys.argv[-1]:
+listing = sys.argv[sys.argv.index("-w") + 1][1:]
+hosts = open(listing).read().split()
+if "setsid" in sys.argv[-1]:  # a detached launch: each node writes its own log, ending in its exit line
+    for h in hosts:
+        with open(os.path.join(os.path.dirname(listing), "logs", h + ".log"), "w") as f:
+            f.write(f"rank of {h} done\nHFSCALE_EXIT rc=0\n")
+elif "HFSCALE_EXIT" in sys.argv[-1]:
     for h in hosts:
         print(f"{h}: HFSCALE_EXIT rc=0")
 """
@@ -56,8 +61,11 @@ def test_per_host_data_never_rides_on_a_command_line(tmp_path):
         assert max(len(a) for a in argv) < 4096 and sum(len(a) for a in argv) < 8192
         assert argv[argv.index("-w") + 1] == f"^{plan.run_dir}/pdsh_hosts"
         assert "tok-secret" not in " ".join(argv)
-    assert plan.main.real_argv()[plan.main.real_argv().index("-f") + 1] == str(HOSTS)  # a launch holds every session
-    assert plan.cleanup.real_argv()[plan.cleanup.real_argv().index("-f") + 1] == "256"  # a clean-up does not
+    # beyond runner.fanout the launch starts the nodes detached: neither it nor the clean-up holds
+    # more than 256 ssh sessions
+    assert plan.main.real_argv()[plan.main.real_argv().index("-f") + 1] == "256"
+    assert plan.cleanup.real_argv()[plan.cleanup.real_argv().index("-f") + 1] == "256"
+    assert plan.follow is not None and len(plan.follow.hosts) == HOSTS and plan.logs == ()
     private = dict(plan.private)
     assert private["nodes.sh"].real.count(") export HFSCALE_NODE_RANK=") == HOSTS
     assert "tok-secret" in private["env.sh"].real and "tok-secret" not in private["env.sh"].shown
@@ -84,4 +92,6 @@ def test_launch_with_a_stand_in_pdsh_on_3000_hosts(tmp_path):
     assert (run_dir / "nodes.sh").stat().st_mode & 0o777 == 0o600
     assert "tok-secret" in (run_dir / "env.sh").read_text()
     assert "tok-secret" not in (run_dir / "plan.txt").read_text()
-    assert len(list((run_dir / "logs").iterdir())) == HOSTS  # one log per host, every exit line routed
+    assert len(list((run_dir / "logs").iterdir())) == HOSTS
+    relayed = [line for line in r.stdout.splitlines() if line.endswith(": HFSCALE_EXIT rc=0")]
+    assert len(relayed) == HOSTS  # every node's exit line, followed from its log

@@ -11,6 +11,11 @@ launcher, print ``HFSCALE_EXIT rc=N``. Literal values are quoted and their ``%``
 only ``runner.setup`` runs as written. The line runs in a shell started with the job id in its
 environment; the cleanup stops exactly the processes whose environment holds it (TERM, then KILL
 after a grace period: hfscale.runners.stopping), at most ``runner.fanout`` hosts at a time.
+
+Up to ``runner.fanout`` hosts, the launch holds one ssh per host for the whole run and streams
+the output (attached). Beyond, one launch host cannot hold thousands of ssh sessions: pdsh
+starts each node's line detached, ``runner.fanout`` hosts at a time, each node writes its output
+and a heartbeat into the run directory, and hfscale follows those files (``Follow``).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import posixpath
 
 from ..envvars import host_env, host_secret
 from ..job import Job
-from ..launch_plan import EXIT_MARK, LaunchPlan, NodeLaunch
+from ..launch_plan import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
-from ..shell import Assign, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports, render, words
+from ..shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
+                     render, words)
 from ..ssh import pdsh_argv
 from .common import Common
 from .stopping import JOB_ID_VAR, stop_script
@@ -32,6 +38,10 @@ UNKNOWN_HOST_EXIT = 97
 ENV_FILE = "env.sh"
 NODES_FILE = "nodes.sh"
 HOSTS_FILE = "pdsh_hosts"
+LOGS_DIR = "logs"
+BEATS_DIR = "alive"
+HEARTBEAT_S = 10
+LOST_AFTER_S = 40  # four heartbeats missed: noticed 40-45 s after a node died
 
 
 def env_file(c: Common) -> Text:
@@ -81,6 +91,38 @@ def fan_out(job_id: str, before: Line, launcher: list[Word]) -> Line:
     return Line((Sh("exec env"), Assign(JOB_ID_VAR, job_id), Sh("bash -c"), Script(node)), pdsh=True)
 
 
+def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> Line:
+    """The line pdsh sends when the launch is detached: start the node's line (``fan_out``'s) in a
+    new session with its output appended to ``logs/<host>.log`` and a heartbeat loop rewriting
+    ``alive/<host>`` while it runs, then return at once."""
+    beat_file = Cat((posixpath.join(run_dir, BEATS_DIR) + "/", Var(HOST_VAR)))
+    log_file = Cat((posixpath.join(run_dir, LOGS_DIR) + "/", Var(HOST_VAR), ".log"))
+    # the loop ends with the node's line: killed at its end (its sleep too), or finding $$ gone
+    beat = Line.of(Sh("( trap 'kill $s 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
+                      "do n=$((n+1)); echo $n >"), beat_file,
+                   Sh(f"; sleep {HEARTBEAT_S} & s=$!; wait $s; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
+    tail = Sh(f'; rc=$?; kill $hb 2>/dev/null; echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
+    node = Line((beat, and_then(before, words(launcher)), tail))
+    # ";" not "&&": "a && b &" would background a subshell holding the ssh session's output open
+    return Line((Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh("; env", glue=True), Assign(JOB_ID_VAR, job_id),
+                 Sh("setsid bash -c"), Script(node), Sh("</dev/null >>"), log_file, Sh("2>&1 &")), pdsh=True)
+
+
+def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Line, launcher: list[Word]
+           ) -> tuple[Command, tuple[str, ...], Follow | None]:
+    """(the process that launches, the logs hfscale writes from its output, what it follows after):
+    attached up to ``runner.fanout`` hosts, detached beyond."""
+    listing = posixpath.join(c.run_dir, HOSTS_FILE)
+    fanout = job.config.runner.fanout
+    if len(hosts) <= fanout:
+        argv, env = pdsh_argv(job, listing, len(hosts))
+        return Command((*argv, fan_out(job_id, before, launcher)), env), hosts, None
+    argv, env = pdsh_argv(job, listing, fanout)
+    follow = Follow(hosts, posixpath.join(c.run_dir, LOGS_DIR), posixpath.join(c.run_dir, BEATS_DIR), HEARTBEAT_S,
+                    LOST_AFTER_S)
+    return Command((*argv, detached(job_id, before, launcher, c.run_dir)), env), (), follow
+
+
 def kill_line(job_id: str) -> Line:
     """The stop every host runs: this job's processes only (hfscale.runners.stopping)."""
     return Line((Sh(stop_script(job_id)),), pdsh=True)
@@ -94,12 +136,12 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     hosts = tuple(h.host for h in job.hosts)
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
     listing = posixpath.join(c.run_dir, HOSTS_FILE)
-    pdsh, pdsh_env = pdsh_argv(job, listing, len(hosts))
-    main = Command((*pdsh, fan_out(ctx.job_id, prelude(job, c), launcher)), pdsh_env)
+    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), launcher)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), job.config.runner.fanout))
     cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
-    return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, hosts, main, cleanup,
-                      c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts))  # type: ignore[arg-type]
+    return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main, cleanup,
+                      c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
+                      follow=follow)

@@ -68,14 +68,13 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
         return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
                           ("local",), main, cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
     listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
-    fan, fan_env = pdsh_argv(job, listing, len(hosts))
-    main = Command((*fan, pdsh.fan_out(ctx.job_id, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))), fan_env)
+    main, logs, follow = pdsh.launch(job, c, ctx.job_id, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
                    Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))), pdsh=True)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
     cleanup = Command((*stop, remove), stop_env)
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
-    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, hosts, main,
+    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
                       cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
-                      private=pdsh.private_files(job, c, hosts))
+                      private=pdsh.private_files(job, c, hosts), follow=follow)

@@ -1,0 +1,72 @@
+"""Following a detached job through its run directory (hfscale.launch_plan.Follow): the nodes'
+output from ``logs/<host>.log`` and their heartbeats from ``alive/<host>``. Reads files only;
+hfscale.execute drives it.
+
+Heartbeats are compared by content (a counter each node increments), timed by this host's clock:
+nodes' clocks and the filesystem's timestamps never enter, and opening the file (close-to-open
+on NFS) sees the node's latest write.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .launch_plan import Follow
+
+READ_LIMIT = 1 << 20  # per host and round: one chatty host cannot stall the others
+
+
+class Follower:
+    """New lines and silent hosts of a detached job, polled."""
+
+    def __init__(self, follow: Follow, now: float):
+        self.follow = follow
+        self._logs = {h: Path(follow.logs_dir) / f"{h}.log" for h in follow.hosts}
+        self._beats = {h: Path(follow.beats_dir) / h for h in follow.hosts}
+        self._offset = dict.fromkeys(follow.hosts, 0)
+        self._partial = dict.fromkeys(follow.hosts, b"")
+        self._beat: dict[str, tuple[bytes | None, float]] = {h: (None, now) for h in follow.hosts}
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(host, line) for every complete line the nodes wrote since the last call."""
+        out: list[tuple[str, str]] = []
+        for host, path in self._logs.items():
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue  # not started yet
+            if size <= self._offset[host]:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offset[host])
+                    data = f.read(min(size - self._offset[host], READ_LIMIT))
+            except OSError:
+                continue
+            self._offset[host] += len(data)
+            *complete, self._partial[host] = (self._partial[host] + data).split(b"\n")
+            out += [(host, line.decode("utf-8", "replace")) for line in complete]
+        return out
+
+    def silent(self, now: float, done: set[str]) -> list[str]:
+        """Hosts not in ``done`` whose heartbeat has not changed for ``lost_after_s`` seconds."""
+        lost = []
+        for host, path in self._beats.items():
+            if host in done:
+                continue
+            try:
+                content: bytes | None = path.read_bytes()
+            except OSError:
+                content = None
+            last, since = self._beat[host]
+            if content != last:
+                self._beat[host] = (content, now)
+            elif now - since >= self.follow.lost_after_s:
+                lost.append(host)
+        return lost
+
+    def ever_beat(self, host: str) -> bool:
+        """Whether ``host``'s heartbeat file was ever seen (never: its line did not start there, or
+        it cannot see the run directory)."""
+        return self._beat[host][0] is not None
