@@ -23,6 +23,7 @@ from .config_base import (
     PositiveInt,
     Strict,
     Word,
+    must_match,
     _check_env_names,
     _seq,
 )
@@ -111,9 +112,7 @@ class RunnerConfig(Strict):
     @field_validator("ssh_user")
     @classmethod
     def _user(cls, v: str | None) -> str | None:
-        if v is not None and not USER_RE.match(v):
-            raise ValueError(f"{v!r} is not a user name")
-        return v
+        return must_match(v, USER_RE, " is not a user name")
 
 
 class NetworkConfig(Strict):
@@ -320,6 +319,4 @@ class HfscaleConfig(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError(f"{v!r} is not a job name: 1-64 of letters, digits, '.', '-', '_'")
-        return v
+        return must_match(v, NAME_RE, " is not a job name: 1-64 of letters, digits, '.', '-', '_'")

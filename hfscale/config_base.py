@@ -40,6 +40,14 @@ def _host(value: str) -> str:
 HostName = Annotated[str, AfterValidator(_host)]
 
 
+def must_match(value: str | None, pattern: re.Pattern[str] | str, problem: str) -> str | None:
+    """``value`` unchanged when it is None or ``pattern`` matches it; else a ValueError saying
+    ``<value!r><problem>``."""
+    if value is not None and not re.match(pattern, value):
+        raise ValueError(f"{value!r}{problem}")
+    return value
+
+
 def _integral(value: Any) -> Any:
     # DeepSpeed users write bucket sizes as 5e8; accept a float only when it is a whole number.
     if isinstance(value, float) and value.is_integer():

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .config_base import K8S_LABEL, K8S_SUBDOMAIN, PositiveInt, Strict, _seq
+from .config_base import K8S_LABEL, K8S_SUBDOMAIN, PositiveInt, Strict, _seq, must_match
 
 _RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -56,9 +56,7 @@ class DockerConfig(Strict):
     @field_validator("shm_size")
     @classmethod
     def _shm(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[0-9]+[bkmgBKMG]?$", v):
-            raise ValueError(f"{v!r} is not a size like 64g")
-        return v
+        return must_match(v, r"^[0-9]+[bkmgBKMG]?$", " is not a size like 64g")
 
 
 class SlurmConfig(Strict):
@@ -80,23 +78,18 @@ class SlurmConfig(Strict):
     @field_validator("partition", "account", "job_name")
     @classmethod
     def _word(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._,-]*$", v):
-            raise ValueError(f"{v!r}: letters, digits, '.', '_', ',' and '-' only")
-        return v
+        return must_match(v, r"^[A-Za-z0-9][A-Za-z0-9._,-]*$", ": letters, digits, '.', '_', ',' and '-' only")
 
     @field_validator("time")
     @classmethod
     def _time(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$", v):
-            raise ValueError(f"{v!r} is not a Slurm time such as 04:00:00 or 2-00:00:00")
-        return v
+        return must_match(v, r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$",
+                          " is not a Slurm time such as 04:00:00 or 2-00:00:00")
 
     @field_validator("signal")
     @classmethod
     def _signal(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(B:)?(SIG)?[A-Z0-9]+(@\d+)?$", v):
-            raise ValueError(f"{v!r} is not a signal spec such as USR1@120")
-        return v
+        return must_match(v, r"^(B:)?(SIG)?[A-Z0-9]+(@\d+)?$", " is not a signal spec such as USR1@120")
 
     @field_validator("extra")
     @classmethod
@@ -123,9 +116,7 @@ class K8sMount(Strict):
     @field_validator("claim")
     @classmethod
     def _claim(cls, v: str | None) -> str | None:
-        if v is not None and not K8S_SUBDOMAIN.match(v):
-            raise ValueError(f"{v!r} is not a claim name (RFC 1123: lower-case letters, digits, '-' and '.')")
-        return v
+        return must_match(v, K8S_SUBDOMAIN, " is not a claim name (RFC 1123: lower-case letters, digits, '-' and '.')")
 
 
 class ElasticConfig(Strict):
@@ -152,27 +143,21 @@ class KubernetesConfig(Strict):
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, v: str) -> str:
-        if not K8S_LABEL.match(v):
-            raise ValueError(f"{v!r} is not a namespace (RFC 1123 label: up to 63 lower-case letters, digits, '-')")
-        return v
+        return must_match(v, K8S_LABEL,
+                          " is not a namespace (RFC 1123 label: up to 63 lower-case letters, digits, '-')")
 
     @field_validator("service_account")
     @classmethod
     def _account(cls, v: str | None) -> str | None:
-        if v is not None and not K8S_SUBDOMAIN.match(v):
-            raise ValueError(f"{v!r} is not a service account name (RFC 1123: lower-case letters, digits, '-', '.')")
-        return v
+        return must_match(v, K8S_SUBDOMAIN,
+                          " is not a service account name (RFC 1123: lower-case letters, digits, '-', '.')")
 
     @field_validator("gpu_resource", "rdma_resource")
     @classmethod
     def _resource(cls, v: str) -> str:
-        if not _RESOURCE.match(v):
-            raise ValueError(f"{v!r} is not a resource name such as nvidia.com/gpu")
-        return v
+        return must_match(v, _RESOURCE, " is not a resource name such as nvidia.com/gpu")
 
     @field_validator("shm_size")
     @classmethod
     def _size(cls, v: str) -> str:
-        if not _QUANTITY.match(v):
-            raise ValueError(f"{v!r} is not a Kubernetes quantity such as 64Gi")
-        return v
+        return must_match(v, _QUANTITY, " is not a Kubernetes quantity such as 64Gi")
