@@ -36,8 +36,9 @@ from .runners.stopping import STOP_GRACE_S
 from .shell import Command
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
-_PDSH_FAIL = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ exited with exit code (?P<rc>\d+)$")
-_PDSH_KILLED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ killed by signal (?P<sig>\d+)$")
+# pdsh's report of a host's ssh: its exit code, or the signal that killed it
+_PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
+                         r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
 _PREFIXED = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[^\s:]+): ")
 SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
@@ -65,16 +66,15 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
 class _Run:
     """Bookkeeping for one running plan: logs, first failure, stopping once."""
 
-    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]):
+    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None], signals: list[int]):
         self.plan = plan
+        self._signals = signals  # execute's signal handler appends the first stop signal here
         self.echo = echo
         self.logs: dict[str, TextIO] = {h: open(run_dir / "logs" / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
         self.failure: tuple[str, int] | None = None
-        self.unreachable: dict[str, str] = {}  # host -> what ssh said
-        self._exited: set[str] = set()  # hosts that printed their exit line
+        self.exited: set[str] = set()  # hosts that printed their exit line
         self._last: dict[str, str] = {}  # each host's last line (ssh's complaint, for an unreachable one)
         self._lines: dict[str, int] = {}  # lines per host: more than ssh's one complaint means it was reached
-        self.signalled: int | None = None
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopper: threading.Thread | None = None
@@ -82,9 +82,9 @@ class _Run:
         self.following = False  # main started a detached job and ended: its process group is gone
 
     @property
-    def exited(self) -> set[str]:
-        """Hosts that printed their exit line."""
-        return self._exited
+    def signalled(self) -> int | None:
+        """The signal that stopped the job, if one did."""
+        return self._signals[0] if self._signals else None
 
     def route(self, line: str) -> None:
         m = _PREFIXED.match(line)
@@ -95,25 +95,22 @@ class _Run:
             self.logs[host].write(line + "\n")
             self.logs[host].flush()
         self.echo(line)
-        done, fail, killed = _EXIT.match(line), _PDSH_FAIL.match(line), _PDSH_KILLED.match(line)
+        done, ended = _EXIT.match(line), _PDSH_ENDED.match(line)
         if done:
-            self._exited.add(done["host"])
-        elif m and not fail and not killed and not line.startswith("pdsh@"):
+            self.exited.add(done["host"])
+        elif m and not line.startswith("pdsh@"):
             self._lines[m["host"]] = self._lines.get(m["host"], 0) + 1
             self._last[m["host"]] = line[m.end():]
         if self.failure is not None or self.signalled is not None:
             return
-        if killed:
-            sig = int(killed["sig"])
-            self.fail(killed["host"], 128 + sig, f"the ssh to {killed['host']} was killed ({_signame(sig)})")
-        elif fail and int(fail["rc"]) == SSH_FAILED and fail["host"] not in self._exited:
-            host = fail["host"]
-            said = self._last.get(host, "ssh failed")
-            self.unreachable[host] = said
+        if ended and ended["sig"]:
+            sig = int(ended["sig"])
+            self.fail(ended["host"], 128 + sig, f"the ssh to {ended['host']} was killed ({_signame(sig)})")
+        elif ended and int(ended["rc"]) == SSH_FAILED and ended["host"] not in self.exited:
+            host = ended["host"]
             what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
-            self.fail(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({said})")
-        elif (done or fail) and int((done or fail)["rc"]) != 0:
-            found = done or fail
+            self.fail(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({self._last.get(host, 'ssh failed')})")
+        elif (found := done or ended) and int(found["rc"]) != 0:
             self.fail(found["host"], int(found["rc"]), f"{found['host']} failed (exit code {found['rc']})")
 
     def fail(self, where: str, rc: int, what: str) -> None:
@@ -142,6 +139,8 @@ class _Run:
 
     def finish(self) -> None:
         """Wait for a stop in progress: the cleanup must have reached every node before hfscale exits."""
+        if self.signalled is not None:
+            self.stop()  # the signal handler's thread may not have got to it yet
         with self._stop_lock:
             stopper = self._stopper
         if stopper is not None:
@@ -262,7 +261,6 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
     def _stop_for_signal(signum: int) -> None:
         echo(f"hfscale: got {_signame(signum)}; stopping the job on every node")
         if run is not None and run.proc is not None:  # else _stream stops it once main exists
-            run.signalled = signum
             run.stop()
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
@@ -279,9 +277,9 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             return 128 + signalled[0]
         if plan.mode == "submit":
             return submit(plan, run_dir, echo)
-        run = _Run(plan, run_dir, echo)
+        run = _Run(plan, run_dir, echo, signalled)
         try:
-            return _stream(run, signalled)
+            return _stream(run)
         finally:
             run.close()
     finally:
@@ -289,16 +287,19 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             signal.signal(s, h)
 
 
-def _follow(run: _Run, follow: Follow, signalled: list[int]) -> None:
+def _follow(run: _Run, follow: Follow) -> None:
     """Relay a detached job's output and exit lines from the run directory until every host has
     exited, one failed or went silent, or a signal came."""
     run.following = True
     follower = Follower(follow, time.monotonic())
     next_check = time.monotonic() + follow.beat_s / 2
-    while run.failure is None and not signalled:
+    everyone = set(follow.hosts)
+    while True:
         for host, line in follower.lines():
             run.route(f"{host}: {line}")
-        if run.failure is not None or signalled or run.exited >= set(follow.hosts):
+        if run.failure is not None or run.signalled is not None:
+            break
+        if run.exited >= everyone:
             return
         now = time.monotonic()
         if now >= next_check:
@@ -310,11 +311,15 @@ def _follow(run: _Run, follow: Follow, signalled: list[int]) -> None:
                         f"no heartbeat from {host} in {follow.lost_after_s} s: its line did not start, or it does not "
                         f"see the run directory {run.plan.run_dir} (it must be on a filesystem every node shares)")
                 run.fail(host, exitcodes.UNREACHABLE, what + more)
-                return
+                break
         time.sleep(FOLLOW_POLL_S)
+    # once the stop is done, relay what the other nodes wrote meanwhile (their ends)
+    run.finish()
+    for host, line in follower.lines():
+        run.route(f"{host}: {line}")
 
 
-def _stream(run: _Run, signalled: list[int]) -> int:
+def _stream(run: _Run) -> int:
     m = run.plan.main
     try:
         run.proc = subprocess.Popen(
@@ -324,8 +329,7 @@ def _stream(run: _Run, signalled: list[int]) -> int:
     except OSError as e:
         run.echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
         return exitcodes.BAD_INPUT
-    if signalled:  # came while main was starting (the handler stops it once run.proc is set)
-        run.signalled = signalled[0]
+    if run.signalled is not None:  # came while main was starting (the handler stops it once run.proc is set)
         run.stop()
     watcher = threading.Thread(target=run.watch_main, daemon=True)
     watcher.start()
@@ -334,11 +338,11 @@ def _stream(run: _Run, signalled: list[int]) -> int:
         run.route(line.rstrip("\n"))
     rc = run.proc.wait()
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
-    if run.plan.follow is not None and rc == 0 and run.failure is None and not signalled:
-        _follow(run, run.plan.follow, signalled)
+    if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
+        _follow(run, run.plan.follow)
     run.finish()
-    if signalled:
-        return 128 + signalled[0]
+    if run.signalled is not None:
+        return 128 + run.signalled
     if run.failure is not None:
         return run.failure[1]
     return rc

@@ -3,8 +3,9 @@ output from ``logs/<host>.log`` and their heartbeats from ``alive/<host>``. Read
 hfscale.execute drives it.
 
 Heartbeats are compared by content (a counter each node increments), timed by this host's clock:
-nodes' clocks and the filesystem's timestamps never enter, and opening the file (close-to-open
-on NFS) sees the node's latest write.
+nodes' clocks never enter, and opening the file (close-to-open on NFS) sees the node's latest
+write. The logs' modification times only order the hosts within one poll (which node's exit line
+came first); liveness never depends on them.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ class Follower:
         self._beat: dict[str, tuple[bytes | None, float]] = {h: (None, now) for h in follow.hosts}
 
     def lines(self) -> list[tuple[str, str]]:
-        """(host, line) for every complete line the nodes wrote since the last call."""
-        out: list[tuple[str, str]] = []
+        """(host, line) for every complete line the nodes wrote since the last call; hosts in the
+        order their logs last changed, so that of two nodes failing within one poll the one that
+        failed first is named (its exit line is its log's last write)."""
+        batches: list[tuple[int, str, list[tuple[str, str]]]] = []
         for host, path in self._logs.items():
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except OSError:
                 continue  # not started yet
+            size = st.st_size
             if size <= self._offset[host]:
                 continue
             try:
@@ -46,8 +50,8 @@ class Follower:
                 continue
             self._offset[host] += len(data)
             *complete, self._partial[host] = (self._partial[host] + data).split(b"\n")
-            out += [(host, line.decode("utf-8", "replace")) for line in complete]
-        return out
+            batches.append((st.st_mtime_ns, host, [(host, line.decode("utf-8", "replace")) for line in complete]))
+        return [pair for _, _, lines in sorted(batches) for pair in lines]
 
     def silent(self, now: float, done: set[str]) -> list[str]:
         """Hosts not in ``done`` whose heartbeat has not changed for ``lost_after_s`` seconds."""

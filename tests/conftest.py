@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,34 @@ def job_of(text: str, name: str = "job.yaml"):
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+def job_pids(job: str) -> list[int]:
+    """Processes on this machine whose environment holds ``HFSCALE_JOB_ID=<job>`` (read from /proc
+    here, independently of the stop script's own search)."""
+    want = f"HFSCALE_JOB_ID={job}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if want in environ.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+def read_until(proc: subprocess.Popen, marker: str, count: int, timeout: float = 120) -> list[str]:
+    """Read ``proc``'s output until ``count`` lines containing ``marker`` were seen; the lines read."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while sum(marker in line for line in seen) < count:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
+        seen.append(line)
+    return seen
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -3,6 +3,8 @@ whose heartbeat stopped changing, timed by the caller's clock."""
 
 from __future__ import annotations
 
+import os
+
 from hfscale.follow import Follower
 from hfscale.launch_plan import Follow
 
@@ -39,3 +41,15 @@ def test_a_host_is_silent_once_its_counter_stops_changing(tmp_path):
     assert f.silent(180, set()) == []
     assert f.silent(181, set()) == ["a", "b"]
     assert f.silent(181, {"a", "b"}) == []  # hosts that printed their exit line are not watched
+
+
+def test_hosts_come_in_the_order_their_logs_changed(tmp_path):
+    """Two nodes failing within one poll: the one whose log changed first is relayed first, so
+    it is the one named as failed (host order in the list says nothing)."""
+    f = Follower(_follow(tmp_path), now=0)
+    a, b = tmp_path / "logs" / "a.log", tmp_path / "logs" / "b.log"
+    a.write_text("HFSCALE_EXIT rc=1\n")
+    b.write_text("HFSCALE_EXIT rc=3\n")
+    os.utime(b, ns=(1_000_000_000, 1_000_000_000))
+    os.utime(a, ns=(2_000_000_000, 2_000_000_000))
+    assert f.lines() == [("b", "HFSCALE_EXIT rc=3"), ("a", "HFSCALE_EXIT rc=1")]

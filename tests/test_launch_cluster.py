@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import leftover_processes, pids_in_node
-from conftest import ROOT
+from cluster import cmdline, leftover_processes, pids_in_node
+from conftest import ROOT, read_until
 from hfscale.runners.stopping import STOP_GRACE_S
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
@@ -69,24 +69,9 @@ def launch_until_ready(cluster, config: Path, ranks: int) -> tuple[subprocess.Po
     return proc, read_until(proc, "PROBE_READY", ranks)
 
 
-def read_until(proc: subprocess.Popen, marker: str, count: int) -> list[str]:
-    seen: list[str] = []
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while sum(marker in line for line in seen) < count:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
-        seen.append(line)
-    return seen
-
-
 def _children(pid: int) -> list[int]:
     # pdsh starts each ssh from one of its threads: every thread's children
     return [int(p) for task in Path(f"/proc/{pid}/task").iterdir() for p in (task / "children").read_text().split()]
-
-
-def _cmd(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def run_dir_of(tmp_path: Path) -> Path:
@@ -205,7 +190,7 @@ def test_pdsh_killed_under_hfscale_stops_every_node(cluster2, tmp_path):
     notices and runs the stop on every node."""
     config = write_config(tmp_path, cluster2.nodes, port=29620, script_args=["--mode", "hang"])
     proc, seen = launch_until_ready(cluster2, config, ranks=2)
-    (pdsh,) = [p for p in _children(proc.pid) if _cmd(p).startswith("pdsh")]
+    (pdsh,) = [p for p in _children(proc.pid) if (cmdline(p) or "").startswith("pdsh")]
     os.kill(pdsh, signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGKILL, "".join(seen) + out
@@ -217,8 +202,8 @@ def test_a_killed_ssh_session_stops_every_node(cluster2, tmp_path):
     """One node's ssh killed (pdsh reports 'ssh killed by signal 9'): that node counts as failed."""
     config = write_config(tmp_path, cluster2.nodes, port=29621, script_args=["--mode", "hang"])
     proc, seen = launch_until_ready(cluster2, config, ranks=2)
-    (pdsh,) = [p for p in _children(proc.pid) if _cmd(p).startswith("pdsh")]
-    sessions = {p: _cmd(p).split() for p in _children(pdsh)}
+    (pdsh,) = [p for p in _children(proc.pid) if (cmdline(p) or "").startswith("pdsh")]
+    sessions = {p: (cmdline(p) or "").split() for p in _children(pdsh)}
     to_node1 = [p for p, argv in sessions.items() if os.path.basename(argv[0]) == "ssh" and "node1" in argv]
     assert len(to_node1) == 1, sessions
     os.kill(to_node1[0], signal.SIGKILL)

@@ -17,9 +17,9 @@ from hfscale.launch_plan import Follow
 from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
 from hfscale.plan import build_plan
 from hfscale.runners.stopping import stop_script
-from hfscale.shell import render
+from hfscale.shell import Command, render
 
-from conftest import job_of
+from conftest import job_of, job_pids
 
 CTX = LaunchContext.of("/work", "/opt/py/bin/python", "20261122-120000-abcdef", {
     "WANDB_API_KEY": "wk-secret", "WANDB_PROJECT": "proj", "HOME": "/root", "HF_TOKEN": "hf_secret"})
@@ -145,8 +145,7 @@ def test_more_hosts_than_fanout_launch_detached_exact():
                                             f"^{RUN}/pdsh_hosts", "-l", "alice", script)
     assert plan.logs == () and attached.logs == ("node0", "node1") and attached.follow is None
     assert plan.follow == Follow(("node0", "node1"), f"{RUN}/logs", f"{RUN}/alive", 10, 40)
-    assert plan.cleanup == attached.cleanup.__class__(
-        (*plan.main.argv[:-1], attached.cleanup.argv[-1]), attached.cleanup.env)
+    assert plan.cleanup == Command((*plan.main.argv[:-1], attached.cleanup.argv[-1]), attached.cleanup.env)
     assert "a host silent for 40 s is lost" in plan.render()
 
 
@@ -179,15 +178,9 @@ def test_detached_line_runs_the_node_and_returns(tmp_path):
     assert exit_line == "HFSCALE_EXIT rc=0"
     # nothing of the node's line is left: the heartbeat loop and its sleep ended with it
     deadline = time.monotonic() + 3
-    while (left := _with_job_id("20261122-120000-abcdef")) and time.monotonic() < deadline:
+    while (left := job_pids("20261122-120000-abcdef")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == []
-
-
-def _with_job_id(job: str) -> list[str]:
-    r = subprocess.run(["bash", "-c", f"grep -lsxzF 'HFSCALE_JOB_ID={job}' /proc/[0-9]*/environ"],
-                       capture_output=True, text=True)
-    return r.stdout.split()
 
 
 def test_pdsh_line_survives_pdsh_and_the_remote_shell(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, job_pids, read_until
 from hfscale.runners.stopping import JOB_ID_VAR, STOP_GRACE_S, stop_script
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
@@ -99,21 +99,7 @@ def _config(tmp_path: Path, mode: str, port: int) -> Path:
 def _launch_until_ready(config: Path) -> tuple[subprocess.Popen, list[str]]:
     proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: list[str] = []
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while sum("PROBE_READY" in line for line in seen) < 2:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
-        seen.append(line)
-    return proc, seen
-
-
-def _probe_pids(job: str) -> list[int]:
-    """This job's processes on this machine (torchrun and its ranks), found as the stop finds them."""
-    r = subprocess.run(["bash", "-c", f"grep -lsxzF '{JOB_ID_VAR}={job}' /proc/[0-9]*/environ | cut -d/ -f3"],
-                       capture_output=True, text=True)
-    return [int(p) for p in r.stdout.split() if int(p) != os.getpid()]
+    return proc, read_until(proc, "PROBE_READY", 2)
 
 
 def _parent(pid: int) -> int:
@@ -128,7 +114,7 @@ def _job_id(seen: list[str]) -> str:
 
 def _kill_all(job: str) -> None:
     """A failed test must not leave ranks holding the port for the next one."""
-    for pid in _probe_pids(job):
+    for pid in job_pids(job):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -137,7 +123,7 @@ def _kill_all(job: str) -> None:
 
 def _left(job: str, timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
-    while (pids := _probe_pids(job)) and time.monotonic() < deadline:
+    while (pids := job_pids(job)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return pids
 
@@ -150,7 +136,7 @@ def test_a_signal_stops_a_rank_that_ignores_it(tmp_path, request, sig):
     proc, seen = _launch_until_ready(_config(tmp_path, "stubborn", 29631 if sig == signal.SIGTERM else 29632))
     job = _job_id(seen)
     request.addfinalizer(lambda: _kill_all(job))
-    assert len(_probe_pids(job)) >= 3  # torchrun and two ranks carry the job id
+    assert len(job_pids(job)) >= 3  # torchrun and two ranks carry the job id
     t0 = time.monotonic()
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
@@ -169,7 +155,7 @@ def test_launcher_killed_under_hfscale_stops_the_ranks(tmp_path, request):
     job = _job_id(seen)
     request.addfinalizer(lambda: _kill_all(job))
     # hfscale's own child is the launcher; the ranks are its children
-    (torchrun,) = [p for p in _probe_pids(job) if _parent(p) == proc.pid]
+    (torchrun,) = [p for p in job_pids(job) if _parent(p) == proc.pid]
     os.kill(torchrun, signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGKILL, "".join(seen) + out

@@ -82,12 +82,18 @@ def prelude(job: Job, c: Common) -> Line:
                     Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
 
 
+def node_script(before: Line, launcher: list[Word], first: Line = Line(()), on_exit: str = "") -> Line:
+    """``[first] before && launcher; rc=$?; [on_exit]echo "HFSCALE_EXIT rc=$rc"; exit $rc``: what
+    a node's shell runs, ending with the exit line hfscale watches for."""
+    tail = Sh(f'; rc=$?; {on_exit}echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
+    return Line.of(first, and_then(before, words(launcher)), tail)
+
+
 def fan_out(job_id: str, before: Line, launcher: list[Word]) -> Line:
     """The one line pdsh sends to every host: a shell started with the job id in its environment
     (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) runs ``before``
     and the launcher, and ends by printing the launcher's exit code."""
-    tail = Sh(f'; rc=$?; echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
-    node = Line((and_then(before, words(launcher)), tail))
+    node = node_script(before, launcher)
     return Line((Sh("exec env"), Assign(JOB_ID_VAR, job_id), Sh("bash -c"), Script(node)), pdsh=True)
 
 
@@ -101,8 +107,7 @@ def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> L
     beat = Line.of(Sh("( trap 'kill $s 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
                       "do n=$((n+1)); echo $n >"), beat_file,
                    Sh(f"; sleep {HEARTBEAT_S} & s=$!; wait $s; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
-    tail = Sh(f'; rc=$?; kill $hb 2>/dev/null; echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
-    node = Line((beat, and_then(before, words(launcher)), tail))
+    node = node_script(before, launcher, first=beat, on_exit="kill $hb 2>/dev/null; ")
     # ";" not "&&": "a && b &" would background a subshell holding the ssh session's output open
     return Line((Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh("; env", glue=True), Assign(JOB_ID_VAR, job_id),
                  Sh("setsid bash -c"), Script(node), Sh("</dev/null >>"), log_file, Sh("2>&1 &")), pdsh=True)

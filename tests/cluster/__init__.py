@@ -223,7 +223,8 @@ def run_on(
     )
 
 
-def _cmdline(pid: int) -> str | None:
+def cmdline(pid: int) -> str | None:
+    """The command line of ``pid`` as one string (None when it is gone)."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -247,7 +248,7 @@ def pids_in_node(cluster: Cluster, node: str, *, include_infra: bool = False) ->
     out: dict[int, str] = {}
     for tok in r.stdout.split():
         pid = int(tok)
-        cmd = _cmdline(pid)
+        cmd = cmdline(pid)
         if cmd is None or (not include_infra and _is_infra(pid, cmd, cluster)):
             continue
         out[pid] = cmd
