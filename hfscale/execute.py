@@ -338,6 +338,9 @@ def _stream(run: _Run) -> int:
         run.route(line.rstrip("\n"))
     rc = run.proc.wait()
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
+    if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
+        # what main started may outlive it (a killed srun's step inside an allocation): stop it
+        run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
     if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
         _follow(run, run.plan.follow)
     run.finish()

@@ -76,7 +76,7 @@ class LaunchPlan:
     def where(self) -> str:
         """Where the job runs, for one line of output."""
         hosts = [n.host for n in self.nodes if n.host]
-        return ", ".join(hosts) if hosts else f"{len(self.nodes)} node(s) of {self.runner}"
+        return ", ".join(hosts) if hosts else f"the nodes {self.runner} allocates"
 
     def render(self) -> str:
         """The plan as text, secrets as ``***``: moves, files, per-node commands, the process

@@ -181,3 +181,120 @@ def test_preempted_job_saves_requeues_and_resumes_to_the_same_result(slurm2, uni
     for s in (30, 40):  # the step-20 entry averages fewer steps after a resume (logging, not training)
         assert got[s] == pytest.approx(want[s], rel=1e-5), (s, got, want)
     assert slurm2.job_processes(timeout=10) == {}
+
+
+# ---- the death of srun: nothing of the job may outlive it --------------------------------------
+
+PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
+
+
+def probe_config(tmp_path: Path, port: int, stubborn: bool = False) -> Path:
+    """Two nodes of the dist_probe: ranks block in all_reduce until killed (stubborn: rank 1
+    ignores TERM, INT and HUP)."""
+    cfg = yaml.safe_load(write_config(tmp_path, port=port).read_text())
+    mode = ["--mode", "stubborn", "--rank", "1"] if stubborn else ["--mode", "hang"]
+    cfg["training"] = {"script": PROBE, "script_args": mode, "pass_args": "none"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _srun_pids() -> list[int]:
+    """srun processes on this machine (the launch step's srun and the helper it forks)."""
+    from cluster import cmdline
+
+    return [int(p.name) for p in Path("/proc").iterdir()
+            if p.name.isdigit() and (cmdline(int(p.name)) or "").startswith("srun --nodes=")]
+
+
+def _kill(pids: list[int]) -> None:
+    import os
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for_lines(read, marker: str, count: int, timeout: float) -> str:
+    seen, deadline = "", time.monotonic() + timeout
+    while seen.count(marker) < count:
+        assert time.monotonic() < deadline, seen[-3000:]
+        seen += read()
+        time.sleep(0.2)
+    return seen
+
+
+def test_killed_srun_of_a_submitted_job_leaves_nothing(slurm2, tmp_path):
+    """The batch script sees its step end (137), exits, and the job's end ends every step."""
+    config = probe_config(tmp_path, 29724)
+    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=tmp_path, env=slurm2.env(),
+                       capture_output=True, text=True, timeout=120)
+    m = re.search(r"hfscale: submitted Slurm job (\d+); output in (\S+)/slurm-\1\.out", r.stdout + r.stderr)
+    assert r.returncode == 0 and m, r.stdout + r.stderr
+    log = Path(m.group(2)) / f"slurm-{m.group(1)}.out"
+    _wait_for_lines(lambda: log.read_text() if log.exists() else "", "PROBE_READY", 2, 120)
+    assert slurm2.job_processes() != {}
+    t0 = time.monotonic()
+    _kill(_srun_pids())
+    left = slurm2.job_processes(timeout=15)
+    print(f"submitted job: srun killed, nothing left after {time.monotonic() - t0:.1f}s")
+    assert left == {}, left
+    info = slurm2.wait(m.group(1), timeout=30)
+    assert info["ExitCode"] == "137:0", info
+    assert log.read_text().rstrip().endswith("HFSCALE_EXIT rc=137")
+
+
+@pytest.mark.parametrize("how", ["srun-killed", "sigterm-stubborn"])
+def test_inside_an_allocation_nothing_outlives_the_launch(slurm2, tmp_path, how):
+    """Inside an allocation that outlives the launch (salloc, then hfscale launch in it).
+    srun-killed: a killed srun can leave its step's processes running until the allocation ends
+    (measured without hfscale's stop: 2 of 4 runs left torchrun and the ranks for 15 s and more);
+    hfscale sees the script fail and stops the job on every node with a step beside it.
+    sigterm-stubborn: SIGTERM to hfscale while rank 1 ignores TERM: the stop's KILL pass ends it."""
+    stubborn = how == "sigterm-stubborn"
+    config = probe_config(tmp_path, 29725 if stubborn else 29726, stubborn=stubborn)
+    shell = f"{sys.executable} -m hfscale launch {config} & h=$!; echo LAUNCHED=$h; wait $h; echo LAUNCH_RC=$?; sleep 120"
+    proc = subprocess.Popen(["salloc", "--nodes=2", "bash", "-c", shell], cwd=tmp_path, env=slurm2.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        while sum("PROBE_READY" in line for line in seen) < 2:
+            line = proc.stdout.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        out = "".join(seen)
+        allocation = re.search(r"Granted job allocation (\d+)", out).group(1)
+        t0 = time.monotonic()
+        if stubborn:
+            import os
+            import signal
+
+            os.kill(int(re.search(r"LAUNCHED=(\d+)", out).group(1)), signal.SIGTERM)
+        else:
+            _kill(_srun_pids())
+        while not any(line.startswith("LAUNCH_RC=") for line in seen):
+            line = proc.stdout.readline()
+            assert line, "".join(seen)
+            seen.append(line)
+        left = slurm2.job_processes(timeout=15)
+        took = time.monotonic() - t0
+        print(f"allocation, {how}: launch ended and nothing left after {took:.1f}s")
+        out = "".join(seen)
+        assert left == {}, (left, out[-3000:])
+        assert took < 15, out[-3000:]
+        assert slurm2.state(allocation) == "RUNNING"  # the allocation's end did not do it
+        if stubborn:
+            assert "hfscale: got SIGTERM; stopping the job on every node" in out and "LAUNCH_RC=143" in out, out
+        else:
+            assert "hfscale: the slurm launch ended with exit code 137; stopping the job on every node" in out
+            assert "LAUNCH_RC=137" in out
+    finally:
+        proc.kill()
+        proc.wait()
+        granted = re.search(r"Granted job allocation (\d+)", "".join(seen))
+        if granted:
+            slurm2.run("scancel", granted.group(1), check=False)
