@@ -8,7 +8,7 @@ span several fields (batch math against the world size, offload against the ZeRO
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -16,10 +16,8 @@ from .config_base import (
     MAX_INT,
     NAME_RE,
     USER_RE,
-    Count,
     EnvValue,
     HostName,
-    NoBool,
     PositiveInt,
     Strict,
     Word,
@@ -27,8 +25,9 @@ from .config_base import (
     _check_env_names,
     _seq,
 )
+from .config_accelerate import AccelerateSection, FsdpSection, ParallelismConfig
+from .config_deepspeed import DeepSpeedSection
 from .config_runners import DockerConfig, KubernetesConfig, SlurmConfig
-
 
 
 class HostSpec(Strict):
@@ -170,68 +169,15 @@ class EnvConfig(Strict):
         return v
 
 
-class OffloadConfig(Strict):
-    """ZeRO-Offload / ZeRO-Infinity target for optimizer state or parameters."""
-
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where to offload: none, cpu or nvme.")
-    nvme_path: str | None = Field(None, description="Local NVMe directory; required (and only allowed) with device nvme.")
-    pin_memory: bool = Field(True, description="Use page-locked host memory for faster transfers.")
-
-
-class DeepSpeedSection(Strict):
-    """DeepSpeed ZeRO settings; rendered into the DeepSpeed JSON."""
-
-    stage: Annotated[Literal[0, 1, 2, 3], NoBool] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
-    offload_optimizer: OffloadConfig = Field(
-        default_factory=OffloadConfig, description="Optimizer state offload (stages 1-3; nvme needs stage 3)."
-    )
-    offload_param: OffloadConfig = Field(default_factory=OffloadConfig, description="Parameter offload (stage 3 only).")
-    overlap_comm: bool = Field(True, description="Overlap gradient reduction with the backward pass.")
-    contiguous_gradients: bool = Field(True, description="Copy gradients into one buffer to avoid fragmentation.")
-    reduce_bucket_size: Count = Field(500_000_000, description="Elements reduced at a time.")
-    allgather_bucket_size: Count = Field(500_000_000, description="Elements all-gathered at a time (stages 1-2).")
-    stage3_prefetch_bucket_size: Count = Field(50_000_000, description="Parameter elements prefetched (stage 3).")
-    stage3_param_persistence_threshold: Count = Field(
-        100_000, description="Parameters smaller than this stay unpartitioned (stage 3)."
-    )
-    stage3_max_live_parameters: Count = Field(1_000_000_000, description="Live parameters per GPU before release (stage 3).")
-    stage3_max_reuse_distance: Count = Field(1_000_000_000, description="Keep a parameter if reused within this distance (stage 3).")
-    gather_16bit_weights_on_model_save: bool = Field(
-        True, description="Stage 3: gather a full 16-bit model when saving (a loadable model file)."
-    )
-    zero3_init: bool = Field(
-        True, description="Stage 3: build the model already partitioned (deepspeed.zero.Init), so no rank holds it "
-        "whole. false: the built-in entry point builds it whole on every rank, then DeepSpeed partitions it. Only the "
-        "built-in entry point can honour false: transformers uses zero.Init for any stage-3 config a script's "
-        "TrainingArguments or Accelerator names.")
-    steps_per_print: PositiveInt = Field(100, description="DeepSpeed's own progress print interval, in steps.")
-
-
-class FsdpSection(Strict):
-    """PyTorch FSDP (version 2) settings; rendered into the accelerate config."""
-
-    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3 like).")
-    offload_params: bool = Field(False, description="Offload parameters and gradients to CPU.")
-    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] = Field(
-        "TRANSFORMER_BASED_WRAP", description="How modules are grouped into FSDP units."
-    )
-    transformer_layer_cls_to_wrap: tuple[str, ...] = _seq(
-        description="Layer classes to wrap (TRANSFORMER_BASED_WRAP); empty: the model's _no_split_modules."
-    )
-    min_num_params: PositiveInt = Field(100_000_000, description="Unit size for SIZE_BASED_WRAP.")
-    state_dict_type: Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"] = Field(
-        "SHARDED_STATE_DICT", description="Checkpoint layout."
-    )
-    activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
-    cpu_ram_efficient_loading: bool = Field(True, description="Load pretrained weights on rank 0 only.")
-
-
 class DistributedConfig(Strict):
     """Which data-parallel engine shards the model."""
 
     backend: Literal["deepspeed", "fsdp", "ddp"] = Field("deepspeed", description="deepspeed, fsdp or ddp.")
     deepspeed: DeepSpeedSection | None = Field(None, description="Settings for backend deepspeed.")
     fsdp: FsdpSection | None = Field(None, description="Settings for backend fsdp.")
+    parallelism: ParallelismConfig | None = Field(
+        None, description="accelerate's parallelism_config (FSDP2): data-parallel replicas x shards x tensor x "
+        "context parallel ranks = world size. Null: every rank is a data-parallel rank.")
 
 
 class BatchConfig(Strict):
@@ -314,6 +260,8 @@ class HfscaleConfig(Strict):
     gradient_clipping: float | None = Field(1.0, gt=0, le=1e6, description="Clip gradient norm to this value. Null: off.")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="Interconnect presets (NCCL/UCX).")
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment variables of the ranks.")
+    accelerate: AccelerateSection = Field(default_factory=AccelerateSection,
+                                          description="accelerate settings beyond the engine's.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Trainer settings.")
 
     @field_validator("name")

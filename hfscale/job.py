@@ -12,6 +12,7 @@ from typing import Callable
 
 from pydantic import BaseModel
 
+from . import accelerate_rules, deepspeed_rules
 from .config import DeepSpeedSection, FsdpSection, HfscaleConfig, HostSpec
 from .errors import ConfigError, Problem
 from .script_rules import script_problems
@@ -58,6 +59,13 @@ class Job:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.procs_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples: the world size, unless tensor or context parallelism
+        makes groups of ranks share them."""
+        p = self.config.distributed.parallelism
+        return p.data_parallel if p is not None and p.total == self.world_size else self.world_size
 
     @property
     def deepspeed(self) -> DeepSpeedSection | None:
@@ -149,25 +157,6 @@ def _engine_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
     for other in ("deepspeed", "fsdp"):
         if getattr(d, other) is not None and d.backend != other:
             out.append((("distributed", other), f"settings for {other} but distributed.backend is {d.backend!r}"))
-    ds = d.deepspeed
-    if d.backend == "deepspeed" and ds is not None:
-        base = ("distributed", "deepspeed")
-        for key, what in (("offload_optimizer", "optimizer"), ("offload_param", "parameter")):
-            off = getattr(ds, key)
-            if off.device == "none":
-                if off.nvme_path is not None:
-                    out.append((base + (key, "nvme_path"), "only used with device: nvme"))
-                continue
-            if ds.stage == 0:
-                out.append((base + (key, "device"), f"{what} offload needs ZeRO stage 1-3, stage is 0"))
-            elif key == "offload_param" and ds.stage != 3:
-                out.append((base + (key, "device"), f"parameter offload needs ZeRO stage 3, stage is {ds.stage}"))
-            elif off.device == "nvme" and ds.stage != 3:
-                out.append((base + (key, "device"), f"NVMe offload (ZeRO-Infinity) needs ZeRO stage 3, stage is {ds.stage}"))
-            if off.device == "nvme" and not off.nvme_path:
-                out.append((base + (key, "nvme_path"), "required with device: nvme"))
-            if off.device != "nvme" and off.nvme_path is not None:
-                out.append((base + (key, "nvme_path"), "only used with device: nvme"))
     fs = d.fsdp
     if d.backend == "fsdp" and fs is not None:
         if fs.transformer_layer_cls_to_wrap and fs.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
@@ -177,6 +166,10 @@ def _engine_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
 
 
 def _batch(cfg: HfscaleConfig, world: int, world_how: str) -> tuple[int, int, list[tuple[tuple, str]]]:
+    p = cfg.distributed.parallelism
+    if p is not None and p.total == world and (p.tp_size > 1 or p.cp_size > 1):
+        # tensor- and context-parallel ranks share their samples: the batch is per data-parallel rank
+        world, world_how = p.data_parallel, "data-parallel ranks: distributed.parallelism dp_replicate_size x dp_shard_size"
     b = cfg.batch
     per_step = b.micro_batch_size * world
     if b.global_batch_size is None:
@@ -238,6 +231,8 @@ def resolve(
         world = procs
     ga, global_batch, batch_problems = _batch(cfg, world, world_how)
     found = _cluster_problems(cfg, hosts, hosts_key) + _launch_problems(cfg, hosts) + _engine_problems(cfg)
+    ds_found, ds_warnings = deepspeed_rules.problems(cfg, world)
+    found += ds_found + accelerate_rules.problems(cfg, world, procs)
     found += batch_problems
     found += _training_problems(cfg)
     if cfg.runner.type in SCHEDULERS:
@@ -250,6 +245,6 @@ def resolve(
     problems.sort(key=lambda p: (p.line is None, p.line or 0))
     if problems:
         raise ConfigError(source, problems)
-    warnings = list(extra_warnings) + [Problem(dotted(p), m, line_of(p)) for p, m in script_warnings]
+    warnings = list(extra_warnings) + [Problem(dotted(p), m, line_of(p)) for p, m in script_warnings + ds_warnings]
     warnings.sort(key=lambda p: (p.line is None, p.line or 0))
     return replace(job, warnings=tuple(warnings))

@@ -90,7 +90,29 @@ def load_text(text: str, source: str, base_dir: Path) -> Job:
         found, notes = check_model_config(cfg.training.model.config)
         extra += [Problem(dotted(base + p), m, doc.line(base + p)) for p, m in found]
         warnings += [Problem(dotted(base), m, doc.line(base)) for m in notes]
+    for base, check in ((("distributed", "deepspeed", "extra"), _deepspeed_extra), (("accelerate", "extra"), _accelerate_extra)):
+        found, notes = check(cfg)
+        extra += [Problem(dotted(base + p), m, doc.line(base + p)) for p, m in found]
+        warnings += [Problem(dotted(base + p), m, doc.line(base + p)) for p, m in notes]
     return resolve(cfg, source, doc.line, file_hosts, extra, tuple(warnings))
+
+
+def _deepspeed_extra(cfg: HfscaleConfig) -> tuple[list, list]:
+    # DeepSpeed's keys are read from its source, only when there is an extra mapping to check
+    ds = cfg.distributed.deepspeed
+    if ds is None or not ds.extra:
+        return [], []
+    from .deepspeed_rules import extra_problems
+
+    return extra_problems(ds.extra)
+
+
+def _accelerate_extra(cfg: HfscaleConfig) -> tuple[list, list]:
+    if not cfg.accelerate.extra:
+        return [], []
+    from .accelerate_rules import extra_problems
+
+    return extra_problems(cfg.accelerate.extra)
 
 
 def load_job(path: str | os.PathLike[str]) -> Job:

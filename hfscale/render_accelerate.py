@@ -2,7 +2,8 @@
 
 With DeepSpeed, everything DeepSpeed owns stays in the DeepSpeed JSON and the YAML only points
 at it (``deepspeed_config_file``): accelerate refuses the keys in ``FORBIDDEN_BESIDE_DS_FILE``
-next to it, ``mixed_precision`` included. Multi-node launches use accelerate's ``standard``
+next to it, ``mixed_precision`` included. ``accelerate.extra`` is merged in last
+(hfscale.accelerate_rules refuses keys written here). Multi-node launches use accelerate's ``standard``
 launcher (torchrun on each node, ``--machine_rank`` given per node); hfscale does the fan-out.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from .extra_keys import merge
 from .job import Job
 
 # accelerate.utils.dataclasses.DeepSpeedPlugin._deepspeed_config_checks
@@ -46,6 +48,7 @@ def _fsdp(job: Job) -> dict[str, Any]:
     out.update(
         fsdp_state_dict_type=fs.state_dict_type,
         fsdp_activation_checkpointing=fs.activation_checkpointing,
+        fsdp_activation_checkpointing_offload=fs.activation_checkpointing_offload,
         fsdp_cpu_ram_efficient_loading=fs.cpu_ram_efficient_loading,
     )
     return out
@@ -67,6 +70,11 @@ def accelerate_config(job: Job, deepspeed_config_file: str) -> dict[str, Any]:
         out.update(distributed_type="FSDP", fsdp_config=_fsdp(job), mixed_precision=cfg.precision)
     else:
         out.update(distributed_type="MULTI_GPU" if job.world_size > 1 else "NO", mixed_precision=cfg.precision)
+    p = cfg.distributed.parallelism
+    if p is not None:
+        out["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in p.model_dump().items()}
+    if cfg.accelerate.gpu_ids is not None:
+        out["gpu_ids"] = cfg.accelerate.gpu_ids
     out.update(downcast_bf16="no", machine_rank=0)
     if job.num_nodes > 1 and job.master_addr:  # schedulers: given at run time (--main_process_ip)
         out["main_process_ip"] = job.master_addr
@@ -79,7 +87,7 @@ def accelerate_config(job: Job, deepspeed_config_file: str) -> dict[str, Any]:
         same_network=True,
         use_cpu=False,
     )
-    return out
+    return merge(out, cfg.accelerate.extra)
 
 
 def render_accelerate(job: Job, deepspeed_config_file: str, header: str = "") -> str:

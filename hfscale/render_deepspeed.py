@@ -3,9 +3,10 @@
 Rule: every value is an explicit number taken from the hfscale YAML, never ``"auto"``. The
 TrainingArguments hfscale builds come from the same YAML, so the HF Trainer's consistency check
 finds them equal, and a plain ``accelerate launch`` script gets usable numbers too. The optimizer
-and LR scheduler belong to the training script and are left out, except with optimizer offload,
-where DeepSpeed must build its own CPU optimizer: then an ``optimizer`` section is written from
-``training`` (the Trainer handles this by itself; a custom loop uses ``accelerate.utils.DummyOptim``).
+and LR scheduler belong to the training script and are left out unless
+``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed, or optimizer offload
+needs DeepSpeed's CPU optimizer (AdamW then); their parameters are written from ``training``.
+``distributed.deepspeed.extra`` is merged in last (hfscale.deepspeed_rules refuses keys written here).
 """
 
 from __future__ import annotations
@@ -13,38 +14,38 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .config import OffloadConfig
+from .config_deepspeed import DeepSpeedSection, OffloadOptimizerConfig, OffloadParamConfig
+from .deepspeed_rules import SECTIONS, ZERO_KEYS
+from .extra_keys import merge
 from .job import Job
 
+# written only for NVMe offload (DeepSpeed ignores them otherwise)
+_NVME_ONLY = {"buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init"}
 
-def _offload(off: OffloadConfig) -> dict[str, Any]:
+
+def _offload(off: OffloadOptimizerConfig | OffloadParamConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"device": off.device, "pin_memory": off.pin_memory}
     if off.device == "nvme":
         out["nvme_path"] = off.nvme_path
+    for name in type(off).model_fields:
+        if name not in ("device", "pin_memory", "nvme_path") and (off.device == "nvme" or name not in _NVME_ONLY):
+            out[name] = getattr(off, name)
     return out
 
 
-def _zero(job: Job) -> dict[str, Any]:
-    ds = job.deepspeed
-    assert ds is not None
+def _zero(ds: DeepSpeedSection) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": ds.stage}
     if ds.stage == 0:
         return zero
-    zero.update(
-        overlap_comm=ds.overlap_comm,
-        contiguous_gradients=ds.contiguous_gradients,
-        reduce_bucket_size=ds.reduce_bucket_size,
-    )
+    for key, stages in ZERO_KEYS.items():
+        if ds.stage in stages:
+            zero[key] = getattr(ds, key)
+    if zero["overlap_comm"] is None:
+        zero["overlap_comm"] = ds.stage == 3  # DeepSpeed's own default, written out
     if ds.stage in (1, 2):
-        zero.update(allgather_partitions=True, allgather_bucket_size=ds.allgather_bucket_size, reduce_scatter=True)
+        zero.update(allgather_partitions=True, reduce_scatter=True)
     else:
-        zero.update(
-            stage3_prefetch_bucket_size=ds.stage3_prefetch_bucket_size,
-            stage3_param_persistence_threshold=ds.stage3_param_persistence_threshold,
-            stage3_max_live_parameters=ds.stage3_max_live_parameters,
-            stage3_max_reuse_distance=ds.stage3_max_reuse_distance,
-            stage3_gather_16bit_weights_on_model_save=ds.gather_16bit_weights_on_model_save,
-        )
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
     if ds.offload_optimizer.device != "none":
         zero["offload_optimizer"] = _offload(ds.offload_optimizer)
     if ds.offload_param.device != "none":
@@ -52,8 +53,35 @@ def _zero(job: Job) -> dict[str, Any]:
     return zero
 
 
+def _optimizer(job: Job, ds: DeepSpeedSection) -> dict[str, Any] | None:
+    kind = ds.optimizer.type if ds.optimizer is not None else "AdamW" if ds.offload_optimizer.device != "none" else None
+    if kind is None:
+        return None
+    t = job.config.training
+    params: dict[str, Any] = {"lr": t.learning_rate, "betas": [t.adam_beta1, t.adam_beta2]}
+    if kind != "Lion":  # Lion has no epsilon
+        params["eps"] = t.adam_epsilon
+    params["weight_decay"] = t.weight_decay
+    return {"type": kind, "params": params}
+
+
+def _scheduler(job: Job, ds: DeepSpeedSection) -> dict[str, Any] | None:
+    if ds.scheduler is None:
+        return None
+    t = job.config.training
+    kind = ds.scheduler.type
+    params: dict[str, Any] = {"warmup_num_steps": t.warmup_steps, "warmup_type": "linear"}  # the Trainer's warm-up
+    if kind == "WarmupCosineLR":
+        params.update(total_num_steps=t.max_steps, warmup_min_ratio=0.0, cos_min_ratio=0.0)  # transformers' cosine ends at 0
+    else:
+        params.update(warmup_min_lr=0.0, warmup_max_lr=t.learning_rate)
+        if kind == "WarmupDecayLR":
+            params["total_num_steps"] = t.max_steps
+    return {"type": kind, "params": params}
+
+
 def deepspeed_config(job: Job) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``job`` (backend deepspeed)."""
+    """The DeepSpeed config dict for ``job`` (backend deepspeed), ``extra`` merged in."""
     ds = job.deepspeed
     if ds is None:
         raise ValueError("deepspeed_config() needs distributed.backend: deepspeed")
@@ -66,25 +94,26 @@ def deepspeed_config(job: Job) -> dict[str, Any]:
         "gradient_clipping": cfg.gradient_clipping or 0.0,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": precision == "fp16"},
-        "zero_optimization": _zero(job),
-        "steps_per_print": ds.steps_per_print,
-        "wall_clock_breakdown": False,
+        "zero_optimization": _zero(ds),
     }
+    if ds.steps_per_print is not None:
+        out["steps_per_print"] = ds.steps_per_print
+    out["wall_clock_breakdown"] = False
     if precision == "fp16":
         # dynamic loss scaling, DeepSpeed's documented defaults, written out so they are visible
         out["fp16"].update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1)
-    if ds.offload_optimizer.device != "none":
-        t = cfg.training
-        out["optimizer"] = {
-            "type": "AdamW",
-            "params": {
-                "lr": t.learning_rate,
-                "betas": [t.adam_beta1, t.adam_beta2],
-                "eps": t.adam_epsilon,
-                "weight_decay": t.weight_decay,
-            },
-        }
-    return out
+    if ds.communication_data_type is not None:
+        out["communication_data_type"] = ds.communication_data_type
+    if ds.grad_accum_dtype is not None:
+        out["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    for name in SECTIONS:
+        section = getattr(ds, name)
+        if section is not None:
+            out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in section.model_dump().items()}
+    for name, section in (("optimizer", _optimizer(job, ds)), ("scheduler", _scheduler(job, ds))):
+        if section is not None:
+            out[name] = section
+    return merge(out, ds.extra)
 
 
 def render_deepspeed(job: Job) -> str:

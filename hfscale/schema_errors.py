@@ -97,14 +97,35 @@ def unknown_key_hint(root: type[BaseModel], loc: tuple[str | int, ...]) -> str:
     if key in KNOWN_ELSEWHERE:
         return f"; hfscale sets this with {KNOWN_ELSEWHERE[key]!r}"
     if model is not None:
-        close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.75)
         if close:
             return f"; did you mean {close[0]!r}?"
-    elsewhere = [p for p in _all_paths(root) if p.rsplit(".", 1)[-1] == key and p.rsplit(".", 1)[0] != here]
-    if elsewhere:
-        return f"; did you mean {elsewhere[0]!r}?"
+    library = _library_key_hint(here, key)
+    if library:
+        return library
+    # a key of another section, when only one section has it (several 'extra's: no guess)
+    same = [p for p in _all_paths(root) if p.rsplit(".", 1)[-1] == key]
+    if len(same) == 1 and same[0].rsplit(".", 1)[0] != here:
+        return f"; did you mean {same[0]!r}?"
     if model is not None:
         return f"; allowed here: {', '.join(model.model_fields)}"
+    return ""
+
+
+def _library_key_hint(here: str, key: str) -> str:
+    """For an unknown key in distributed.deepspeed that DeepSpeed itself knows: where it goes."""
+    if here != "distributed.deepspeed":
+        return ""
+    from .engine_source import deepspeed_keys
+
+    keys = deepspeed_keys()
+    if keys is None:
+        return ""
+    zero = keys.keys["zero_optimization"].section
+    if zero is not None and key in zero.keys:
+        return f"; a DeepSpeed zero_optimization key hfscale does not type: set it in 'extra: {{zero_optimization: {{{key}: ...}}}}'"
+    if key in keys.keys:
+        return f"; a DeepSpeed key hfscale does not type: set it in 'extra: {{{key}: ...}}'"
     return ""
 
 

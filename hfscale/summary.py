@@ -34,7 +34,9 @@ def summary(job: Job) -> str:
         ("engine", engine),
         ("precision", cfg.precision),
         ("global batch", f"{job.global_batch_size} = micro {b.micro_batch_size} x accumulation "
-                         f"{job.gradient_accumulation_steps} x world {job.world_size}"),
+                         f"{job.gradient_accumulation_steps} x " + (f"world {job.world_size}" if job.data_parallel_size
+                         == job.world_size else f"data-parallel {job.data_parallel_size}")),
+        *([("comm buckets", buckets)] if (buckets := bucket_memory(job)) else []),
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
         ("entry", _entry(job)),
     ]
@@ -49,3 +51,36 @@ def _entry(job: Job) -> str:
         return f"{t.script} with script_args only (pass_args: none)"
     n = sum(a.value is not None for a in trainer_args(job, "ds_config.json"))
     return f"{t.script} + {n} TrainingArguments flags from this file (launch --dry-run shows its argv)"
+
+
+def _e(n: int) -> str:
+    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e") if n >= 10_000 else str(n)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def bucket_memory(job: Job) -> str | None:
+    """DeepSpeed's communication buckets per GPU, as one line; None without ZeRO.
+
+    Stages 1-2: DeepSpeed's documented estimate, (reduce + allgather bucket) x element size, 4.5
+    times that with overlap_comm (5e8 + 5e8 elements in 16 bits: 9 GB). Stage 3: the reduce bucket
+    (one buffer, contiguous_gradients) and the prefetch bucket; parameters gathered for compute can
+    add up to stage3_max_live_parameters more, shown beside."""
+    ds = job.deepspeed
+    if ds is None or ds.stage == 0:
+        return None
+    size = {"fp32": 4, "fp16": 2, "bf16": 2}[ds.communication_data_type or
+                                               {"no": "fp32"}.get(job.config.precision, "fp16")]
+    overlap = ds.overlap_comm if ds.overlap_comm is not None else ds.stage == 3
+    if ds.stage in (1, 2):
+        factor = 4.5 if overlap else 1
+        total = (ds.reduce_bucket_size + ds.allgather_bucket_size) * size * factor
+        how = (f"(reduce {_e(ds.reduce_bucket_size)} + allgather {_e(ds.allgather_bucket_size)} elements) x {size} B"
+               + (" x 4.5 with overlap_comm" if overlap else ""))
+        return f"~{_gib(total)} per GPU = {how}"
+    total = (ds.reduce_bucket_size + ds.stage3_prefetch_bucket_size) * size
+    return (f"~{_gib(total)} per GPU = (reduce {_e(ds.reduce_bucket_size)} + prefetch "
+            f"{_e(ds.stage3_prefetch_bucket_size)} elements) x {size} B; gathered parameters up to "
+            f"{_gib(ds.stage3_max_live_parameters * size)} more (stage3_max_live_parameters)")

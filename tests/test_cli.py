@@ -41,6 +41,8 @@ def test_check_prints_summary(tmp_path):
         "  engine       deepspeed ZeRO-3 (offload optimizer=cpu)",
         "  precision    bf16",
         "  global batch 256 = micro 4 x accumulation 4 x world 16",
+        "  comm buckets ~1.0 GiB per GPU = (reduce 5e8 + prefetch 5e7 elements) x 2 B; gathered parameters up to "
+        "1.9 GiB more (stage3_max_live_parameters)",
         "  runner       pdsh (accelerate)",
         "  entry        built-in entry point (python -m hfscale.train)",
     ]
@@ -134,7 +136,7 @@ def test_schema_is_json_schema_of_the_model():
     s = json.loads(r.stdout)
     assert s["additionalProperties"] is False
     assert set(s["properties"]) == {"name", "cluster", "runner", "distributed", "precision", "batch",
-                                    "gradient_clipping", "network", "env", "training"}
+                                    "gradient_clipping", "network", "env", "accelerate", "training"}
     assert s["required"] == ["name", "batch"]
     assert s["$defs"]["DeepSpeedSection"]["properties"]["stage"]["enum"] == [0, 1, 2, 3]
     assert all("description" in p for p in s["$defs"]["BatchConfig"]["properties"].values())

@@ -62,14 +62,15 @@ def test_two_node_zero2_deepspeed_json_exact():
         "fp16": {"enabled": False},
         "zero_optimization": {
             "stage": 2,
-            "overlap_comm": True,
+            "overlap_comm": False,  # DeepSpeed's default for stages 1-2
             "contiguous_gradients": True,
             "reduce_bucket_size": 500000000,
-            "allgather_partitions": True,
             "allgather_bucket_size": 500000000,
+            "round_robin_gradients": False,
+            "sub_group_size": 1000000000,
+            "allgather_partitions": True,
             "reduce_scatter": True,
         },
-        "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
 
@@ -118,15 +119,19 @@ def test_zero3_nvme_fp16_offload_json_exact():
             "overlap_comm": True,
             "contiguous_gradients": True,
             "reduce_bucket_size": 500000000,
+            "sub_group_size": 1000000000,
             "stage3_prefetch_bucket_size": 50000000,
             "stage3_param_persistence_threshold": 100000,
             "stage3_max_live_parameters": 1000000000,
             "stage3_max_reuse_distance": 1000000000,
-            "stage3_gather_16bit_weights_on_model_save": True,
-            "offload_optimizer": {"device": "nvme", "pin_memory": False, "nvme_path": "/local_nvme"},
+            "zero_hpz_partition_size": 1,
+            "zero_quantized_weights": False,
+            "zero_quantized_gradients": False,
+            "stage3_gather_16bit_weights_on_model_save": False,  # DeepSpeed's default
+            "offload_optimizer": {"device": "nvme", "pin_memory": False, "nvme_path": "/local_nvme", "buffer_count": 4,
+                                  "pipeline_read": False, "pipeline_write": False, "fast_init": False, "ratio": 1.0},
             "offload_param": {"device": "cpu", "pin_memory": True},
         },
-        "steps_per_print": 100,
         "wall_clock_breakdown": False,
         "optimizer": {
             "type": "AdamW",
@@ -169,6 +174,7 @@ def test_fsdp_accelerate_yaml_exact():
           fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer,LlamaMLP
           fsdp_state_dict_type: SHARDED_STATE_DICT
           fsdp_activation_checkpointing: false
+          fsdp_activation_checkpointing_offload: false
           fsdp_cpu_ram_efficient_loading: true
         mixed_precision: fp16
         downcast_bf16: 'no'

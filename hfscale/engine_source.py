@@ -1,0 +1,395 @@
+"""The config keys of the installed DeepSpeed and accelerate, read from their source.
+
+Importing either imports torch (seconds), and ``hfscale check`` must stay fast and torch-free. Both
+declare their keys as data that :mod:`ast` can read: DeepSpeed as pydantic models (fields, aliases,
+``Field(ge=...)`` bounds, deprecated fields with their ``new_param``) and as ``NAME = "key"`` /
+``NAME_DEFAULT = value`` constants; accelerate as the dataclass its config file is loaded into
+(``ClusterConfig``) and, for the nested sections it copies onto its launch arguments, the
+``add_argument("--key")`` calls of ``accelerate launch``. What cannot be read stays open (any key
+accepted there) rather than refused.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+UNKNOWN = object()
+_SCALAR = frozenset({"bool", "int", "float", "str", "none"})
+_KINDS = {"bool": {"bool"}, "int": {"int"}, "float": {"int", "float"}, "str": {"str"}, "Path": {"str"},
+          "list": {"list"}, "List": {"list"}, "tuple": {"list"}, "dict": {"dict"}, "Dict": {"dict"}}
+KIND_OF = {bool: "bool", int: "int", float: "float", str: "str", type(None): "none", list: "list", dict: "dict"}
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key: the YAML kinds it takes (None: any), literal choices, bounds, default, a nested
+    section, and for a deprecated or alternative name the key it stands for."""
+
+    kinds: frozenset[str] | None = None
+    choices: tuple[Any, ...] | None = None
+    bounds: tuple[tuple[str, float], ...] = ()
+    default: Any = UNKNOWN
+    section: Section | None = None
+    renamed_to: str | None = None  # an old or alternative spelling of this key
+    deprecated: bool = False  # with renamed_to: DeepSpeed still reads it, under a new name
+    transformed: bool = False  # deprecated, and its value means something else under the new name
+
+
+@dataclass(frozen=True)
+class Section:
+    """The keys of one mapping; ``open``: others are accepted too (not readable from source)."""
+
+    keys: dict[str, Key] = field(default_factory=dict)
+    open: bool = False
+
+    def canonical(self, name: str) -> str:
+        """``name`` after following renames (``bfloat16`` -> ``bf16``)."""
+        seen = set()
+        while name in self.keys and self.keys[name].renamed_to and name not in seen:
+            seen.add(name)
+            name = self.keys[name].renamed_to  # type: ignore[assignment]
+        return name
+
+
+OPEN = Section(open=True)
+
+
+def _package_root(name: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(name)  # finds the package without running it
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@lru_cache(maxsize=None)
+def _parse(path: Path) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _constants(tree: ast.Module) -> dict[str, Any]:
+    """Module-level ``NAME = literal`` assignments."""
+    out: dict[str, Any] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            value = _literal(stmt.value, out)
+            if value is not UNKNOWN:
+                out[stmt.targets[0].id] = value
+    return out
+
+
+def _literal(node: ast.AST | None, names: dict[str, Any]) -> Any:
+    """The value of a literal expression (names of known constants, ``pp_int(5e8)`` included)."""
+    if node is None:
+        return UNKNOWN
+    if isinstance(node, ast.Name) and node.id in names:
+        return names[node.id]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("pp_int", "int", "float"):
+        inner = _literal(node.args[0], names) if node.args else UNKNOWN
+        if isinstance(inner, (int, float)) and not isinstance(inner, bool):
+            return float(inner) if node.func.id == "float" else int(inner)
+        return UNKNOWN
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return UNKNOWN
+
+
+def _kinds_of_value(value: Any) -> frozenset[str] | None:
+    kind = KIND_OF.get(type(value))
+    if kind is None or kind == "none":
+        return None
+    return frozenset({"int", "float"}) if kind == "float" else frozenset({kind})
+
+
+# ---- pydantic models (DeepSpeed) -------------------------------------------------------------------
+
+
+class _ModelFile:
+    """The classes, enums and imports of one source file, to read pydantic models from."""
+
+    def __init__(self, root: Path, path: Path):
+        self.root, self.path = root, path
+        tree = _parse(path)
+        self.tree = tree
+        self.classes: dict[str, ast.ClassDef] = {}
+        self.enums: dict[str, tuple[Any, ...]] = {}
+        self.imports: dict[str, Path] = {}
+        self.constants = _constants(tree) if tree else {}
+        if tree is None:
+            return
+        for stmt in tree.body:
+            if isinstance(stmt, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in stmt.bases}
+                if "Enum" in bases:
+                    self.enums[stmt.name] = tuple(
+                        v for s in stmt.body if isinstance(s, ast.Assign)
+                        for v in [_literal(s.value, self.constants)] if v is not UNKNOWN)
+                else:
+                    self.classes[stmt.name] = stmt
+            elif isinstance(stmt, ast.ImportFrom):
+                target = self._module_path(stmt)
+                if target is not None:
+                    for alias in stmt.names:
+                        self.imports[alias.asname or alias.name] = target
+
+    def _module_path(self, stmt: ast.ImportFrom) -> Path | None:
+        parts = (stmt.module or "").split(".") if stmt.module else []
+        if stmt.level:
+            base = self.path.parent
+            for _ in range(stmt.level - 1):
+                base = base.parent
+        elif parts and parts[0] == self.root.name:
+            base, parts = self.root, parts[1:]
+        else:
+            return None
+        candidate = base.joinpath(*parts).with_suffix(".py") if parts else base / "__init__.py"
+        return candidate if candidate.is_file() else None
+
+
+@lru_cache(maxsize=None)
+def _model_file(root: Path, path: Path) -> _ModelFile:
+    return _ModelFile(root, path)
+
+
+def read_model(root: Path, path: Path, name: str, depth: int = 0) -> Section:
+    """The keys of pydantic model ``name`` defined (or imported) in ``path``; OPEN if unreadable."""
+    f = _model_file(root, path)
+    if name not in f.classes:
+        if name in f.imports and depth < 8:
+            return read_model(root, f.imports[name], name, depth + 1)
+        return OPEN
+    cls = f.classes[name]
+    keys: dict[str, Key] = {}
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id not in ("DeepSpeedConfigModel", "BaseModel") and depth < 8:
+            keys.update(read_model(root, path, base.id, depth + 1).keys)
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            keys.update(_field(root, f, stmt, depth))
+    # an old name's new_param may be a field name with an alias: point it at the alias
+    aliases = {n: k.renamed_to for n, k in keys.items() if k.renamed_to and not k.deprecated}
+    for n, k in list(keys.items()):
+        if k.deprecated and k.renamed_to in aliases:
+            keys[n] = replace(k, renamed_to=aliases[k.renamed_to])
+    return Section(keys)
+
+
+def _field(root: Path, f: _ModelFile, stmt: ast.AnnAssign, depth: int) -> dict[str, Key]:
+    name = stmt.target.id  # type: ignore[union-attr]
+    kinds, choices, section = _annotation(root, f, stmt.annotation, depth)
+    default: Any = UNKNOWN
+    bounds: list[tuple[str, float]] = []
+    alias = renamed = None
+    deprecated = transformed = False
+    value = stmt.value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "Field":
+        if value.args:
+            default = _literal(value.args[0], f.constants)
+        for kw in value.keywords:
+            if kw.arg == "default":
+                default = _literal(kw.value, f.constants)
+            elif kw.arg == "alias":
+                alias = _literal(kw.value, f.constants)
+            elif kw.arg in ("ge", "gt", "le", "lt"):
+                bound = _literal(kw.value, f.constants)
+                if isinstance(bound, (int, float)):
+                    bounds.append((kw.arg, bound))
+            elif kw.arg in ("json_schema_extra", "deprecated"):
+                extra = kw.value
+                if isinstance(extra, ast.Dict):
+                    meta = {k.value: v for k, v in zip(extra.keys, extra.values) if isinstance(k, ast.Constant)}
+                    deprecated = _literal(meta.get("deprecated"), {}) is True
+                    new = _literal(meta.get("new_param"), {})
+                    renamed = new if isinstance(new, str) and new.isidentifier() else None
+                    transformed = "new_param_fn" in meta or _literal(meta.get("set_new_param"), {}) is False
+                elif _literal(extra, {}) is True:
+                    deprecated = True
+    elif value is not None:
+        default = _literal(value, f.constants)
+    key = Key(kinds, choices, tuple(bounds), default, section, renamed, deprecated, transformed)
+    if isinstance(alias, str):
+        return {alias: key, name: Key(kinds, choices, tuple(bounds), default, section, renamed_to=alias)}
+    return {name: key}
+
+
+def _annotation(root: Path, f: _ModelFile, node: ast.AST | None, depth: int
+                ) -> tuple[frozenset[str] | None, tuple[Any, ...] | None, Section | None]:
+    """(kinds, choices, nested section) of a type annotation; kinds None means any."""
+    if isinstance(node, ast.Constant) and node.value is None:
+        return frozenset({"none"}), None, None
+    if isinstance(node, ast.Name):
+        if node.id in _KINDS:
+            return frozenset(_KINDS[node.id]), None, None
+        if node.id in f.enums:
+            values = f.enums[node.id]
+            return frozenset(KIND_OF.get(type(v), "str") for v in values), values, None
+        if depth < 8 and (node.id in f.classes or node.id in f.imports):
+            sub = read_model(root, f.path, node.id, depth + 1)
+            if sub is not OPEN:
+                return frozenset({"dict"}), None, sub
+        return None, None, None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        parts = [_annotation(root, f, n, depth) for n in (node.left, node.right)]
+        return _union(parts)
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        outer = node.value.id
+        inner = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if outer == "Optional":
+            kinds, choices, sub = _annotation(root, f, inner[0], depth)
+            return (kinds | {"none"} if kinds is not None else None), (choices + (None,) if choices else None), sub
+        if outer == "Union":
+            return _union([_annotation(root, f, n, depth) for n in inner])
+        if outer == "Literal":
+            values = tuple(_literal(n, f.constants) for n in inner)
+            return frozenset(KIND_OF.get(type(v), "str") for v in values), values, None
+        if outer in _KINDS:
+            return frozenset(_KINDS[outer]), None, None
+    return None, None, None
+
+
+def _union(parts: list[tuple[frozenset[str] | None, tuple[Any, ...] | None, Section | None]]
+           ) -> tuple[frozenset[str] | None, tuple[Any, ...] | None, Section | None]:
+    if any(kinds is None for kinds, _, _ in parts):
+        return None, None, None
+    kinds = frozenset().union(*(k for k, _, _ in parts))  # type: ignore[arg-type]
+    sections = [s for _, _, s in parts if s is not None]
+    return kinds, None, sections[0] if sections else None
+
+
+# ---- constants modules (DeepSpeed's dict-based sections) --------------------------------------------
+
+
+def read_constants(path: Path, prefix: str) -> Section:
+    """Keys ``NAME = "key"`` with ``NAME`` starting with ``prefix``; their kind from ``NAME_DEFAULT``."""
+    tree = _parse(path)
+    if tree is None:
+        return OPEN
+    names = _constants(tree)
+    keys: dict[str, Key] = {}
+    for name, value in names.items():
+        if (name.startswith(prefix) and not name.endswith(("_DEFAULT", "_FORMAT")) and isinstance(value, str)
+                and value.isidentifier() and value.islower()):
+            default = names.get(name + "_DEFAULT", UNKNOWN)
+            keys[value] = Key(_kinds_of_value(default) if default is not UNKNOWN else None, default=default)
+    return Section(keys) if keys else OPEN
+
+
+# ---- DeepSpeed --------------------------------------------------------------------------------------
+
+_DS_MODELS = {  # section -> (file, pydantic class)
+    "zero_optimization": ("runtime/zero/config.py", "DeepSpeedZeroConfig"),
+    "bf16": ("runtime/precision_config.py", "DeepSpeedBF16Config"),
+    "fp16": ("runtime/precision_config.py", "DeepSpeedFP16Config"),
+    "tensorboard": ("monitor/config.py", "TensorBoardConfig"),
+    "wandb": ("monitor/config.py", "WandbConfig"),
+    "csv_monitor": ("monitor/config.py", "CSVConfig"),
+    "comet": ("monitor/config.py", "CometConfig"),
+    "comms_logger": ("comm/config.py", "CommsLoggerConfig"),
+}
+_DS_CONSTANTS = {  # section -> (constants file, prefix of its key names)
+    "aio": ("runtime/swap_tensor/constants.py", "AIO_"),
+    "activation_checkpointing": ("runtime/activation_checkpointing/config.py", "ACT_CHKPT_"),
+    "flops_profiler": ("profiling/constants.py", "FLOPS_PROFILER_"),
+}
+_DTYPE = Key(frozenset({"str"}), choices=("fp32", "fp16", "bf16"))
+
+
+@lru_cache(maxsize=1)
+def deepspeed_keys() -> Section | None:
+    """DeepSpeed's config keys as a tree, or None when DeepSpeed is not installed here."""
+    root = _package_root("deepspeed")
+    if root is None:
+        return None
+    keys: dict[str, Key] = {}
+    tree = _parse(root / "runtime" / "constants.py")
+    if tree is not None:  # the top-level keys DeepSpeedConfig reads are named there
+        names = _constants(tree)
+        for name, value in names.items():
+            if not name.endswith(("_DEFAULT", "_FORMAT")) and isinstance(value, str) and value.isidentifier() \
+                    and value.islower():
+                default = names.get(name + "_DEFAULT", UNKNOWN)
+                keys[value] = Key(_kinds_of_value(default) if default is not UNKNOWN else None, default=default)
+    for section, (file, cls) in _DS_MODELS.items():
+        keys[section] = Key(frozenset({"dict"}), section=read_model(root, root / file, cls))
+    for section, (file, prefix) in _DS_CONSTANTS.items():
+        keys[section] = Key(frozenset({"dict"}), section=read_constants(root / file, prefix))
+    keys["bfloat16"] = replace(keys["bf16"], renamed_to="bf16", deprecated=True)
+    keys["optimizer"] = Key(frozenset({"dict"}), section=Section({
+        "type": Key(frozenset({"str"})), "params": Key(frozenset({"dict"}), section=OPEN),
+        "legacy_fusion": Key(frozenset({"bool"}))}))
+    keys["scheduler"] = Key(frozenset({"dict"}), section=Section({
+        "type": Key(frozenset({"str"})), "params": Key(frozenset({"dict"}), section=OPEN)}))
+    keys["data_types"] = Key(frozenset({"dict"}), section=Section({"grad_accum_dtype": _DTYPE}, open=True))
+    keys["communication_data_type"] = _DTYPE
+    return Section(keys)
+
+
+# ---- accelerate -------------------------------------------------------------------------------------
+
+_ACCELERATE_GROUPS = {  # launch argument group variable -> nested section of the config file
+    "deepspeed_args": "deepspeed_config", "fsdp_args": "fsdp_config", "megatron_lm_args": "megatron_lm_config",
+    "fp8_args": "fp8_config", "mpirun_args": "mpirun_config", "parallelism_config_args": "parallelism_config",
+}
+_ARG_KINDS = {"int": frozenset({"int"}), "float": frozenset({"int", "float"})}
+
+
+def _launch_groups(path: Path) -> dict[str, dict[str, Key]]:
+    """Config section -> {key: Key} from the ``add_argument`` calls of ``accelerate launch``."""
+    tree = _parse(path)
+    out: dict[str, dict[str, Key]] = {}
+    if tree is None:
+        return out
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument" and isinstance(node.func.value, ast.Name)):
+            continue
+        section = _ACCELERATE_GROUPS.get(node.func.value.id)
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        long = [f[2:] for f in flags if f.startswith("--")]
+        if section is None or not long:
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        kind = kw.get("type")
+        kinds = _ARG_KINDS.get(kind.id) if isinstance(kind, ast.Name) else None
+        choices = _literal(kw.get("choices"), {}) if "choices" in kw else UNKNOWN
+        key = Key(kinds or (_SCALAR if "action" not in kw else frozenset({"bool"})),
+                  tuple(choices) if isinstance(choices, list) else None)
+        out.setdefault(section, {})[long[0].replace("-", "_")] = key
+    return out
+
+
+@lru_cache(maxsize=1)
+def accelerate_keys() -> Section | None:
+    """The keys of accelerate's config file (``ClusterConfig``), or None when accelerate is not
+    installed here. Nested sections hold the launch arguments accelerate copies them onto."""
+    root = _package_root("accelerate")
+    if root is None:
+        return None
+    f = _model_file(root, root / "commands" / "config" / "config_args.py")
+    keys: dict[str, Key] = {}
+    for name in ("BaseConfig", "ClusterConfig"):
+        cls = f.classes.get(name)
+        for stmt in cls.body if cls else []:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                kinds, choices, _ = _annotation(root, f, stmt.annotation, 8)
+                keys[stmt.target.id] = Key(kinds, choices, default=_literal(stmt.value, f.constants))
+    if not keys:
+        return Section(open=True)
+    for section, sub in _launch_groups(root / "commands" / "launch.py").items():
+        if section == "fsdp_config":  # accelerate adds the fsdp_ prefix where the file leaves it out
+            sub.update({k.removeprefix("fsdp_"): Key(renamed_to=k) for k in list(sub) if k.startswith("fsdp_")})
+        if section in keys:
+            keys[section] = replace(keys[section], kinds=frozenset({"dict", "none"}), section=Section(sub))
+    keys["dynamo_config"] = replace(keys.get("dynamo_config", Key()), section=OPEN)
+    return Section(keys)
