@@ -44,6 +44,10 @@ IDLE = {"megatron_lm_config": "distributed_type MEGATRON_LM", "fp8_config": "mix
         "commands": "distributed_type XLA (TPU)"}
 
 
+# accelerate's FullyShardedDataParallelPlugin drops these with a warning for FSDP2, or raises
+FSDP1_ONLY = {"sharding_strategy", "backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states"}
+
+
 def problems(cfg: HfscaleConfig, world: int, procs_per_node: int) -> Found:
     """Problems of accelerate.gpu_ids, accelerate.extra's sections and distributed.parallelism,
     paths from the document root."""
@@ -55,6 +59,11 @@ def problems(cfg: HfscaleConfig, world: int, procs_per_node: int) -> Found:
         elif key == "fsdp_config" and cfg.distributed.backend != "fsdp":
             out.append((("accelerate", "extra", key), f"FSDP settings, but distributed.backend is "
                         f"{cfg.distributed.backend}"))
+        elif key == "fsdp_config" and isinstance(cfg.accelerate.extra[key], dict):
+            for name in cfg.accelerate.extra[key]:
+                if str(name).removeprefix("fsdp_") in FSDP1_ONLY:
+                    out.append((("accelerate", "extra", key, name), "FSDP1 only, and hfscale writes FSDP2 (accelerate "
+                                "drops it or refuses it there)"))
     ids = cfg.accelerate.gpu_ids
     if ids is not None and ids != "all" and len(ids.split(",")) != procs_per_node:
         out.append((("accelerate", "gpu_ids"), f"{len(ids.split(','))} GPU id(s) for {procs_per_node} process(es) "
@@ -76,7 +85,7 @@ def extra_problems(extra: dict) -> tuple[Found, Found]:
     installed accelerate's config keys, read from its source."""
     if not extra:
         return [], []
-    from .engine_source import accelerate_keys
+    from .accelerate_source import accelerate_keys
     from .extra_keys import check_extra
 
     keys = accelerate_keys()

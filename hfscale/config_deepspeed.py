@@ -127,7 +127,7 @@ class DsSchedulerConfig(Strict):
 class DeepSpeedSection(Strict):
     """DeepSpeed settings; rendered into the DeepSpeed JSON."""
 
-    stage: Annotated[Literal[0, 1, 2, 3], NoBool] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters.")
+    stage: Annotated[Literal[0, 1, 2, 3], NoBool] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters. Default 2: DeepSpeed's own default is 0, but choosing DeepSpeed means choosing ZeRO.")
     offload_optimizer: OffloadOptimizerConfig = Field(
         default_factory=OffloadOptimizerConfig, description="Optimizer state offload (stages 1-3; nvme needs stage 3).")
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig,

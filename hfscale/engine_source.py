@@ -1,12 +1,12 @@
-"""The config keys of the installed DeepSpeed and accelerate, read from their source.
+"""The config keys of the installed DeepSpeed, and the readers for libraries' declarations.
 
 Importing either imports torch (seconds), and ``hfscale check`` must stay fast and torch-free. Both
 declare their keys as data that :mod:`ast` can read: DeepSpeed as pydantic models (fields, aliases,
 ``Field(ge=...)`` bounds, deprecated fields with their ``new_param``) and as ``NAME = "key"`` /
 ``NAME_DEFAULT = value`` constants; accelerate as the dataclass its config file is loaded into
-(``ClusterConfig``) and, for the nested sections it copies onto its launch arguments, the
-``add_argument("--key")`` calls of ``accelerate launch``. What cannot be read stays open (any key
-accepted there) rather than refused.
+(``ClusterConfig``) and the ``add_argument("--key")`` calls of ``accelerate launch``
+(hfscale.accelerate_source). What cannot be read stays open (any key accepted there) rather than
+refused.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class Key:
     renamed_to: str | None = None  # an old or alternative spelling of this key
     deprecated: bool = False  # with renamed_to: DeepSpeed still reads it, under a new name
     transformed: bool = False  # deprecated, and its value means something else under the new name
+    unread: str | None = None  # why the library never reads this key where it stands
 
 
 @dataclass(frozen=True)
@@ -332,64 +333,4 @@ def deepspeed_keys() -> Section | None:
         "type": Key(frozenset({"str"})), "params": Key(frozenset({"dict"}), section=OPEN)}))
     keys["data_types"] = Key(frozenset({"dict"}), section=Section({"grad_accum_dtype": _DTYPE}, open=True))
     keys["communication_data_type"] = _DTYPE
-    return Section(keys)
-
-
-# ---- accelerate -------------------------------------------------------------------------------------
-
-_ACCELERATE_GROUPS = {  # launch argument group variable -> nested section of the config file
-    "deepspeed_args": "deepspeed_config", "fsdp_args": "fsdp_config", "megatron_lm_args": "megatron_lm_config",
-    "fp8_args": "fp8_config", "mpirun_args": "mpirun_config", "parallelism_config_args": "parallelism_config",
-}
-_ARG_KINDS = {"int": frozenset({"int"}), "float": frozenset({"int", "float"})}
-
-
-def _launch_groups(path: Path) -> dict[str, dict[str, Key]]:
-    """Config section -> {key: Key} from the ``add_argument`` calls of ``accelerate launch``."""
-    tree = _parse(path)
-    out: dict[str, dict[str, Key]] = {}
-    if tree is None:
-        return out
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "add_argument" and isinstance(node.func.value, ast.Name)):
-            continue
-        section = _ACCELERATE_GROUPS.get(node.func.value.id)
-        flags = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-        long = [f[2:] for f in flags if f.startswith("--")]
-        if section is None or not long:
-            continue
-        kw = {k.arg: k.value for k in node.keywords}
-        kind = kw.get("type")
-        kinds = _ARG_KINDS.get(kind.id) if isinstance(kind, ast.Name) else None
-        choices = _literal(kw.get("choices"), {}) if "choices" in kw else UNKNOWN
-        key = Key(kinds or (_SCALAR if "action" not in kw else frozenset({"bool"})),
-                  tuple(choices) if isinstance(choices, list) else None)
-        out.setdefault(section, {})[long[0].replace("-", "_")] = key
-    return out
-
-
-@lru_cache(maxsize=1)
-def accelerate_keys() -> Section | None:
-    """The keys of accelerate's config file (``ClusterConfig``), or None when accelerate is not
-    installed here. Nested sections hold the launch arguments accelerate copies them onto."""
-    root = _package_root("accelerate")
-    if root is None:
-        return None
-    f = _model_file(root, root / "commands" / "config" / "config_args.py")
-    keys: dict[str, Key] = {}
-    for name in ("BaseConfig", "ClusterConfig"):
-        cls = f.classes.get(name)
-        for stmt in cls.body if cls else []:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                kinds, choices, _ = _annotation(root, f, stmt.annotation, 8)
-                keys[stmt.target.id] = Key(kinds, choices, default=_literal(stmt.value, f.constants))
-    if not keys:
-        return Section(open=True)
-    for section, sub in _launch_groups(root / "commands" / "launch.py").items():
-        if section == "fsdp_config":  # accelerate adds the fsdp_ prefix where the file leaves it out
-            sub.update({k.removeprefix("fsdp_"): Key(renamed_to=k) for k in list(sub) if k.startswith("fsdp_")})
-        if section in keys:
-            keys[section] = replace(keys[section], kinds=frozenset({"dict", "none"}), section=Section(sub))
-    keys["dynamo_config"] = replace(keys.get("dynamo_config", Key()), section=OPEN)
     return Section(keys)

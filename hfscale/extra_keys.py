@@ -51,6 +51,9 @@ def check_extra(extra: Mapping[str, Any], keys: Section, owned: Mapping[tuple[st
             hint = f"; did you mean {close[0]!r}?" if close else ""
             out.append((path, f"unknown key {name!r}{hint}"))
             continue
+        if key.unread:
+            out.append((path, key.unread))
+            continue
         if key.renamed_to:
             new = keys.canonical(name)
             what = "deprecated" if key.deprecated else "another name"

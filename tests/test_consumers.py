@@ -90,6 +90,12 @@ CASES = [
                                    training={"learning_rate": 2.0e-4, "weight_decay": 0.1}),
          world=4, nodes=1, distributed_type=DEEPSPEED, micro=1, ga=8, global_batch=32, stage=2,
          offload_optimizer="cpu"),
+    Case("z2_ds_optimizer_scheduler_1x4",
+         _ds("z2s", {"nproc_per_node": 4}, {"stage": 2, "optimizer": {"type": "AdamW"},
+                                            "scheduler": {"type": "WarmupDecayLR"}}, "bf16",
+             {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
+             training={"max_steps": 10, "warmup_steps": 2, "learning_rate": 1.0e-4, "weight_decay": 0.01}),
+         world=4, nodes=1, distributed_type=DEEPSPEED, micro=2, ga=1, global_batch=8, stage=2),
     Case("z2_bf16_2x8", _ds("z2n", TWO_NODES_8, {"stage": 2}, "bf16",
                             {"micro_batch_size": 8, "global_batch_size": 256}),
          world=16, nodes=2, distributed_type=DEEPSPEED, micro=8, ga=2, global_batch=256, stage=2),
@@ -551,7 +557,7 @@ def test_deepspeed_config_accepts_generated_json(name, probes):
     assert got["bf16"] is (case.precision == "bf16")
     assert got["fp16"] is (case.precision == "fp16")
     assert got["gradient_clipping"] == 1.0
-    if case.offload_optimizer != "none":
+    if case.offload_optimizer != "none" or "optimizer" in case.doc["distributed"]["deepspeed"]:
         training = case.doc.get("training", {})
         assert got["optimizer"] == "adamw"
         assert got["optimizer_params"]["lr"] == training.get("learning_rate", 5e-5)
@@ -595,8 +601,8 @@ def test_transformers_finds_no_mismatch(name, probes):
     assert got["args_ds_batch"] == case.global_batch
     assert got["mismatches"] == []
     assert got["finalize_error"] is None
-    if case.offload_optimizer != "none":  # DeepSpeed builds the optimizer from the JSON's section
-        assert got["optimizer"]["type"] == "AdamW"
+    if case.offload_optimizer != "none" or "optimizer" in case.doc["distributed"]["deepspeed"]:
+        assert got["optimizer"]["type"] == "AdamW"  # DeepSpeed builds the optimizer from the JSON's section
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS_CASES)
