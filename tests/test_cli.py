@@ -112,7 +112,7 @@ def test_init_template_is_valid_and_complete(tmp_path):
     for name, field in HfscaleConfig.model_fields.items():
         assert f"\n{name}:" in "\n" + text
         assert f"# {field.description}" in text
-    assert "  # ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters.\n    stage: 2\n" in text
+    assert "  # own default is 0, but choosing DeepSpeed means choosing ZeRO.\n    stage: 2\n" in text
     r = run_cli("init", str(dest))
     assert r.returncode == 2 and "exists" in r.stderr
 
