@@ -106,6 +106,46 @@ def init(path: str, force: bool) -> None:
     click.echo(f"wrote {path}; check it with: hfscale check {path}")
 
 
+@main.command("import")
+@click.argument("accelerate_yaml", metavar="ACCELERATE_YAML")
+@click.option("--deepspeed", "deepspeed", metavar="DS_JSON", help="DeepSpeed JSON (default: the deepspeed_config_file "
+              "the accelerate config names).")
+@click.option("--hostfile", metavar="FILE", help="Host file, 'host slots=N' lines (default: the deepspeed_hostfile "
+              "the accelerate config names).")
+@click.option("--out", "out", default="hfscale.yaml", show_default=True, help="Where to write the hfscale YAML; "
+              "'-' prints it.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+def import_cmd(accelerate_yaml: str, deepspeed: str | None, hostfile: str | None, out: str, force: bool) -> None:
+    """Write one commented hfscale YAML from an accelerate config, its DeepSpeed JSON and a host file.
+
+    \b
+    'auto' values are resolved from the other file or hfscale's defaults, each with a comment;
+    everything hfscale cannot express is listed (exit 2) and nothing is written.
+    Examples:
+      hfscale import accelerate_configs/zero3.yaml --out job.yaml
+      hfscale import accelerate.yaml --deepspeed ds_config.json --hostfile hosts --out -
+    """
+    from .files import write_files
+    from .importer import follow, import_configs, read_source
+
+    dest = None if out == "-" else Path(out)
+    if dest is not None and dest.exists() and not force:
+        click.echo(f"error: {out} exists; pass --force to overwrite it", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    try:
+        acc = read_source(accelerate_yaml, accelerate_yaml)
+        ds, hosts = follow(acc, deepspeed, hostfile)
+        text = import_configs(acc, ds, hosts, dest.parent if dest is not None else None)
+    except ConfigError as e:
+        click.echo(f"error: {e.render()}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if dest is None:
+        click.echo(text, nl=False)
+        return
+    _written(lambda: write_files(dest.parent, {dest.name: text}), out)
+    click.echo(f"wrote {out}; check it with: hfscale check {out}")
+
+
 def _context(job, extra_args: tuple[str, ...], restart: bool):
     import os
     import secrets

@@ -143,6 +143,11 @@ class _ModelFile:
                 if target is not None:
                     for alias in stmt.names:
                         self.imports[alias.asname or alias.name] = target
+                    imported = _parse(target)
+                    if imported is not None:  # defaults named by imported constants (from .constants import *)
+                        names = _constants(imported)
+                        wanted = {a.name for a in stmt.names}
+                        self.constants.update({k: v for k, v in names.items() if "*" in wanted or k in wanted})
 
     def _module_path(self, stmt: ast.ImportFrom) -> Path | None:
         parts = (stmt.module or "").split(".") if stmt.module else []

@@ -96,7 +96,8 @@ def _value_problems(value: Any, kinds, choices, bounds, section: bool) -> list[s
     if choices and value not in choices:
         return [f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}"]
     if kinds is not None and not _fits(value, kinds):
-        want = " or ".join(_WORDS.get(k, k) for k in sorted(kinds))
+        words = sorted(kinds - {"int"} if "float" in kinds else kinds)  # a number covers whole numbers
+        want = " or ".join(_WORDS.get(k, k) for k in words)
         return [f"must be {want}, got {_WORDS.get(_kind(value), _kind(value))}"]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         for op, bound in bounds:

@@ -15,9 +15,11 @@ SPAWNING = {"subprocess", "multiprocessing", "pty"}
 SPAWN_CALLS = {"system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp",
                "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnl"}
 MAX_LINES = 400
-# the commands that only read configs: check, config, init, schema (and launch --dry-run's planning)
+# the commands that only read configs: check, config, init, schema, import (and launch --dry-run's planning)
 CONFIG_ONLY = ["hfscale.cli", "hfscale.load", "hfscale.summary", "hfscale.model_config", "hfscale.template",
-               "hfscale.artifacts", "hfscale.files", "hfscale.plan", "hfscale.preflight"]
+               "hfscale.artifacts", "hfscale.files", "hfscale.plan", "hfscale.preflight", "hfscale.importer",
+               "hfscale.deepspeed_rules", "hfscale.accelerate_rules", "hfscale.engine_source",
+               "hfscale.accelerate_source"]
 
 
 def modules() -> dict[str, Path]:

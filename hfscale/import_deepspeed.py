@@ -1,0 +1,282 @@
+"""``hfscale import``: a DeepSpeed JSON into the hfscale draft.
+
+Each key goes to its typed hfscale key, or into ``distributed.deepspeed.extra`` when DeepSpeed
+knows it and hfscale does not type it; DeepSpeed's renamed keys are normalised first. ``"auto"``
+(a value the HF Trainer fills from its TrainingArguments) is resolved from the accelerate config
+or from hfscale's defaults, with a comment saying which. A key DeepSpeed does not know, an
+``"auto"`` hfscale cannot resolve, and a value hfscale cannot write are problems.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config_deepspeed import DeepSpeedSection
+from .deepspeed_rules import SECTIONS, ZERO_KEYS
+from .engine_source import Section, deepspeed_keys
+from .extra_keys import check_extra
+from .import_draft import AUTO, Draft
+
+DS = ("distributed", "deepspeed")
+T = ("training",)
+# what hfscale writes for fp16 beside enabled (render_deepspeed): not repeated in extra
+FP16_WRITTEN = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                "min_loss_scale": 1}
+SCHEDULES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
+# keys DeepSpeed took under older names whose value changes form (zero_optimization)
+_OLD_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+_AUTO_FROM_MODEL = ("the Trainer derives it from the model's hidden size; hfscale's default (DeepSpeed's) here, set "
+                    "one for your model")
+
+
+def _default(key: str) -> Any:
+    return DeepSpeedSection.model_fields[key].default
+
+
+def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str | None) -> None:
+    """Put DeepSpeed JSON ``ds`` (from file ``source``) into ``draft``."""
+    keys = deepspeed_keys()
+    extra: dict[str, Any] = {}
+    ds = _whole_numbers(dict(ds), keys)
+    if "bfloat16" in ds and "bf16" not in ds:
+        ds["bf16"] = ds.pop("bfloat16")
+        draft.notes.append(f"{source}: 'bfloat16' is DeepSpeed's old name of 'bf16'; under accelerate launch it was "
+                           "overridden (accelerate writes bf16.enabled false beside it), here it means bf16")
+    _batch(ds, draft, source)
+    extra.update(_precision(ds, draft, source, mixed_precision))
+    clip = ds.pop("gradient_clipping", 1.0)
+    if clip == AUTO:
+        draft.set(("gradient_clipping",), 1.0, "auto: the Trainer's max_grad_norm default")
+    elif clip != 1.0:
+        draft.set(("gradient_clipping",), clip or None)
+    zero = ds.pop("zero_optimization", None)
+    _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys)
+    if "optimizer" not in ds and isinstance(zero, dict) and (zero.get("offload_optimizer") or {}).get("device") not in \
+            (None, "none"):
+        draft.notes.append(f"{source} offloads the optimizer but has no optimizer section: hfscale writes DeepSpeed's "
+                           "AdamW there (a script's own optimizer fails with ZeRO-Offload unless "
+                           "zero_force_ds_cpu_optimizer is false)")
+    _optimizer(ds.pop("optimizer", None), draft, source, extra)
+    _scheduler(ds.pop("scheduler", None), draft, source, extra)
+    for name in ("steps_per_print", "communication_data_type"):
+        if name in ds:
+            _typed(DS + (name,), ds.pop(name), draft, source, name)
+    types = ds.pop("data_types", None)
+    if isinstance(types, dict):
+        types = dict(types)
+        if "grad_accum_dtype" in types:
+            _typed(DS + ("grad_accum_dtype",), types.pop("grad_accum_dtype"), draft, source, "data_types.grad_accum_dtype")
+        if types:
+            extra["data_types"] = types
+    for name, model in SECTIONS.items():
+        section = ds.pop(name, None)
+        if isinstance(section, dict):
+            typed = {k: v for k, v in section.items() if k in model.model_fields}
+            draft.set(DS + (name,), typed)
+            rest = {k: v for k, v in section.items() if k not in model.model_fields}
+            if rest:
+                extra[name] = rest
+    if ds.get("wall_clock_breakdown") is False:
+        ds.pop("wall_clock_breakdown")  # what hfscale writes
+    extra.update(ds)
+    _extra(extra, draft, source, keys)
+
+
+def _whole_numbers(node: dict, keys: Section | None) -> dict:
+    """``1e9`` (a float in JSON) as the whole number DeepSpeed reads it as, where it wants one."""
+    out = {}
+    for k, v in node.items():
+        key = keys.keys.get(keys.canonical(k)) if keys is not None else None
+        if isinstance(v, dict):
+            v = _whole_numbers(v, key.section if key is not None else None)
+        elif isinstance(v, float) and v.is_integer() and key is not None and key.kinds and "float" not in key.kinds:
+            v = int(v)
+        out[k] = v
+    return out
+
+
+def _typed(path: tuple[str, ...], value: Any, draft: Draft, source: str, where: str) -> None:
+    if value == AUTO:
+        draft.refuse(f"{source}: {where}", "'auto' here is not a TrainingArguments value; write a number")
+    else:
+        draft.set(path, value)
+
+
+def _batch(ds: dict, draft: Draft, source: str) -> None:
+    micro = ds.pop("train_micro_batch_size_per_gpu", AUTO)
+    if micro == AUTO:
+        draft.set(("batch", "micro_batch_size"), 1, "auto: the Trainer's per_device_train_batch_size; set yours")
+    else:
+        draft.set(("batch", "micro_batch_size"), micro)
+    ga = ds.pop("gradient_accumulation_steps", None)
+    if ga == AUTO:
+        draft.set(("batch", "gradient_accumulation_steps"), draft.get(("batch", "gradient_accumulation_steps"), 1),
+                  "auto: the Trainer's gradient_accumulation_steps (1 unless the accelerate config says)")
+    elif ga is not None:
+        draft.set(("batch", "gradient_accumulation_steps"), ga)
+    total = ds.pop("train_batch_size", None)
+    if total not in (None, AUTO):
+        draft.set(("batch", "global_batch_size"), total)
+
+
+def _precision(ds: dict, draft: Draft, source: str, mixed_precision: str | None) -> dict[str, Any]:
+    """Set ``precision``; return what bf16/fp16 hold beyond what hfscale writes (for extra)."""
+    bf16 = dict(ds.pop("bf16", None) or {})
+    fp16 = dict(ds.pop("fp16", None) or {})
+    on = {name: section.pop("enabled", False) for name, section in (("bf16", bf16), ("fp16", fp16))}
+    if AUTO in on.values():
+        # accelerate fills "auto" from its mixed_precision, "no" when the file has none
+        explicit = [n for n, v in on.items() if v is True]
+        value = explicit[0] if explicit else mixed_precision or "no"
+        why = "the accelerate config's mixed_precision" if mixed_precision else "no mixed_precision in the accelerate " \
+            "config: accelerate's default"
+        draft.set(("precision",), value, f"auto: {why}")
+    else:
+        value = "bf16" if on["bf16"] else "fp16" if on["fp16"] else "no"
+        if on["bf16"] and on["fp16"]:
+            draft.refuse(f"{source}: bf16.enabled, fp16.enabled", "both are true; DeepSpeed trains one precision")
+        draft.set(("precision",), value)
+    if value == "fp16":
+        fp16 = {k: v for k, v in fp16.items() if FP16_WRITTEN.get(k, object()) != v}
+    return {name: rest for name, rest in (("bf16", bf16), ("fp16", fp16)) if rest}
+
+
+def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | None) -> None:
+    zero = dict(zero)
+    section = keys.keys["zero_optimization"].section if keys else None
+    for old, new in _OLD_OFFLOAD.items():  # bool forms of the offload sections
+        if old in zero:
+            if zero.pop(old) is True and new not in zero:
+                zero[new] = {"device": "cpu"}
+    if "cpu_offload_use_pin_memory" in zero:
+        pin = zero.pop("cpu_offload_use_pin_memory")
+        for name in _OLD_OFFLOAD.values():
+            if isinstance(zero.get(name), dict):
+                zero[name].setdefault("pin_memory", pin)
+    if section is not None:
+        zero = {section.canonical(k): v for k, v in zero.items()}
+    stage = zero.pop("stage", 0)
+    draft.set(DS + ("stage",), stage, None if zero or stage else "zero_optimization absent: ZeRO off")
+    for key in ZERO_KEYS:
+        if key in zero:
+            value = zero.pop(key)
+            if value == AUTO:
+                draft.set(DS + (key,), _default(key), f"auto: {_AUTO_FROM_MODEL}")
+            elif value is not None or key == "overlap_comm":
+                draft.set(DS + (key,), value)
+    if "stage3_gather_16bit_weights_on_model_save" in zero:
+        draft.set(DS + ("gather_16bit_weights_on_model_save",), zero.pop("stage3_gather_16bit_weights_on_model_save"))
+    for name in ("offload_optimizer", "offload_param"):
+        off = zero.pop(name, None)
+        if isinstance(off, dict):
+            model = DeepSpeedSection.model_fields[name].annotation
+            typed = {k: (str(v) if k == "nvme_path" else v) for k, v in off.items() if k in model.model_fields}
+            draft.set(DS + (name,), typed)
+            rest = {k: v for k, v in off.items() if k not in model.model_fields}
+            if rest:
+                extra.setdefault("zero_optimization", {})[name] = rest
+    if stage in (1, 2):  # written by hfscale for these stages: only a changed value goes to extra
+        for key in ("allgather_partitions", "reduce_scatter"):
+            if zero.get(key) is True:
+                zero.pop(key)
+    if zero:
+        extra.setdefault("zero_optimization", {}).update(zero)
+
+
+def _optimizer(opt: Any, draft: Draft, source: str, extra: dict) -> None:
+    if not isinstance(opt, dict):
+        return
+    opt = dict(opt)
+    kind = opt.pop("type", None)
+    allowed = DeepSpeedSection.model_fields["optimizer"].annotation.__args__[0].model_fields["type"].annotation.__args__
+    match = next((a for a in allowed if isinstance(kind, str) and a.lower() == kind.lower()), None)
+    if match is None:
+        draft.refuse(f"{source}: optimizer.type", f"{kind!r} is not one of {', '.join(allowed)}")
+    else:
+        draft.set(DS + ("optimizer",), {"type": match})
+    params = dict(opt.pop("params", None) or {})
+    for key, target in (("lr", "learning_rate"), ("eps", "adam_epsilon"), ("weight_decay", "weight_decay")):
+        if key in params:
+            _auto_or(T + (target,), params.pop(key), draft)
+    betas = params.pop("betas", None)
+    if isinstance(betas, list) and len(betas) == 2:
+        draft.set(T + ("adam_beta1",), betas[0])
+        draft.set(T + ("adam_beta2",), betas[1])
+    elif betas == AUTO:
+        _auto_or(T + ("adam_beta1",), AUTO, draft)
+        _auto_or(T + ("adam_beta2",), AUTO, draft)
+    if params:
+        opt["params"] = params
+    if opt:
+        extra["optimizer"] = opt
+
+
+def _scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None:
+    if not isinstance(sched, dict):
+        return
+    sched = dict(sched)
+    kind = sched.pop("type", None)
+    params = dict(sched.pop("params", None) or {})
+    if kind not in SCHEDULES:
+        draft.refuse(f"{source}: scheduler.type", f"{kind!r}: hfscale writes {', '.join(SCHEDULES)}")
+        return
+    warmup = params.pop("warmup_num_steps", 0)
+    total = params.pop("total_num_steps", None)
+    lr = params.pop("warmup_max_lr", None)
+    if kind != "WarmupLR" and total == AUTO:
+        # the Trainer would fill it with its step count: its own schedule is the same curve
+        draft.set(T + ("lr_scheduler_type",), SCHEDULES[kind], f"{kind} with total_num_steps auto: the Trainer's own "
+                  "schedule (hfscale needs training.max_steps to hand it to DeepSpeed)")
+        return
+    draft.set(DS + ("scheduler",), {"type": kind})
+    schedule = SCHEDULES[kind] if kind != "WarmupLR" or warmup not in (0, AUTO) else "constant"
+    draft.set(T + ("lr_scheduler_type",), schedule)
+    if warmup == AUTO or warmup:
+        _auto_or(T + ("warmup_steps",), warmup, draft)
+    if total is not None:
+        draft.set(T + ("max_steps",), total)
+    if lr is not None and not (lr == AUTO and draft.get(T + ("learning_rate",)) is not None):
+        _auto_or(T + ("learning_rate",), lr, draft)
+    written = {"warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}
+    # DeepSpeed's own defaults where the file leaves them out (hfscale writes the values above)
+    ds_default = {"warmup_type": "log", "cos_min_ratio": 0.0001}
+    for key, default in ds_default.items():
+        if key not in params and (key != "cos_min_ratio" or kind == "WarmupCosineLR"):
+            params[key] = default
+    rest = {k: v for k, v in params.items() if written.get(k, object()) != v
+            and not (k == "warmup_min_lr" and v in (0, AUTO))}
+    if rest:
+        extra["scheduler"] = {"params": rest}
+
+
+def _auto_or(path: tuple[str, ...], value: Any, draft: Draft) -> None:
+    """``value``, or for "auto" hfscale's default of ``path`` (a training key), said in a comment."""
+    if value != AUTO:
+        draft.set(path, value)
+        return
+    from .config import TrainingConfig
+
+    draft.set(path, TrainingConfig.model_fields[path[-1]].default, f"auto: the Trainer's {path[-1]}; hfscale's default")
+
+
+def _extra(extra: dict, draft: Draft, source: str, keys: Section | None) -> None:
+    if not extra:
+        return
+    autos = [k for k, v in _leaves(extra) if v == AUTO]
+    for path in autos:
+        draft.refuse(f"{source}: {'.'.join(path)}", "'auto' here is not a TrainingArguments value; write a value")
+    if keys is not None:
+        for path, message in check_extra(extra, keys, {}):
+            if tuple(path) not in autos:
+                draft.refuse(f"{source}: {'.'.join(map(str, path))}", message)
+    draft.set(DS + ("extra",), extra)
+
+
+def _leaves(node: dict, here: tuple = ()) -> list[tuple[tuple, Any]]:
+    out = []
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out += _leaves(v, here + (k,))
+        else:
+            out.append((here + (k,), v))
+    return out

@@ -1,0 +1,78 @@
+"""The hfscale YAML that ``hfscale import`` builds: values at dotted paths, a comment per value,
+and the problems (what the source files hold that hfscale cannot express), then emitted as text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import Problem
+
+AUTO = "auto"
+TRUE_WORDS = {"true": True, "false": False, "yes": True, "no": False}
+
+
+def as_bool(value: Any) -> Any:
+    """accelerate writes some booleans as text ('true'); anything else unchanged."""
+    return TRUE_WORDS.get(value.lower(), value) if isinstance(value, str) else value
+
+
+@dataclass
+class Draft:
+    """What the import has found so far."""
+
+    data: dict[str, Any] = field(default_factory=dict)
+    comments: dict[tuple[str, ...], str] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # printed at the top of the file
+
+    def set(self, path: tuple[str, ...], value: Any, comment: str | None = None) -> None:
+        node = self.data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+        if comment:
+            self.comments[path] = comment
+
+    def get(self, path: tuple[str, ...], default: Any = None) -> Any:
+        node: Any = self.data
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def refuse(self, where: str, message: str) -> None:
+        self.problems.append(Problem(where, message))
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def _emit(node: dict[str, Any], path: tuple[str, ...], comments: dict, out: list[str]) -> None:
+    pad = "  " * len(path)
+    for key, value in node.items():
+        here = path + (key,)
+        note = f"  # {comments[here]}" if here in comments else ""
+        if isinstance(value, dict) and value and not (len(here) >= 2 and here[-2] == "extra"):
+            out.append(f"{pad}{key}:{note}")
+            _emit(value, here, comments, out)
+        else:
+            out.append(f"{pad}{key}: {_scalar(value)}{note}")
+
+
+def render_draft(draft: Draft, header: list[str]) -> str:
+    """The YAML text: header lines, notes, then the values with their comments."""
+    out = [f"# {line}" for line in header]
+    if draft.notes:
+        out.append("#")
+        out += [f"# - {n}" for n in draft.notes]
+    out.append("")
+    _emit(draft.data, (), draft.comments, out)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,263 @@
+"""``hfscale import``: an accelerate config, the DeepSpeed JSON it names (or one given) and a host
+file, into one commented hfscale YAML that ``hfscale check`` accepts.
+
+Every key of the sources lands in a typed hfscale key, in an ``extra`` mapping, or in a note
+saying why it can be left out (a value accelerate launch never reads, a default restated); what
+hfscale cannot express is a problem, and all problems are reported together (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .accelerate_source import accelerate_keys
+from .errors import ConfigError, Problem
+from .extra_keys import check_extra
+from .hostfile import parse_hostfile
+from .import_deepspeed import import_deepspeed
+from .import_draft import Draft, as_bool, render_draft
+from .load import _read, load_text
+from .yamlsource import parse
+
+BACKENDS = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MULTI_GPU": "ddp", "NO": "ddp"}
+FSDP_KEYS = {"reshard_after_forward", "offload_params", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
+             "min_num_params", "state_dict_type", "activation_checkpointing", "activation_checkpointing_offload",
+             "cpu_ram_efficient_loading"}
+# accelerate's values where its file leaves a key out and hfscale's default differs
+FSDP_ABSENT = {"auto_wrap_policy": "NO_WRAP"}
+# keys hfscale writes itself (render_accelerate), with the value that needs no mention
+WRITTEN = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0, "main_training_function": "main",
+           "use_cpu": False, "rdzv_backend": "static", "same_network": True, "downcast_bf16": "no"}
+PLUGIN = {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+          "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping", "zero3_save_16bit_model"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file: the path it is named by in messages, its directory, its text."""
+
+    path: str
+    text: str
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.path).parent
+
+
+def read_source(path: str, what: str, base: Path | None = None) -> Source:
+    """Read ``path`` (relative to ``base`` when it is there, else to the working directory) as
+    hfscale reads configs: a regular file up to 1 MiB; ConfigError naming it otherwise."""
+    candidate = Path(path)
+    if base is not None and not candidate.is_absolute() and (base / candidate).exists():
+        candidate = base / candidate
+    text, why = _read(candidate)
+    if text is None:
+        raise ConfigError(what, [Problem("", why or "unreadable")])
+    return Source(str(candidate), text)
+
+
+def _mapping(src: Source) -> dict[str, Any]:
+    doc, problems = parse(src.text)
+    if doc is None or problems:
+        raise ConfigError(src.path, problems)
+    if not isinstance(doc.data, dict):
+        raise ConfigError(src.path, [Problem("", "expected a mapping at the top")])
+    return doc.data
+
+
+def follow(accelerate: Source, deepspeed: str | None, hostfile: str | None) -> tuple[Source | None, Source | None]:
+    """The DeepSpeed JSON and host file to import beside ``accelerate``: the ones given, else the
+    ones its deepspeed_config names (relative to its directory, then the working directory)."""
+    data = _mapping(accelerate)
+    plugin = data.get("deepspeed_config") if isinstance(data.get("deepspeed_config"), dict) else {}
+    named = plugin.get("deepspeed_config_file") if isinstance(plugin.get("deepspeed_config_file"), str) else None
+    ds = read_source(deepspeed or named, "--deepspeed", None if deepspeed else accelerate.directory) \
+        if (deepspeed or named) else None
+    named_hosts = plugin.get("deepspeed_hostfile") if isinstance(plugin.get("deepspeed_hostfile"), str) else None
+    hosts = read_source(hostfile or named_hosts, "--hostfile", None if hostfile else accelerate.directory) \
+        if (hostfile or named_hosts) else None
+    return ds, hosts
+
+
+def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Source | None, out_dir: Path | None) -> str:
+    """The hfscale YAML for these files; ConfigError listing everything that cannot be expressed.
+    ``out_dir``: where the YAML will be written (the host file is named relative to it)."""
+    acc = dict(_mapping(accelerate))
+    draft = Draft()
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(accelerate.path).stem).strip("-.") or "imported"
+    draft.set(("name",), stem[:64], "from the accelerate config's file name")
+    where = accelerate.path
+    env = acc.pop("compute_environment", "LOCAL_MACHINE")
+    if env != "LOCAL_MACHINE":
+        draft.refuse(f"{where}: compute_environment", f"{env!r}: hfscale launches on your machines (LOCAL_MACHINE)")
+    kind = acc.pop("distributed_type", "NO")
+    backend = BACKENDS.get(kind)
+    if backend is None:
+        draft.refuse(f"{where}: distributed_type", f"{kind!r}: hfscale writes {', '.join(BACKENDS)}")
+        backend = "ddp"
+    draft.set(("distributed", "backend"), backend)
+    precision = acc.pop("mixed_precision", None)
+    _cluster(acc, hostfile, out_dir, draft, where)
+    plugin = acc.pop("deepspeed_config", None) or {}
+    fsdp = acc.pop("fsdp_config", None) or {}
+    if backend == "deepspeed":
+        _deepspeed(plugin, deepspeed, precision, draft, where)
+    else:
+        if precision not in (None, "no", "bf16", "fp16"):
+            draft.refuse(f"{where}: mixed_precision", f"{precision!r}: hfscale writes bf16, fp16 or no")
+        draft.set(("precision",), precision or "no")
+        if plugin:
+            draft.refuse(f"{where}: deepspeed_config", f"DeepSpeed settings, but distributed_type is {kind}")
+        if deepspeed is not None:
+            draft.refuse(deepspeed.path, f"a DeepSpeed config, but distributed_type is {kind}")
+    if fsdp:
+        _fsdp(fsdp, draft, where, backend)
+    _parallelism(acc.pop("parallelism_config", None) or {}, draft, where)
+    _rest(acc, draft, where)
+    if backend != "deepspeed" or draft.get(("batch", "micro_batch_size")) is None:
+        draft.set(("batch", "micro_batch_size"), 1, "accelerate's config has no batch size: the script's; set yours")
+    _order(draft)
+    if draft.problems:
+        raise ConfigError(accelerate.path, draft.problems)
+    sources = ", ".join(s.path for s in (accelerate, deepspeed, hostfile) if s is not None)
+    text = render_draft(draft, [f"Imported by hfscale from {sources}.",
+                                "Check it with `hfscale check`; `hfscale config` writes the files back."])
+    load_text(text, "the imported config", out_dir or Path("."))  # what import writes, check accepts
+    return text
+
+
+def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Draft, where: str) -> None:
+    machines = acc.pop("num_machines", 1)
+    procs = acc.pop("num_processes", 1)
+    acc.pop("machine_rank", None)  # per node: hfscale gives each node its rank
+    if hostfile is not None:
+        hosts, problems = parse_hostfile(hostfile.text, hostfile.path)
+        draft.problems += problems
+        ref = os.path.relpath(os.path.abspath(hostfile.path), os.path.abspath(out_dir)) if out_dir else \
+            os.path.abspath(hostfile.path)
+        draft.set(("cluster", "hostfile"), ref)
+        draft.set(("runner", "type"), "pdsh", "hfscale starts every host over ssh (accelerate ran on each by hand)")
+        if hosts and (len(hosts) != machines or sum(h.slots for h in hosts) != procs):
+            draft.refuse(f"{where}: num_machines, num_processes", f"{machines} machine(s), {procs} process(es), but "
+                         f"{hostfile.path} lists {len(hosts)} host(s) with {sum(h.slots for h in hosts)} slots")
+    elif machines == 1:
+        if procs > 1:
+            draft.set(("cluster", "nproc_per_node"), procs)
+    else:
+        draft.refuse(f"{where}: num_machines", f"{machines} machines: give their names with --hostfile "
+                     "('host slots=N' lines); hfscale launches on named hosts")
+    ip, port = acc.pop("main_process_ip", None), acc.pop("main_process_port", None)
+    if ip and hostfile is not None:
+        draft.set(("cluster", "master_addr"), ip)
+    if port not in (None, 29500):
+        draft.set(("cluster", "master_port"), port)
+    ids = acc.pop("gpu_ids", None)
+    if ids not in (None, "all"):
+        draft.set(("accelerate", "gpu_ids"), str(ids))
+
+
+def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, draft: Draft, where: str) -> None:
+    plugin = dict(plugin)
+    plugin.pop("deepspeed_config_file", None)
+    plugin.pop("deepspeed_hostfile", None)
+    launcher = plugin.pop("deepspeed_multinode_launcher", "standard")
+    if launcher not in ("standard", "pdsh"):
+        draft.refuse(f"{where}: deepspeed_config.deepspeed_multinode_launcher",
+                     f"{launcher!r}: hfscale starts the nodes itself (runner.type pdsh, slurm, ...)")
+    init = plugin.pop("zero3_init_flag", None)
+    if deepspeed is not None:
+        beside = sorted(set(plugin) & PLUGIN)
+        if beside:
+            draft.refuse(f"{where}: deepspeed_config", f"{', '.join(beside)} beside deepspeed_config_file: accelerate "
+                         "refuses that pair; keep them in the JSON")
+        ds = _mapping(deepspeed)
+        source = deepspeed.path
+    else:  # the plugin's keys: what accelerate's DeepSpeedPlugin builds a DeepSpeed config from
+        z: dict[str, Any] = {"stage": plugin.pop("zero_stage", 2)}
+        for name in ("offload_optimizer", "offload_param"):
+            device = plugin.pop(f"{name}_device", "none")
+            path = plugin.pop(f"{name}_nvme_path", None)
+            if device not in (None, "none"):
+                z[name] = {"device": device, **({"nvme_path": path} if device == "nvme" and path else {})}
+        if "zero3_save_16bit_model" in plugin:
+            z["stage3_gather_16bit_weights_on_model_save"] = as_bool(plugin.pop("zero3_save_16bit_model"))
+        ds = {"zero_optimization": z, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+        for key in ("gradient_accumulation_steps", "gradient_clipping"):
+            if key in plugin:
+                ds[key] = plugin.pop(key)
+        source = f"{where} (deepspeed_config)"
+    for key in plugin:
+        draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
+    import_deepspeed(ds, draft, source, precision)
+    if init is not None and draft.get(("distributed", "deepspeed", "stage")) == 3:
+        draft.set(("distributed", "deepspeed", "zero3_init"), as_bool(init))
+    elif init is not None:
+        draft.notes.append("left out zero3_init_flag: it is for ZeRO stage 3 only")
+
+
+def _fsdp(fsdp: dict, draft: Draft, where: str, backend: str) -> None:
+    if backend != "fsdp":
+        draft.refuse(f"{where}: fsdp_config", f"FSDP settings, but the backend is {backend}")
+        return
+    values = {str(k).removeprefix("fsdp_"): v for k, v in fsdp.items()}
+    version = str(values.pop("version", "1"))
+    if version != "2":
+        draft.refuse(f"{where}: fsdp_config.fsdp_version", f"{version}: hfscale writes FSDP2 (fsdp_version 2)")
+    for key, value in values.items():
+        if key not in FSDP_KEYS:
+            draft.refuse(f"{where}: fsdp_config.fsdp_{key}", "not an FSDP2 setting hfscale writes")
+            continue
+        value = as_bool(value)
+        if key == "transformer_layer_cls_to_wrap":
+            value = [c.strip() for c in str(value).split(",") if c.strip()]
+        draft.set(("distributed", "fsdp", key), value)
+    for key, value in FSDP_ABSENT.items():
+        if key not in values:
+            draft.set(("distributed", "fsdp", key), value, "absent from the accelerate config: accelerate's default")
+
+
+def _parallelism(pc: dict, draft: Draft, where: str) -> None:
+    for key, value in pc.items():
+        short = str(key).removeprefix("parallelism_config_")
+        if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+            draft.set(("distributed", "parallelism", short), value)
+        else:
+            extra = draft.get(("accelerate", "extra"), {})
+            extra.setdefault("parallelism_config", {})[key] = value
+            draft.set(("accelerate", "extra"), extra)
+
+
+def _rest(acc: dict, draft: Draft, where: str) -> None:
+    """The accelerate keys left: hfscale's own values, defaults, unread keys, or accelerate.extra."""
+    keys = accelerate_keys()
+    extra: dict[str, Any] = dict(draft.get(("accelerate", "extra"), {}))
+    unread = []
+    for key, value in acc.items():
+        spec = keys.keys.get(key) if keys else None
+        if WRITTEN.get(key, object()) == as_bool(value) or WRITTEN.get(key, object()) == value:
+            continue
+        if spec is not None and (value in (None, [], {}, spec.default) or (spec.default is None and value is False)):
+            continue  # a default restated
+        if spec is not None and spec.unread:
+            unread.append(key)
+            continue
+        extra[key] = value
+    if unread:
+        draft.notes.append(f"left out, as accelerate launch never reads them from a config file: {', '.join(unread)}")
+    if extra:
+        if keys is not None:
+            for path, message in check_extra(extra, keys, {}):
+                draft.refuse(f"{where}: {'.'.join(map(str, path))}", message)
+        draft.set(("accelerate", "extra"), extra)
+
+
+def _order(draft: Draft) -> None:
+    """Top-level keys in the order of hfscale's own template."""
+    order = ["name", "cluster", "runner", "distributed", "precision", "batch", "gradient_clipping", "accelerate",
+             "training"]
+    draft.data = {k: draft.data[k] for k in order if k in draft.data} | {
+        k: v for k, v in draft.data.items() if k not in order}

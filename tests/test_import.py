@@ -1,0 +1,253 @@
+"""``hfscale import`` round trips: existing accelerate configs (in the style of TRL's presets) and
+DeepSpeed JSONs (in the style of DeepSpeed's and transformers' documented examples) become an
+hfscale YAML, ``hfscale config`` writes them back, and the files mean the same.
+
+"The same" is judged through accelerate's own code: the DeepSpeed config each accelerate file
+hands a rank is built by accelerate's DeepSpeedPlugin from the launch environment (as
+``Accelerator()`` does), for the original and for the written-back file. A key may differ only
+where the original said "auto" (resolved by the import), or where one side leaves out a key the
+other side sets to the library's default."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from hfscale.accelerate_source import accelerate_keys
+from hfscale.engine_source import UNKNOWN, deepspeed_keys
+from test_consumers import _deepspeed_plugin_as_launched
+
+DATA = ROOT / "tests" / "data" / "import"
+CASES = {  # name -> (accelerate config, --deepspeed, --hostfile)
+    "trl_zero1": ("trl_zero1.yaml", None, None),
+    "trl_zero2": ("trl_zero2.yaml", None, None),
+    "trl_zero3": ("trl_zero3.yaml", None, None),
+    "trl_fsdp2": ("trl_fsdp2.yaml", None, None),
+    "trl_multi_gpu": ("trl_multi_gpu.yaml", None, None),
+    "hf_zero3_offload_auto_2_nodes": ("ds_file.yaml", None, "hosts"),  # the JSON named inside the accelerate file
+    "zero2_explicit_every_section": ("ds_plain.yaml", "ds_zero2_explicit.json", None),
+    "zeropp_nvme_aio": ("ds_plain.yaml", "ds_zeropp_nvme.json", None),
+}
+# DeepSpeed defaults the key tree cannot read (computed, or set by accelerate for "never")
+DS_DEFAULTS: dict[tuple, Any] = {("bf16", "enabled"): False, ("fp16", "enabled"): False,
+                                 ("steps_per_print",): None, ("wall_clock_breakdown",): False,
+                                 # deepspeed/runtime/lr_schedules.py: WarmupLR and WarmupCosineLR arguments
+                                 ("scheduler", "params", "warmup_type"): "log",
+                                 ("scheduler", "params", "cos_min_ratio"): 0.0001}
+
+
+def _import(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    acc, ds, hosts = CASES[name]
+    out = tmp_path / "job.yaml"
+    args = ["import", str(DATA / acc), "--out", str(out)]
+    if ds:
+        args += ["--deepspeed", str(DATA / ds)]
+    if hosts:
+        args += ["--hostfile", str(DATA / hosts)]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    gen = tmp_path / "gen"
+    r = run_cli("config", str(out), "--out", str(gen))
+    assert r.returncode == 0, r.stderr
+    return out, gen
+
+
+def _leaves(node: Any, here: tuple = ()) -> dict[tuple, Any]:
+    if isinstance(node, dict):
+        out: dict[tuple, Any] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, here + (k,)))
+        return out
+    return {here: node}
+
+
+def _canonical(path: tuple) -> tuple:
+    """DeepSpeed's own spelling of a key path (aliases and renamed keys followed)."""
+    section, out = deepspeed_keys(), []
+    for part in path:
+        name = section.canonical(part) if section is not None else part
+        out.append(name)
+        key = section.keys.get(name) if section is not None else None
+        section = key.section if key is not None else None
+    return tuple(out)
+
+
+def _ds_default(path: tuple, stage: int) -> Any:
+    if path in DS_DEFAULTS:
+        return DS_DEFAULTS[path]
+    if path == ("zero_optimization", "overlap_comm"):
+        return stage == 3  # DeepSpeed's default depends on the stage
+    section, key = deepspeed_keys(), None
+    for part in path:
+        key = section.keys.get(part) if section is not None else None
+        section = key.section if key is not None else None
+    return key.default if key is not None else UNKNOWN
+
+
+def _same(a: Any, b: Any) -> bool:
+    never = (None, math.inf)  # steps_per_print: accelerate writes inf for "never", DeepSpeed's default is None
+    return a == b or (a in never and b in never) or (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                                                     and not isinstance(a, bool) and float(a) == float(b))
+
+
+def compare_deepspeed(orig: dict, back: dict, world: int) -> list[str]:
+    """What differs between two DeepSpeed configs beyond resolved autos and restated defaults."""
+    o = {_canonical(k): v for k, v in _leaves(orig).items()}
+    b = {_canonical(k): v for k, v in _leaves(back).items()}
+    stage = b.get(("zero_optimization", "stage"), 0)
+    offload = o.get(("zero_optimization", "offload_optimizer", "device"), "none") != "none"
+    derived = {("train_batch_size",): b[("train_micro_batch_size_per_gpu",)] * b[("gradient_accumulation_steps",)]
+               * world}
+    out = []
+    for path in sorted(set(o) | set(b), key=str):
+        if o.get(path) == "auto":
+            continue  # resolved by the import (its comment says from where)
+        if path[0] == "optimizer" and offload and not any(p[0] == "optimizer" for p in o):
+            continue  # optimizer offload needs DeepSpeed's CPU optimizer: hfscale writes AdamW (README, the note)
+        if path not in o and derived.get(path, UNKNOWN) == b[path]:
+            continue  # what DeepSpeed derives itself when the key is absent
+        if path in o and path in b:
+            if not _same(o[path], b[path]):
+                out.append(f"{'.'.join(map(str, path))}: {o[path]!r} became {b[path]!r}")
+            continue
+        value = o[path] if path in o else b[path]
+        if not _same(value, _ds_default(path, stage)):
+            side = "left out" if path in o else "added"
+            out.append(f"{'.'.join(map(str, path))}: {value!r} {side}, not DeepSpeed's default")
+    return out
+
+
+# what accelerate launch uses where its file has no value (launch.py: port 29500, all GPUs)
+# and what accelerate's loader fills in (BaseConfig.process_config: debug, use_cpu, compute_environment)
+LAUNCH_DEFAULTS = {"main_process_port": 29500, "gpu_ids": "all", "num_machines": 1, "debug": False, "use_cpu": False,
+                   "compute_environment": "LOCAL_MACHINE"}
+# the one place the round trip changes meaning, on purpose: accelerate writes "bf16": {"enabled": false}
+# beside a JSON that uses DeepSpeed's old name "bfloat16", and DeepSpeed reads "bf16" first, so the
+# original trained fp32 under accelerate launch; the import takes the JSON's bf16 (and says so)
+EXPECTED = {"zero2_explicit_every_section": ["bf16.enabled: False became True"]}
+
+
+def compare_accelerate(orig: dict, back: dict, first_host: str | None = None) -> list[str]:
+    keys = accelerate_keys()
+    out = []
+    for key in sorted(set(orig) | set(back)):
+        if key in ("deepspeed_config", "fsdp_config", "mixed_precision"):
+            continue  # compared through accelerate's plugins below
+        a, b = orig.get(key, UNKNOWN), back.get(key, UNKNOWN)
+        spec = keys.keys.get(key)
+        if a is not UNKNOWN and b is not UNKNOWN:
+            if a != b and not (spec is not None and spec.unread):
+                out.append(f"{key}: {a!r} became {b!r}")
+            continue
+        value = a if a is not UNKNOWN else b
+        default = LAUNCH_DEFAULTS.get(key, spec.default if spec is not None else UNKNOWN)
+        if value in ([], {}, None, default):
+            continue
+        if key == "main_process_ip" and a is UNKNOWN and value == first_host:
+            continue  # multi-node: the rendezvous address, the host file's first host
+        if spec is not None and spec.unread:
+            continue  # accelerate launch never reads it from a file: dropped with a note
+        out.append(f"{key}: {value!r} {'left out' if b is UNKNOWN else 'added'}")
+    return out
+
+
+def _fsdp(raw: dict) -> dict:
+    return {str(k).removeprefix("fsdp_"): v for k, v in (raw.get("fsdp_config") or {}).items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_round_trip(name, tmp_path, monkeypatch):
+    out, gen = _import(tmp_path, name)
+    acc, _, hosts = CASES[name]
+    orig = yaml.safe_load((DATA / acc).read_text())
+    back = yaml.safe_load((gen / "accelerate_config.yaml").read_text())
+    first = (DATA / hosts).read_text().split()[0] if hosts else None
+    assert compare_accelerate(orig, back, first) == []
+    if orig["distributed_type"] == "DEEPSPEED":
+        with monkeypatch.context() as m:
+            m.chdir(DATA)  # a deepspeed_config_file is relative to where accelerate launch runs
+            if CASES[name][1]:  # given on the command line: the original pair is that accelerate file + JSON
+                merged = {**orig, "deepspeed_config": {**orig["deepspeed_config"],
+                                                       "deepspeed_config_file": str(DATA / CASES[name][1])}}
+                (tmp_path / "orig.yaml").write_text(yaml.safe_dump(merged))
+                source = tmp_path / "orig.yaml"
+            else:
+                source = DATA / acc
+            before = _deepspeed_plugin_as_launched(m, source)
+        with monkeypatch.context() as m:
+            after = _deepspeed_plugin_as_launched(m, gen / "accelerate_config.yaml")
+        got = compare_deepspeed(before.deepspeed_config, after.deepspeed_config, back["num_processes"])
+        assert got == EXPECTED.get(name, [])
+        if after.zero_stage == 3:
+            assert after.zero3_init_flag == before.zero3_init_flag
+    else:
+        assert orig.get("mixed_precision", "no") == back["mixed_precision"]
+    if orig["distributed_type"] == "FSDP":
+        want = {k: v for k, v in _fsdp(orig).items() if k != "version"}
+        got = _fsdp(back)
+        assert {k: got[k] for k in want} == want and str(got.get("version")) == "2"
+    if hosts:
+        assert (gen / "hostfile").read_text() == (DATA / hosts).read_text()
+
+
+def test_auto_values_are_resolved_with_a_comment(tmp_path):
+    out, _ = _import(tmp_path, "hf_zero3_offload_auto_2_nodes")
+    text = out.read_text()
+    assert "reduce_bucket_size: 500000000  # auto: the Trainer derives it from the model's hidden size" in text
+    assert "micro_batch_size: 1  # auto: the Trainer's per_device_train_batch_size; set yours" in text
+    assert "learning_rate: 5.0e-05  # auto: the Trainer's learning_rate; hfscale's default" in text
+    assert "precision: 'no'  # auto: no mixed_precision in the accelerate config: accelerate's default" in text
+    assert "runner:\n  type: pdsh" in text
+
+
+def test_deprecated_aliases_are_normalised(tmp_path):
+    ds = {"train_micro_batch_size_per_gpu": 2, "bfloat16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
+                                "prefetch_bucket_size": 1000, "cpu_offload": True}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    r = run_cli("import", str(DATA / "ds_plain.yaml"), "--deepspeed", str(tmp_path / "ds.json"), "--out", "-")
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(r.stdout)
+    d = doc["distributed"]["deepspeed"]
+    assert doc["precision"] == "bf16" and d["gather_16bit_weights_on_model_save"] is True
+    assert d["stage3_prefetch_bucket_size"] == 1000 and d["offload_optimizer"] == {"device": "cpu"}
+
+
+def test_what_hfscale_cannot_express_is_listed_whole_and_nothing_is_written(tmp_path):
+    acc = dict(yaml.safe_load((DATA / "ds_plain.yaml").read_text()), num_machines=2, num_processes=16)
+    acc["deepspeed_config"] = {**acc["deepspeed_config"], "deepspeed_exclusion_filter": "gpu-b:0"}
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump(acc))
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "reduce_scater": True},
+          "optimizer": {"type": "SGD"}, "gradient_predivide_factor": "auto", "fp16": {"enabled": True}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    out = tmp_path / "job.yaml"
+    r = run_cli("import", str(tmp_path / "acc.yaml"), "--deepspeed", str(tmp_path / "ds.json"), "--out", str(out))
+    assert r.returncode == 2 and not out.exists()
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"error: {tmp_path / 'acc.yaml'}: 5 problems"
+    assert sorted(lines[1:]) == sorted([
+        f"  - {tmp_path / 'acc.yaml'}: num_machines: 2 machines: give their names with --hostfile ('host slots=N' "
+        "lines); hfscale launches on named hosts",
+        f"  - {tmp_path / 'acc.yaml'}: deepspeed_config.deepspeed_exclusion_filter: hfscale cannot express it",
+        f"  - {tmp_path / 'ds.json'}: optimizer.type: 'SGD' is not one of Adam, AdamW, Lamb, Lion, OneBitAdam, "
+        "ZeroOneAdam, OneBitLamb",
+        f"  - {tmp_path / 'ds.json'}: gradient_predivide_factor: 'auto' here is not a TrainingArguments value; write "
+        "a value",
+        f"  - {tmp_path / 'ds.json'}: zero_optimization.reduce_scater: unknown key 'reduce_scater'; did you mean "
+        "'reduce_scatter'?",
+    ])
+
+
+def test_an_existing_out_file_is_kept_without_force(tmp_path):
+    out = tmp_path / "job.yaml"
+    out.write_text("mine\n")
+    r = run_cli("import", str(DATA / "trl_zero2.yaml"), "--out", str(out))
+    assert r.returncode == 2 and out.read_text() == "mine\n" and "pass --force" in r.stderr
+    assert run_cli("import", str(DATA / "trl_zero2.yaml"), "--out", str(out), "--force").returncode == 0
+    assert run_cli("check", str(out)).returncode == 0
