@@ -126,7 +126,7 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     sources = ", ".join(s.path for s in (accelerate, deepspeed, hostfile) if s is not None)
     text = render_draft(draft, [f"Imported by hfscale from {sources}.",
                                 "Check it with `hfscale check`; `hfscale config` writes the files back."])
-    load_text(text, "the imported config", out_dir or Path("."))  # what import writes, check accepts
+    load_text(text, f"the hfscale YAML imported from {sources}", out_dir or Path("."))  # what import writes, check accepts
     return text
 
 

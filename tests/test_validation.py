@@ -298,3 +298,11 @@ def test_shm_size_only_with_a_private_ipc_namespace():
                                       "podman refuses the pair): remove it, or set runner.docker.ipc: private")]
     job = load_text(textwrap.dedent(doc).replace("image: img", "image: img\n    ipc: private"), "t.yaml", Path("."))
     assert (job.config.runner.docker.ipc, job.config.runner.docker.shm_size) == ("private", "64g")
+
+
+def test_a_key_several_sections_have_is_not_guessed_into_another():
+    """'extra' exists in runner.slurm, distributed.deepspeed and accelerate: under training it is
+    unknown, and no other section's 'extra' is offered as the meaning."""
+    ((path, line, message),) = problems("name: x\nbatch: {micro_batch_size: 1}\ntraining: {extra: {a: 1}}\n")
+    assert (path, line) == ("training.extra", 3)
+    assert message.startswith("unknown key 'extra'; allowed here: script, pass_args,") and "slurm" not in message
