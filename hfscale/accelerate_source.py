@@ -15,7 +15,7 @@ from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
-from .engine_source import _SCALAR, OPEN, UNKNOWN, Key, Section, _annotation, _literal, _model_file, _package_root, _parse
+from .engine_source import _SCALAR, OPEN, UNKNOWN, Key, Section, _annotation, _literal, _model_file, package_root, parse_source
 
 # launch_command reads these itself, beside the generic merge (launch.py: debug, mixed precision, TPU)
 _HANDLED = {"debug", "mixed_precision", "tpu_use_cluster"}
@@ -29,7 +29,7 @@ _ARG_KINDS = {"int": frozenset({"int"}), "float": frozenset({"int", "float"})}
 def _launch_groups(path: Path) -> tuple[dict[str, dict[str, Key]], set[str]]:
     """(config section -> {key: Key}, top-level arguments with a default other than None) from the
     ``add_argument`` calls of ``accelerate launch``."""
-    tree = _parse(path)
+    tree = parse_source(path)
     out: dict[str, dict[str, Key]] = {}
     defaulted: set[str] = set()
     if tree is None:
@@ -63,7 +63,7 @@ def _launch_groups(path: Path) -> tuple[dict[str, dict[str, Key]], set[str]]:
 def accelerate_keys() -> Section | None:
     """The keys of accelerate's config file (``ClusterConfig``), or None when accelerate is not
     installed here. Nested sections hold the launch arguments accelerate copies them onto."""
-    root = _package_root("accelerate")
+    root = package_root("accelerate")
     if root is None:
         return None
     f = _model_file(root, root / "commands" / "config" / "config_args.py")

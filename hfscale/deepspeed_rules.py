@@ -33,8 +33,9 @@ SECTIONS = {"aio": AioConfig, "activation_checkpointing": ActivationCheckpointin
             "wandb": WandbMonitorConfig, "csv_monitor": MonitorConfig}
 SCHEDULE_OF = {"WarmupLR": ("constant", "constant_with_warmup"), "WarmupDecayLR": ("linear",),
                "WarmupCosineLR": ("cosine",)}
-_NVME_ONLY = {"offload_optimizer": ("buffer_count", "pipeline_read", "pipeline_write", "fast_init"),
-              "offload_param": ("buffer_count", "buffer_size", "max_in_cpu")}
+NVME_ONLY = {  # offload keys only NVMe offload reads
+    "offload_optimizer": ("buffer_count", "pipeline_read", "pipeline_write", "fast_init"),
+    "offload_param": ("buffer_count", "buffer_size", "max_in_cpu")}
 
 
 @lru_cache(maxsize=1)
@@ -108,7 +109,7 @@ def _offload_problems(ds: DeepSpeedSection, base: tuple) -> Found:
     out: Found = []
     for key, what in (("offload_optimizer", "optimizer"), ("offload_param", "parameter")):
         off = getattr(ds, key)
-        for name in _NVME_ONLY[key]:
+        for name in NVME_ONLY[key]:
             if _is_set(off, name) and off.device != "nvme":
                 out.append((base + (key, name), f"used by NVMe offload only; device is {off.device}"))
         if off.device == "none":

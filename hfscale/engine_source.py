@@ -60,7 +60,9 @@ class Section:
 OPEN = Section(open=True)
 
 
-def _package_root(name: str) -> Path | None:
+@lru_cache(maxsize=None)
+def package_root(name: str) -> Path | None:
+    """The directory of installed package ``name``, found without running it; None if absent."""
     try:
         spec = importlib.util.find_spec(name)  # finds the package without running it
     except (ImportError, ValueError):
@@ -71,7 +73,8 @@ def _package_root(name: str) -> Path | None:
 
 
 @lru_cache(maxsize=None)
-def _parse(path: Path) -> ast.Module | None:
+def parse_source(path: Path) -> ast.Module | None:
+    """The syntax tree of a source file; None if it cannot be read or parsed."""
     try:
         return ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
@@ -121,7 +124,7 @@ class _ModelFile:
 
     def __init__(self, root: Path, path: Path):
         self.root, self.path = root, path
-        tree = _parse(path)
+        tree = parse_source(path)
         self.tree = tree
         self.classes: dict[str, ast.ClassDef] = {}
         self.enums: dict[str, tuple[Any, ...]] = {}
@@ -143,7 +146,7 @@ class _ModelFile:
                 if target is not None:
                     for alias in stmt.names:
                         self.imports[alias.asname or alias.name] = target
-                    imported = _parse(target)
+                    imported = parse_source(target)
                     if imported is not None:  # defaults named by imported constants (from .constants import *)
                         names = _constants(imported)
                         wanted = {a.name for a in stmt.names}
@@ -278,7 +281,7 @@ def _union(parts: list[tuple[frozenset[str] | None, tuple[Any, ...] | None, Sect
 
 def read_constants(path: Path, prefix: str) -> Section:
     """Keys ``NAME = "key"`` with ``NAME`` starting with ``prefix``; their kind from ``NAME_DEFAULT``."""
-    tree = _parse(path)
+    tree = parse_source(path)
     if tree is None:
         return OPEN
     names = _constants(tree)
@@ -314,11 +317,11 @@ _DTYPE = Key(frozenset({"str"}), choices=("fp32", "fp16", "bf16"))
 @lru_cache(maxsize=1)
 def deepspeed_keys() -> Section | None:
     """DeepSpeed's config keys as a tree, or None when DeepSpeed is not installed here."""
-    root = _package_root("deepspeed")
+    root = package_root("deepspeed")
     if root is None:
         return None
     keys: dict[str, Key] = {}
-    tree = _parse(root / "runtime" / "constants.py")
+    tree = parse_source(root / "runtime" / "constants.py")
     if tree is not None:  # the top-level keys DeepSpeedConfig reads are named there
         names = _constants(tree)
         for name, value in names.items():

@@ -15,20 +15,18 @@ import json
 from typing import Any
 
 from .config_deepspeed import DeepSpeedSection, OffloadOptimizerConfig, OffloadParamConfig
-from .deepspeed_rules import SECTIONS, ZERO_KEYS
+from .deepspeed_rules import NVME_ONLY, SECTIONS, ZERO_KEYS
 from .extra_keys import merge
 from .job import Job
 
-# written only for NVMe offload (DeepSpeed ignores them otherwise)
-_NVME_ONLY = {"buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init"}
 
-
-def _offload(off: OffloadOptimizerConfig | OffloadParamConfig) -> dict[str, Any]:
+def _offload(kind: str, off: OffloadOptimizerConfig | OffloadParamConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"device": off.device, "pin_memory": off.pin_memory}
     if off.device == "nvme":
         out["nvme_path"] = off.nvme_path
     for name in type(off).model_fields:
-        if name not in ("device", "pin_memory", "nvme_path") and (off.device == "nvme" or name not in _NVME_ONLY):
+        # the NVMe swap settings only for NVMe offload (DeepSpeed ignores them otherwise)
+        if name not in ("device", "pin_memory", "nvme_path") and (off.device == "nvme" or name not in NVME_ONLY[kind]):
             out[name] = getattr(off, name)
     return out
 
@@ -47,9 +45,9 @@ def _zero(ds: DeepSpeedSection) -> dict[str, Any]:
     else:
         zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
     if ds.offload_optimizer.device != "none":
-        zero["offload_optimizer"] = _offload(ds.offload_optimizer)
+        zero["offload_optimizer"] = _offload("offload_optimizer", ds.offload_optimizer)
     if ds.offload_param.device != "none":
-        zero["offload_param"] = _offload(ds.offload_param)
+        zero["offload_param"] = _offload("offload_param", ds.offload_param)
     return zero
 
 

@@ -13,12 +13,13 @@ class it cannot read; hfscale.model_config checks a mapping against what it retu
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from .engine_source import package_root, parse_source
 
 _BASES = {"PreTrainedConfig", "PretrainedConfig"}
 UNKNOWN = object()
@@ -62,23 +63,11 @@ class ConfigSchema:
 # ---- reading transformers' source ----------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
 def _root() -> Path | None:
-    try:
-        spec = importlib.util.find_spec("transformers")  # finds the package without running it
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
+    return package_root("transformers")
 
 
-@lru_cache(maxsize=None)
-def _module(path: Path) -> ast.Module | None:
-    try:
-        return ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return None
+_module = parse_source
 
 
 def _string_pairs(node: ast.AST) -> list[tuple[str, str]]:
