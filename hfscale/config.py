@@ -248,6 +248,17 @@ class TrainingConfig(Strict):
     data: DataConfig = Field(default_factory=DataConfig, description="Data for the built-in entry point.")
 
 
+class WatchdogConfig(Strict):
+    """The hang watchdog of ``hfscale launch`` (local and pdsh runners; the ranks report their steps)."""
+
+    timeout: int | None = Field(
+        600, ge=1, le=7 * 86400, description="Seconds without any rank finishing an optimizer step before hfscale "
+        "writes every rank's stack, names the stuck rank(s) and stops the job (exit 4). Null: off.")
+    first_step: int | None = Field(
+        None, ge=1, le=7 * 86400, description="Seconds allowed before the first step (loading, compiling). Null: "
+        "not watched.")
+
+
 class HfscaleConfig(Strict):
     """One training job: cluster, launch, sharding, precision, batch geometry and training."""
 
@@ -262,6 +273,7 @@ class HfscaleConfig(Strict):
     env: EnvConfig = Field(default_factory=EnvConfig, description="Environment variables of the ranks.")
     accelerate: AccelerateSection = Field(default_factory=AccelerateSection,
                                           description="accelerate settings beyond the engine's.")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="Hang detection.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Trainer settings.")
 
     @field_validator("name")

@@ -30,10 +30,13 @@ from typing import Callable, TextIO
 from . import exitcodes
 from .files import write_files
 from .follow import Follower
-from .launch_plan import EXIT_MARK, Follow, LaunchPlan
+from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
 from .runners import RUNNERS
+from .rundir import move_aside, write_run_dir
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
+from .progress import FLIGHT_DIR
+from .watchdog import Watchdog, analyze, read_flight, read_stacks, report
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 # pdsh's report of a host's ssh: its exit code, or the signal that killed it
@@ -44,23 +47,12 @@ SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lo
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 FOLLOW_POLL_S = 1.0  # a detached job's logs are read this often
+WATCH_POLL_S = 5.0  # the ranks' progress is read this often (more often for a timeout under 20 s)
+DUMP_TIMEOUT_S = 30  # py-spy per rank, all ranks of a node at once; this bounds nodes that do not answer
 
 
 def _env(cmd: Command) -> dict[str, str]:
     return {**os.environ, **cmd.real_env()}
-
-
-def write_run_dir(plan: LaunchPlan, record: str) -> Path:
-    """Create the run directory with the generated files, the plan as text, logs/, and the private
-    files (real secret values) readable by this user only."""
-    run_dir = Path(plan.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=False)
-    write_files(run_dir, {**dict(plan.files), "plan.txt": record})
-    write_files(run_dir, {name: text.real for name, text in plan.private}, mode=0o600)
-    (run_dir / "logs").mkdir()
-    if plan.follow is not None:
-        Path(plan.follow.beats_dir).mkdir()
-    return run_dir
 
 
 class _Run:
@@ -80,6 +72,7 @@ class _Run:
         self._stopper: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
         self.following = False  # main started a detached job and ended: its process group is gone
+        self.ended = threading.Event()  # the job is over: the watchdog stops watching
 
     @property
     def signalled(self) -> int | None:
@@ -172,6 +165,7 @@ class _Run:
         _signal_group(proc, signal.SIGKILL)
 
     def close(self) -> None:
+        self.ended.set()
         for f in self.logs.values():
             f.close()
 
@@ -217,20 +211,6 @@ def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
     return r.returncode
 
 
-def _move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) -> bool:
-    """Do the plan's moves (--restart's checkpoints); False, said, when one fails."""
-    for src, dst in moves:
-        try:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            os.rename(src, dst)
-        except OSError as e:
-            echo(f"hfscale: cannot move {src} to {dst}: {e.strerror or e}; nothing was started")
-            return False
-    if moves:
-        echo(f"hfscale: moved {len(moves)} checkpoint(s) to {os.path.dirname(moves[0][1])}")
-    return True
-
-
 def _quiet(echo: Callable[[str], None]) -> Callable[[str], None]:
     """``echo`` that never raises: after SIGHUP the terminal is gone, and the job must still stop."""
     def say(text: str) -> None:
@@ -265,7 +245,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
-        if not _move_aside(plan.moves, echo):
+        if not move_aside(plan.moves, echo):
             return 1
         try:
             run_dir = write_run_dir(plan, record)
@@ -333,6 +313,8 @@ def _stream(run: _Run) -> int:
         run.stop()
     watcher = threading.Thread(target=run.watch_main, daemon=True)
     watcher.start()
+    if run.plan.watch is not None:
+        threading.Thread(target=_watch, args=(run, run.plan.watch), daemon=True).start()
     assert run.proc.stdout is not None
     for line in run.proc.stdout:
         run.route(line.rstrip("\n"))
@@ -349,6 +331,39 @@ def _stream(run: _Run) -> int:
     if run.failure is not None:
         return run.failure[1]
     return rc
+
+
+def _watch(run: _Run, watch: Watch) -> None:
+    """The hang watchdog (hfscale.watchdog): read the ranks' progress until the run ends; on a
+    hang, have every rank's stack written, write the report, and stop the job (exit code 4)."""
+    dog = Watchdog(watch, time.monotonic())
+    while not run.ended.wait(min(WATCH_POLL_S, max(0.5, watch.timeout / 4))):
+        if run.failure is not None or run.signalled is not None:
+            return
+        reason = dog.poll(time.monotonic())
+        if reason is None:
+            continue
+        d = run.plan.dump
+        if d is not None:
+            try:
+                subprocess.run(d.real_argv(), env=_env(d), cwd=d.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=DUMP_TIMEOUT_S, start_new_session=True)
+            except (subprocess.TimeoutExpired, OSError) as e:
+                run.echo(f"hfscale: the stack dump did not finish: {e}")
+        stacks = read_stacks(watch.stacks_dir)
+        verdict = analyze(dog.ranks, stacks, watch.world_size)
+        flight = read_flight(str(Path(watch.stacks_dir).parent / FLIGHT_DIR))
+        text = report(reason, verdict, dog.ranks, dog.changed, stacks, time.monotonic(), flight)
+        report_path = Path(watch.report)
+        try:
+            write_files(report_path.parent, {report_path.name: text})
+        except OSError as e:
+            run.echo(f"hfscale: cannot write {report_path}: {e.strerror or e}")
+        stuck = verdict.stuck[0] if verdict.stuck else None
+        where = dog.ranks[stuck].host if stuck in dog.ranks else "the job"
+        if run.failure is None and run.signalled is None:
+            run.fail(where, exitcodes.HUNG, f"hang: {verdict.line} ({reason}); report in {report_path}")
+        return
 
 
 def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:

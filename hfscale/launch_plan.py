@@ -46,6 +46,22 @@ class Follow:
 
 
 @dataclass(frozen=True)
+class Watch:
+    """The hang watchdog (hfscale.watchdog): each rank rewrites ``progress_dir/rank-<RANK>`` after
+    every optimizer step (hfscale.progress). When no rank has finished a step for ``timeout``
+    seconds (``first_step``: none at all since the start), hfscale runs the plan's ``dump`` on
+    every node (each rank's Python stack into ``stacks_dir``), writes ``report`` naming the stuck
+    rank(s), and stops the job (exit code 4)."""
+
+    progress_dir: str
+    stacks_dir: str
+    report: str
+    timeout: int
+    first_step: int | None
+    world_size: int
+
+
+@dataclass(frozen=True)
 class LaunchPlan:
     """Everything a launch does, in order: ``moves`` (``--restart``), the ``files`` of the run
     directory (``private`` ones, which hold secret values, readable by you only: mode 0600),
@@ -72,6 +88,8 @@ class LaunchPlan:
     moves: tuple[tuple[str, str], ...] = ()
     private: tuple[tuple[str, Text], ...] = ()
     follow: Follow | None = None
+    watch: Watch | None = None
+    dump: Command | None = None  # writes every rank's stack into watch.stacks_dir, on every node
 
     def where(self) -> str:
         """Where the job runs, for one line of output."""
@@ -103,6 +121,13 @@ class LaunchPlan:
                     f"  output: {posixpath.join(f.logs_dir, '<host>.log')}",
                     f"  heartbeat every {f.beat_s} s: {posixpath.join(f.beats_dir, '<host>')}; "
                     f"a host silent for {f.lost_after_s} s is lost"]
+        if self.watch is not None:
+            w = self.watch
+            first = f", or none in the first {w.first_step} s" if w.first_step else ""
+            out += [f"watchdog: no rank finishing a step for {w.timeout} s{first} is a hang: every rank's stack into "
+                    f"{w.stacks_dir}, the report into {w.report}, then the job stops (exit 4)"]
+            if self.dump is not None:
+                out.append(f"  {self.dump.shell()}")
         if self.cleanup is not None:
             out += ["on failure or Ctrl-C:", f"  {self.cleanup.shell()}"]
         out += [f"note: {n}" for n in self.notes]

@@ -17,6 +17,7 @@ from .envvars import job_env, secret_names
 from .job import Job
 from .resume import OutputScan
 from .script_rules import SCRIPT_ENTRY, script_argv
+from .progress import FLIGHT_DIR
 from .shell import Cat, Secret, Word
 
 BUILTIN_ENTRY = "hfscale.train"
@@ -140,6 +141,17 @@ def _join_endpoint(master: Word, port: Word) -> Word:
     return Cat(tuple(parts))  # type: ignore[arg-type]
 
 
+FLIGHT_ENTRIES = "2000"  # collectives the flight recorder keeps per rank
+
+
+def watched(job: Job, ctx: LaunchContext) -> bool:
+    """Whether hfscale's hang watchdog follows this launch: runners that hfscale runs to the end
+    (not a submitted Slurm or Kubernetes job), with watchdog.timeout set."""
+    r = job.config.runner.type
+    ours = r in ("local", "pdsh", "pdsh_docker") or (r == "slurm" and "SLURM_JOB_ID" in dict(ctx.shell_env))
+    return ours and job.config.watchdog.timeout is not None
+
+
 def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secret]:
     """Environment of every rank: the job's variables plus hfscale's own; secret values (by name,
     or forwarded from the shell and not public: hfscale.envvars.secret_names) as Secret."""
@@ -155,6 +167,13 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secr
     )
     if job.deepspeed is not None:
         env["HFSCALE_DS_CONFIG"] = posixpath.join(run_dir, DEEPSPEED_FILE)
+    if watched(job, ctx):
+        # the flight recorder (gloo and NCCL) keeps each rank's last collectives for the hang report;
+        # NCCL also writes it here when its own watchdog times out
+        for name, value in (("TORCH_FR_BUFFER_SIZE", FLIGHT_ENTRIES), ("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_ENTRIES),
+                            ("TORCH_FR_DUMP_TEMP_FILE", posixpath.join(run_dir, FLIGHT_DIR, "nccl_rank_"))):
+            if name not in values:
+                env[name] = value
     if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently
         # with gloo (pytorch/pytorch#135712); a separate store per round avoids it

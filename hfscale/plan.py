@@ -15,8 +15,9 @@ from .artifacts import DEEPSPEED_FILE, render_artifacts
 from .envvars import MASK, deepspeed_env_file, host_secret, masked
 from .errors import ConfigError, Problem
 from .job import Job
-from .launch_plan import NOTHING_TO_TRAIN, LaunchPlan
-from .launcher import CONFIG_COPY, LaunchContext, rank_env
+from .launch_plan import NOTHING_TO_TRAIN, LaunchPlan, Watch
+from .launcher import CONFIG_COPY, LaunchContext, rank_env, watched
+from .progress import PROGRESS_DIR, STACKS_DIR
 from .resume import decide
 from .runners import RUNNERS
 from .runners.common import Common
@@ -25,6 +26,8 @@ from .script_rules import extra_args_problems
 from .shell import Secret
 from .trainer_args import given_flags
 from .yamlsource import dump
+
+HANG_REPORT = "hang-report.txt"
 
 __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]
 
@@ -98,6 +101,10 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
         if left_out:
             notes.append(f".deepspeed_env leaves out {', '.join(left_out)} (secret, or a value DeepSpeed's "
                          "launcher would pass to the shell unsafely)")
+    w = job.config.watchdog
+    watch = None if not watched(job, ctx) or w.timeout is None else Watch(
+        posixpath.join(run_dir, PROGRESS_DIR), posixpath.join(run_dir, STACKS_DIR),
+        posixpath.join(run_dir, HANG_REPORT), w.timeout, w.first_step, job.world_size)
     common = Common(run_dir, rank_dir, r.workdir or ctx.cwd, r.python or ctx.python, env, tuple(files.items()),
-                    tuple(notes), moves, done)
+                    tuple(notes), moves, done, watch)
     return runner.plan(job, ctx, common)

@@ -11,7 +11,8 @@ module, after the flags the YAML determines (hfscale.script_rules). When the ran
 - ``--use_cpu true`` when the rank sees no GPU (no ``/dev/nvidia<N>`` or ``/dev/kfd``, or
   ``CUDA_VISIBLE_DEVICES`` empty),
 
-unless ARGS give them already, and then runs SCRIPT as ``__main__`` with ``sys.argv`` and
+unless ARGS give them already, adds hfscale's ProgressCallback to every Trainer the script makes
+(hfscale.trainer_hook: the hang watchdog's steps), and then runs SCRIPT as ``__main__`` with ``sys.argv`` and
 ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them, in this same process (so the launcher's
 signals reach it). When SCRIPT ends normally the process ends with ``hfscale.shutdown.exit_cleanly``:
 the ``atexit`` hooks run (loggers finish), the process group is left, and the interpreter teardown
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
+    if os.environ.get("HFSCALE_RUN_DIR"):  # launched by hfscale: the hang watchdog needs the steps
+        from .trainer_hook import install
+
+        install()
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:

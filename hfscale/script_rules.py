@@ -83,6 +83,10 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
             warnings.append((("training", "pass_args"),
                              f"none: {t.script} gets no flags for {', '.join(named)}; it sees them only if it "
                              "reads $HFSCALE_CONFIG (hfscale.load.load_job)"))
+        if cfg.watchdog.timeout is not None:
+            warnings.append((("watchdog", "timeout"),
+                             f"the hang watchdog sees {t.script}'s steps only if it calls hfscale.progress.step(n) "
+                             "after each optimizer step (one line; a Trainer gets hfscale.callbacks.ProgressCallback)"))
         if cfg.runner.launcher == "torchrun" and cfg.distributed.backend in ("deepspeed", "fsdp"):
             what = "$HFSCALE_DS_CONFIG" if ds is not None else "$HFSCALE_RUN_DIR/accelerate_config.yaml"
             warnings.append((("runner", "launcher"),

@@ -38,9 +38,23 @@ def summary(job: Job) -> str:
                          == job.world_size else f"data-parallel {job.data_parallel_size}")),
         *([("comm buckets", buckets)] if (buckets := bucket_memory(job)) else []),
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
+        ("watchdog", _watchdog(job)),
         ("entry", _entry(job)),
     ]
     return "\n".join(f"  {k:<13}{v}" for k, v in rows)
+
+
+def _watchdog(job: Job) -> str:
+    w = job.config.watchdog
+    if w.timeout is None:
+        return "off"
+    first = f", or none in the first {w.first_step} s" if w.first_step else ""
+    what = f"no step for {w.timeout} s{first}: every rank's stack, the stuck rank named, the job stopped (exit 4)"
+    if job.config.runner.type == "kubernetes":
+        return "off: hfscale hands the job to Kubernetes"
+    if job.config.runner.type == "slurm":
+        return f"a submitted job: off; launched inside an allocation (salloc): {what}"
+    return what
 
 
 def _entry(job: Job) -> str:

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import Trainer, TrainerCallback
 
-    from .callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, StragglerCallback
+    from .callbacks import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, ProgressCallback,
+                            StragglerCallback)
     from .resume import decide, first_start, scan_output
     from .trainer_args import training_arguments
 
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model=model, args=args, train_dataset=train)
     preemption = PreemptionCallback()
     for cb in (MetricsCallback(seq_len=t.data.block_size, peak_flops_per_device=peak_flops(job), trainer=trainer),
-               StragglerCallback(trainer=trainer), preemption, CheckpointCompleteCallback(), SaveAtEnd()):
+               StragglerCallback(trainer=trainer), preemption, CheckpointCompleteCallback(), ProgressCallback(),
+               SaveAtEnd()):
         trainer.add_callback(cb)
 
     if resume and trainer.is_world_process_zero():

@@ -44,6 +44,7 @@ def test_check_prints_summary(tmp_path):
         "  comm buckets ~1.0 GiB per GPU = (reduce 5e8 + prefetch 5e7 elements) x 2 B; gathered parameters up to "
         "1.9 GiB more (stage3_max_live_parameters)",
         "  runner       pdsh (accelerate)",
+        "  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job stopped (exit 4)",
         "  entry        built-in entry point (python -m hfscale.train)",
     ]
 
@@ -136,7 +137,7 @@ def test_schema_is_json_schema_of_the_model():
     s = json.loads(r.stdout)
     assert s["additionalProperties"] is False
     assert set(s["properties"]) == {"name", "cluster", "runner", "distributed", "precision", "batch",
-                                    "gradient_clipping", "network", "env", "accelerate", "training"}
+                                    "gradient_clipping", "network", "env", "accelerate", "watchdog", "training"}
     assert s["required"] == ["name", "batch"]
     assert s["$defs"]["DeepSpeedSection"]["properties"]["stage"]["enum"] == [0, 1, 2, 3]
     assert all("description" in p for p in s["$defs"]["BatchConfig"]["properties"].values())

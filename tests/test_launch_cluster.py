@@ -103,7 +103,9 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
         assert "HFSCALE_EXIT rc=0" in log
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "env.sh", "hostfile", "logs",
-        "nodes.sh", "pdsh_hosts", "plan.txt"]
+        "nodes.sh", "pdsh_hosts", "plan.txt", "progress", "stacks"]
+    # the plain loop's one line for the hang watchdog: each rank's last step
+    assert {p.name: p.read_text().split()[0] for p in (run_dir / "progress").iterdir()} == {"rank-0": "4", "rank-1": "4"}
     for secret_file in ("env.sh", "nodes.sh"):
         assert (run_dir / secret_file).stat().st_mode & 0o777 == 0o600
     assert leftover_processes(cluster2, timeout=5) == {}
@@ -312,6 +314,24 @@ def test_preflight_on_the_cluster(cluster2, tmp_path):
 
     assert [row[0] for row in rows] == cluster2.nodes
     assert all(row[2] == torch.__version__ and row[-1] == "ok" for row in rows)
+
+
+def test_a_stuck_rank_on_another_host_is_named(cluster2, tmp_path):
+    """The hang watchdog across 2 hosts: rank 1 on node1 sleeps outside any collective, rank 0 on
+    node0 waits in all_reduce; py-spy runs on each node over pdsh; exit 4, nothing left."""
+    config = write_config(tmp_path, cluster2.nodes, port=29630, script_args=["--mode", "stall", "--step", "3"],
+                          extra={"watchdog": {"timeout": 5}})
+    t0 = time.monotonic()
+    r = launch(cluster2, config, timeout=180)
+    took = time.monotonic() - t0
+    assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("hfscale: hang: "))
+    assert "rank 1 on node1 stuck at step 2 in stuck_here (dist_probe.py:" in line, line
+    report = (run_dir_of(tmp_path) / "hang-report.txt").read_text()
+    rank1 = report.split("--- rank 1\n", 1)[1]
+    assert "stuck_here" in rank1 and "node0" in report.splitlines()[4]
+    print(f"2 hosts: hang found and the job stopped {took:.1f} s after the launch")
+    assert leftover_processes(cluster2, timeout=STOP_GRACE_S + 3) == {}, r.stdout
 
 
 # ---- more hosts than runner.fanout: the nodes run detached, hfscale follows the run directory ----

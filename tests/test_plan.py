@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.launch_plan import Follow
+from hfscale.launch_plan import Follow, Watch
 from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
 from hfscale.plan import build_plan
-from hfscale.runners.stopping import stop_script
+from hfscale.runners.stopping import dump_script, stop_script
 from hfscale.shell import Command, render
 
 from conftest import job_of, job_pids
@@ -47,8 +47,15 @@ def test_local_accelerate_plan_exact():
         "HFSCALE_CONFIG": f"{RUN}/config.yaml",
         "PYTHONUNBUFFERED": "1",
         "HFSCALE_DS_CONFIG": f"{RUN}/ds_config.json",
+        # the hang watchdog's flight recorder (gloo and NCCL keep each rank's last collectives)
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{RUN}/flight/nccl_rank_",
     }
     assert plan.cleanup.real_argv() == ["bash", "-c", stop_script("20261122-120000-abcdef")]
+    assert plan.dump.real_argv() == ["bash", "-c", dump_script("20261122-120000-abcdef", f"{RUN}/stacks",
+                                                               "/opt/py/bin/python")]
+    assert plan.watch == Watch(f"{RUN}/progress", f"{RUN}/stacks", f"{RUN}/hang-report.txt", 600, None, 2)
     assert plan.logs == ("local",)
     assert [name for name, _ in plan.files] == [
         "accelerate_config.yaml", "ds_config.json", "config.yaml", ".deepspeed_env"]
@@ -90,7 +97,8 @@ EXPORTS = (
     "WANDB_API_KEY={key} WANDB_PROJECT={project} SPACES='a b  c' QUOTES='it'\"'\"'s \"q\"' "
     "DOLLAR='$(touch /tmp/pwned) $HOME `id`' JSON='{{\"a\": [1, 2]}}' PAREN='64(x2)' PCT='100%h %n' "
     "HFSCALE_JOB_ID=20261122-120000-abcdef HFSCALE_RUN_DIR={run} HFSCALE_CONFIG={run}/config.yaml "
-    "PYTHONUNBUFFERED=1 HFSCALE_DS_CONFIG={run}/ds_config.json"
+    "PYTHONUNBUFFERED=1 HFSCALE_DS_CONFIG={run}/ds_config.json TORCH_FR_BUFFER_SIZE=2000 "
+    "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE={run}/flight/nccl_rank_"
 )
 ENV_HEAD = "# The ranks' environment, sourced on every node by hfscale's launch line (mode 0600: secrets).\n"
 NODES = """\
@@ -282,7 +290,8 @@ def test_pdsh_docker_plan_exact():
     script = plan.main.real_argv()[-1]
     docker = shlex.split(script)[-1].split("/nodes.sh && ", 1)[1].split("; rc=$?", 1)[0]
     names = ["NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "A", "HFSCALE_JOB_ID",
-             "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "HFSCALE_NODE_RANK"]
+             "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "TORCH_FR_BUFFER_SIZE",
+             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "HFSCALE_NODE_RANK"]
     assert docker == (
         'docker run --rm --name hfscale-20261122-120000-abcdef-"$HFSCALE_NODE_RANK" '
         "--label hfscale.job=20261122-120000-abcdef --network host --ipc private --shm-size 32g --gpus all "

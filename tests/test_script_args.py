@@ -239,6 +239,8 @@ def test_warnings_say_what_a_script_will_not_receive():
         "$HFSCALE_DS_CONFIG; an Accelerator reads them under accelerate launch only (else it trains DDP)",
         "training.pass_args (line 4): none: loop.py gets no flags for training.max_steps (line 4), "
         "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.load.load_job)",
+        "watchdog.timeout: the hang watchdog sees loop.py's steps only if it calls hfscale.progress.step(n) after "
+        "each optimizer step (one line; a Trainer gets hfscale.callbacks.ProgressCallback)",
     ]
     assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
 

@@ -22,6 +22,7 @@ from accelerate.utils import DummyOptim, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import hfscale.progress
 from hfscale.load import load_job
 from hfscale.train import stdlib_bytes
 
@@ -84,6 +85,7 @@ def main() -> None:
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             step += 1
+            hfscale.progress.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
             if accelerator.is_main_process and (step % t.logging_steps == 0 or step == 1):
                 print(f"step {step}/{steps} loss {loss.item():.4f}", flush=True)
         if step >= steps:

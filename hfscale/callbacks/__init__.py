@@ -3,13 +3,14 @@
 Each one works on its own in any Trainer script::
 
     from hfscale.callbacks import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback,
-                                   StragglerCallback)
+                                   ProgressCallback, StragglerCallback)
     from hfscale.resume import latest_checkpoint
 
     trainer.add_callback(MetricsCallback(seq_len=2048, peak_flops_per_device=989e12, trainer=trainer))
     trainer.add_callback(StragglerCallback(threshold=1.2, trainer=trainer))
     trainer.add_callback(PreemptionCallback())
     trainer.add_callback(CheckpointCompleteCallback())
+    trainer.add_callback(ProgressCallback())  # steps for hfscale launch's hang watchdog
     trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))
 
 This module imports torch and transformers (it is for training scripts); nothing else in hfscale
@@ -48,6 +49,7 @@ from ..shutdown import exit_cleanly
 from .checkpoints import CheckpointCompleteCallback
 from .collectives import METRICS_FILE
 from .preemption import PreemptionCallback
+from .progress import ProgressCallback
 from .reporting import MetricsCallback, StragglerCallback
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "CheckpointCompleteCallback",
     "MetricsCallback",
     "PreemptionCallback",
+    "ProgressCallback",
     "StragglerCallback",
     "exit_cleanly",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..launch_plan import Watch
 from ..shell import Secret
 
 
@@ -26,6 +27,7 @@ class Common:
     notes: tuple[str, ...]
     moves: tuple[tuple[str, str], ...]
     done: bool
+    watch: Watch | None = None  # the hang watchdog, for runners hfscale follows to the end
 
     @property
     def mode(self) -> str:

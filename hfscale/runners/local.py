@@ -7,7 +7,7 @@ from ..launch_plan import LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
 from ..shell import Command, Line, Sh, words
 from .common import Common
-from .stopping import stop_script
+from .stopping import dump_script, stop_script
 
 LOG = "local"
 
@@ -18,6 +18,12 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     argv = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, "0"))
     main = Command(tuple(argv), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
     host = job.hosts[0].host if job.hosts else LOG
-    cleanup = Command(("bash", "-c", Line((Sh(stop_script(ctx.job_id)),))))
+    cleanup = here(stop_script(ctx.job_id))
+    dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
     return LaunchPlan(ctx.job_id, "local", c.run_dir, c.files, (NodeLaunch(host, 0, words(argv)),), (host,), main,
-                      cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
+                      cleanup, c.mode, c.notes, moves=c.moves, watch=c.watch, dump=dump)  # type: ignore[arg-type]
+
+
+def here(script: str) -> Command:
+    """Shell text run on this node."""
+    return Command(("bash", "-c", Line((Sh(script),))))

@@ -30,7 +30,7 @@ from ..shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, T
                      render, words)
 from ..ssh import pdsh_argv
 from .common import Common
-from .stopping import JOB_ID_VAR, stop_script
+from .stopping import JOB_ID_VAR, dump_script, stop_script
 
 RANK_VAR = "HFSCALE_NODE_RANK"
 HOST_VAR = "HFSCALE_HOST"
@@ -144,9 +144,11 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), launcher)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), job.config.runner.fanout))
     cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
+    dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
+                   stop_env) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main, cleanup,
                       c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
-                      follow=follow)
+                      follow=follow, watch=c.watch, dump=dump)

@@ -20,7 +20,8 @@ from ..shell import Cat, Command, Line, Sh, Var, Word, words
 from ..ssh import pdsh_argv
 from . import pdsh
 from .common import Common
-from .stopping import stop_script
+from .local import here
+from .stopping import dump_script, stop_script
 
 
 def docker_argv(job: Job, env_names: list[str], rank: Word, workdir: str, launcher: list[Word], job_id: str
@@ -65,8 +66,11 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
         argv = node_argv("0")
         main = Command(tuple(argv), (*c.env.items(), (pdsh.RANK_VAR, "0")), c.workdir)  # type: ignore[arg-type]
         cleanup = Command((d.binary, "rm", "-f", f"hfscale-{ctx.job_id}-0"))
+        # the container's processes are this host's too: their stacks are dumped from here
+        dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
         return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
-                          ("local",), main, cleanup, c.mode, c.notes, moves=c.moves)  # type: ignore[arg-type]
+                          ("local",), main, cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
+                          watch=c.watch, dump=dump)
     listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
     main, logs, follow = pdsh.launch(job, c, ctx.job_id, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))
     binary = words([d.binary])
@@ -74,7 +78,9 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                    Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))), pdsh=True)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
     cleanup = Command((*stop, remove), stop_env)
+    dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
+                   stop_env) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
                       cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
-                      private=pdsh.private_files(job, c, hosts), follow=follow)
+                      private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump)

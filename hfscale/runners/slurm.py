@@ -15,7 +15,7 @@ from ..launcher import LaunchContext, default_rendezvous, launcher_argv
 from ..render_slurm import MASTER, NODE_RANK, SCRIPT, render_sbatch
 from ..shell import Command, Line, Secret, Sh, words
 from .common import Common
-from .stopping import stop_script
+from .stopping import dump_script, stop_script
 
 EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
 JOB_ID_FILE = "slurm_job_id"
@@ -29,26 +29,29 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     script = posixpath.join(c.run_dir, SCRIPT)
     inside = dict(ctx.shell_env).get("SLURM_JOB_ID")
     notes = c.notes
-    cleanup = None
+    cleanup = dump = watch = None
     if inside:
         main, mode = Command(("bash", script), secret), "stream"  # the script changes to the workdir itself
         notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
-        cleanup = stop_in_allocation(job.num_nodes, ctx.job_id)
+        cleanup = on_every_node(job.num_nodes, stop_script(ctx.job_id))
+        watch = c.watch
+        dump = on_every_node(job.num_nodes, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
     else:
         main, mode = Command(("sbatch", "--parsable", script), secret), "submit"  # the workdir is the nodes\' one
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
                       main, cleanup, "done" if c.done else mode, notes, show=(SCRIPT,),  # type: ignore[arg-type]
-                      moves=c.moves)
+                      moves=c.moves, watch=watch, dump=dump)
 
 
-def stop_in_allocation(nodes: int, job_id: str) -> Command:
-    """The stop on every node of the allocation, as a step beside the job's own (``--overlap``).
+def on_every_node(nodes: int, script: str) -> Command:
+    """Shell text run on every node of the allocation, as a step beside the job's own (``--overlap``):
+    the stop, the stack dump.
 
     A batch job's steps end with the job, but inside an allocation that outlives the launch (an
     interactive ``salloc``) a step whose srun was killed keeps running until the allocation ends:
     measured on the test Slurm, torchrun and its ranks were still there 40 s later."""
     return Command(("srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--quiet", "bash", "-c",
-                    Line((Sh(stop_script(job_id)),))))
+                    Line((Sh(script),))))
 
 
 def probe(plan: LaunchPlan) -> None:

@@ -11,6 +11,8 @@ included.
 
 from __future__ import annotations
 
+import posixpath
+
 JOB_ID_VAR = "HFSCALE_JOB_ID"
 # TERM first (a rank saves a preemption checkpoint at its next step boundary), KILL after this many
 # seconds: a stop is complete within 15 s of hfscale deciding on it
@@ -27,3 +29,22 @@ def stop_script(job_id: str) -> str:
     wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {STOP_GRACE_S} ] && k 0; do sleep 1; n=$((n+1)); done; "
                  "k KILL ) </dev/null >/dev/null 2>&1 &")
     return f'k() {{ p=$({find}); [ -n "$p" ] && kill -$1 $p 2>/dev/null; [ -n "$p" ]; }}; k TERM; {wait_kill} true'
+
+
+def dump_script(job_id: str, stacks_dir: str, python: str) -> str:
+    """Shell text: write the Python stack of each of this job's ranks on this node (processes
+    with ``RANK`` in the environment they started with) to ``<stacks_dir>/rank-<RANK>.txt`` with
+    py-spy (beside ``python``, or on PATH), or, without py-spy, signal SIGUSR2 to ranks that
+    registered faulthandler for it (hfscale.progress writes ``rank-<RANK>.fh``; a rank that did
+    not would die of the signal). First it asks each rank for its flight recorder (a write to
+    ``rank-<RANK>.fifo``, which hfscale.progress reads). All ranks at once; exits 0."""
+    from ..shell import quote
+
+    d, spy = quote(stacks_dir), quote(posixpath.join(posixpath.dirname(python), "py-spy"))
+    one = (f'[ -p {d}/rank-$r.fifo ] && timeout 2 sh -c \'echo > "$0"\' {d}/rank-$r.fifo; '
+           f's={spy}; [ -x "$s" ] || s=$(command -v py-spy); '
+           f'if [ -n "$s" ] && "$s" dump --full-filenames --pid $p > {d}/rank-$r.txt 2>&1; then :; '
+           f'elif [ -e {d}/rank-$r.fh ]; then rm -f {d}/rank-$r.txt; kill -USR2 $p; fi')
+    return (f"mkdir -p {d}; for f in $(grep -lsxzF '{JOB_ID_VAR}={job_id}' /proc/[0-9]*/environ); do "
+            "p=${f#/proc/}; p=${p%/environ}; r=$(tr '\\0' '\\n' < $f 2>/dev/null | sed -n 's/^RANK=//p'); "
+            f'[ -n "$r" ] || continue; ( {one} ) & done; wait; sleep 1; true')  # 1 s: the flight recorders' files

@@ -6,6 +6,10 @@
     --mode stubborn  as hang, but rank --rank ignores SIGTERM, SIGINT and SIGHUP and sleeps outside
                      any collective (stuck, or a preemption handler that never gets to its step
                      boundary): only SIGKILL ends it
+    --mode stall     steps (all_reduce, then hfscale.progress.step) until step --step, where rank
+                     --rank sleeps in stuck_here() for good; the others block in the next all_reduce
+    --mode skip      --step + 5 steps, rank --rank skipping the all_reduce of step --step, then a
+                     barrier: it ends in the barrier while the others wait in their last all_reduce
 Each rank prints ``PROBE_READY {json}`` with its rank, world size, host, argv, $PROBE_VALUE,
 whether it runs in a container and whether its interpreter's prefix is writable.
 """
@@ -29,8 +33,9 @@ def say(line: str) -> None:
 
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--mode", default="ok", choices=["ok", "crash", "hang", "stubborn"])
+ap.add_argument("--mode", default="ok", choices=["ok", "crash", "hang", "stubborn", "stall", "skip"])
 ap.add_argument("--rank", type=int, default=1)
+ap.add_argument("--step", type=int, default=3)
 args, rest = ap.parse_known_args()
 if args.mode == "stubborn" and int(os.environ.get("RANK", "0")) == args.rank:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -51,6 +56,26 @@ if args.mode == "crash" and rank == args.rank:
 if args.mode == "stubborn" and rank == args.rank:
     while True:  # stuck outside any collective: a peer's death does not end it either
         time.sleep(0.2)
+
+
+def stuck_here() -> None:
+    while True:  # a rank stuck outside any collective (a deadlocked thread, a hung filesystem)
+        time.sleep(0.5)
+
+
+if args.mode in ("stall", "skip"):
+    import hfscale.progress
+
+    t = torch.zeros(1)
+    steps = args.step + 5 if args.mode == "skip" else 10**9
+    for i in range(1, steps + 1):
+        if i == args.step and rank == args.rank and args.mode == "stall":
+            stuck_here()
+        if not (i == args.step and rank == args.rank and args.mode == "skip"):
+            dist.all_reduce(t)
+        hfscale.progress.step(i)
+        time.sleep(0.1)
+    dist.barrier()
 if args.mode in ("crash", "hang", "stubborn"):
     t = torch.zeros(1)
     while True:

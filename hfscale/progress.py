@@ -1,0 +1,139 @@
+"""Training progress, reported by each rank to ``hfscale launch``'s hang watchdog.
+
+In a plain training loop, one line per optimizer step is all it takes::
+
+    import hfscale.progress
+    ...
+    hfscale.progress.step(step)      # after each optimizer step
+
+The hfscale callbacks do this for the HF Trainer (hfscale.callbacks.ProgressCallback; a Trainer
+script launched by ``hfscale launch`` gets it without a change), and so does the built-in entry
+point. Outside ``hfscale launch`` (no ``HFSCALE_RUN_DIR`` in the environment) it does nothing.
+
+Each rank writes ``<run dir>/progress/rank-<RANK>``: ``<step> <pid> <host>`` (a few bytes, replaced
+atomically). The first call also arranges for the rank's Python stack to be written to
+``<run dir>/stacks/rank-<RANK>.fh`` on SIGUSR2 (``faulthandler``, from C: it works while the rank
+is blocked inside a collective), which the watchdog uses where py-spy is not installed, and
+starts a thread that writes the rank's flight recorder (its last collectives) when the watchdog
+asks through ``stacks/rank-<RANK>.fifo``.
+Standard library only: importing it costs nothing.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+PROGRESS_DIR = "progress"
+STACKS_DIR = "stacks"
+FLIGHT_DIR = "flight"
+FAULTHANDLER_SUFFIX = ".fh"
+FIFO_SUFFIX = ".fifo"
+_state: dict[str, object] = {}
+
+
+def _target() -> tuple[Path, str] | None:
+    run_dir = os.environ.get("HFSCALE_RUN_DIR")
+    if not run_dir:
+        return None
+    return Path(run_dir), os.environ.get("RANK", "0")
+
+
+def step(n: int) -> None:
+    """Record that this rank finished optimizer step ``n``; never raises (training goes on)."""
+    target = _target()
+    if target is None:
+        return
+    run_dir, rank = target
+    try:
+        if "stacks" not in _state:
+            _state["stacks"] = _install_stack_dump(run_dir, rank)
+            _state["flight"] = _serve_flight_recorder(run_dir, rank)
+        folder = run_dir / PROGRESS_DIR
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f".rank-{rank}.{os.getpid()}"
+        tmp.write_text(f"{int(n)} {os.getpid()} {socket.gethostname()}\n")
+        os.replace(tmp, folder / f"rank-{rank}")
+    except OSError:
+        pass  # a full or read-only disk must not stop training; the watchdog then sees no progress
+
+
+def _install_stack_dump(run_dir: Path, rank: str) -> object:
+    """faulthandler on SIGUSR2, into stacks/rank-<RANK>.fh (kept open: a stuck rank cannot open files)."""
+    try:
+        folder = run_dir / STACKS_DIR
+        folder.mkdir(exist_ok=True)
+        out = open(folder / f"rank-{rank}{FAULTHANDLER_SUFFIX}", "w")  # noqa: SIM115 (open for the process)
+        faulthandler.register(signal.SIGUSR2, file=out, all_threads=True, chain=False)
+        return out
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def _serve_flight_recorder(run_dir: Path, rank: str) -> object:
+    """A thread waiting on ``stacks/rank-<RANK>.fifo``: when the watchdog writes to it, the rank's
+    flight recorder (its last collectives, as torch.distributed keeps them: TORCH_FR_BUFFER_SIZE)
+    goes to ``flight/rank-<RANK>.json``. It runs while the main thread waits inside a collective
+    (the wait releases the GIL)."""
+    fifo = run_dir / STACKS_DIR / f"rank-{rank}{FIFO_SUFFIX}"
+    try:
+        if fifo.is_fifo():
+            fifo.unlink()
+        os.mkfifo(fifo, 0o600)
+    except OSError:
+        return None
+    out = run_dir / FLIGHT_DIR / f"rank-{rank}.json"
+    thread = threading.Thread(target=_flight_loop, args=(fifo, out), name="hfscale-flight-recorder", daemon=True)
+    thread.start()
+    return thread
+
+
+def _flight_loop(fifo: Path, out: Path) -> None:
+    while True:
+        try:
+            with open(fifo) as f:  # blocks until the watchdog's dump writes to it
+                f.read()
+        except OSError:
+            return
+        c10d = sys.modules.get("torch._C._distributed_c10d")
+        dumps = []
+        for name in ("_dump_nccl_trace_json", "_dump_fr_trace_json"):
+            fn = getattr(c10d, name, None)
+            if fn is not None:
+                try:
+                    dumps.append({"source": name, **json.loads(fn())})
+                except Exception:  # noqa: BLE001 (a trace the runtime cannot give is left out)
+                    pass
+        try:
+            out.parent.mkdir(exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(json.dumps(dumps))
+            os.replace(tmp, out)
+        except OSError:
+            pass
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a rank last reported."""
+
+    rank: int
+    step: int
+    pid: int
+    host: str
+
+
+def read_progress(path: Path) -> Progress | None:
+    """A rank's progress file, or None when it is missing or half-written."""
+    try:
+        fields = path.read_text().split()
+        return Progress(int(path.name.removeprefix("rank-")), int(fields[0]), int(fields[1]), fields[2])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,41 @@
+"""The run directory: made at the start of a launch, with the plan's files (private ones 0600),
+and the checkpoints ``--restart`` moves aside. Files only, no processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from .files import write_files
+from .launch_plan import LaunchPlan
+
+
+def write_run_dir(plan: LaunchPlan, record: str) -> Path:
+    """Create the run directory with the generated files, the plan as text, logs/, and the private
+    files (real secret values) readable by this user only."""
+    run_dir = Path(plan.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=False)
+    write_files(run_dir, {**dict(plan.files), "plan.txt": record})
+    write_files(run_dir, {name: text.real for name, text in plan.private}, mode=0o600)
+    (run_dir / "logs").mkdir()
+    if plan.follow is not None:
+        Path(plan.follow.beats_dir).mkdir()
+    if plan.watch is not None:  # the ranks write here; made now so a rank's first write cannot race another's
+        Path(plan.watch.progress_dir).mkdir()
+        Path(plan.watch.stacks_dir).mkdir()
+    return run_dir
+
+
+def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) -> bool:
+    """Do the plan's moves (--restart's checkpoints); False, said, when one fails."""
+    for src, dst in moves:
+        try:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.rename(src, dst)
+        except OSError as e:
+            echo(f"hfscale: cannot move {src} to {dst}: {e.strerror or e}; nothing was started")
+            return False
+    if moves:
+        echo(f"hfscale: moved {len(moves)} checkpoint(s) to {os.path.dirname(moves[0][1])}")
+    return True

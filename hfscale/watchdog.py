@@ -1,0 +1,228 @@
+"""The hang watchdog's judgement: is the job stuck, which rank holds it up, and the report.
+
+The ranks report their steps (hfscale.progress); :class:`Watchdog` reads those files, timed by
+this host's clock (content compared, as hfscale.follow does). When no rank has finished a step
+for ``timeout`` seconds, hfscale.execute has every rank's Python stack written (py-spy, or
+faulthandler through SIGUSR2) and :func:`analyze` names the stuck rank(s):
+
+- ranks that never reported a step;
+- ranks behind the others in steps that are not inside a collective (stuck before it);
+- ranks ahead of the others while those wait in a collective: they passed a collective the
+  others are still in, so they skipped it (or the others repeat one);
+- at the same step, ranks outside any collective while the others wait in one (a sleep, I/O,
+  a loop); or the ranks in a different collective than most;
+- when every rank waits in the same collective, none: the cause is a lost peer or the network.
+
+Reads files only; hfscale.execute runs the stack dump and stops the job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from .launch_plan import Watch
+from .progress import FAULTHANDLER_SUFFIX, Progress, read_progress
+
+_PYSPY = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)$")
+_FAULT = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
+COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "deepspeed/comm/")
+
+
+class Watchdog:
+    """Steps seen per rank, and when each last changed."""
+
+    def __init__(self, watch: Watch, now: float):
+        self.watch = watch
+        self.started = now
+        self.ranks: dict[int, Progress] = {}
+        self.changed: dict[int, float] = {}
+        self._top = (-1, now)  # (highest step seen, when it was first seen)
+
+    def poll(self, now: float) -> str | None:
+        """Read the progress files; a reason when the job counts as hung, else None."""
+        folder = Path(self.watch.progress_dir)
+        try:
+            names = [e.name for e in folder.iterdir() if e.name.startswith("rank-")]
+        except OSError:
+            names = []
+        for name in names:
+            p = read_progress(folder / name)
+            if p is not None and (p.rank not in self.ranks or self.ranks[p.rank].step != p.step):
+                self.ranks[p.rank], self.changed[p.rank] = p, now
+        top = max((p.step for p in self.ranks.values()), default=-1)
+        if top > self._top[0]:
+            self._top = (top, now)
+        if not self.ranks:
+            limit = self.watch.first_step
+            if limit is not None and now - self.started >= limit:
+                return f"no rank finished a step in the first {limit} s"
+            return None
+        if now - self._top[1] >= self.watch.timeout:
+            return f"no rank finished a step for {self.watch.timeout} s (the last was step {top})"
+        return None
+
+
+@dataclass(frozen=True)
+class Frame:
+    func: str
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.func} ({Path(self.file).name}:{self.line})"
+
+
+def main_stack(text: str) -> list[Frame]:
+    """The innermost-first frames of the main thread in a py-spy or faulthandler dump."""
+    threads: list[list[Frame]] = []
+    for line in text.splitlines():
+        m = _PYSPY.match(line) or _FAULT.match(line)
+        if m:
+            if not threads:
+                threads.append([])
+            threads[-1].append(Frame(m["func"].strip(), m["file"], int(m["line"])))
+        elif line.strip() and (line.startswith(("Thread", "Current thread")) or "(most recent call first)" in line):
+            threads.append([])
+    threads = [t for t in threads if t]
+    for t in threads:  # the main thread runs the script: its outermost frame is a module
+        if t[-1].func == "<module>":
+            return t
+    return threads[0] if threads else []
+
+
+def collective(stack: list[Frame]) -> str | None:
+    """The torch.distributed (or DeepSpeed comm) call the stack waits in, or None."""
+    for f in stack:
+        if any(part in f.file.replace("\\", "/") for part in COLLECTIVE_FILES):
+            return f.func
+    return None
+
+
+def where(stack: list[Frame]) -> str:
+    """The innermost frame outside Python's and the libraries' own files (else the innermost)."""
+    for f in stack:
+        if "site-packages" not in f.file and "/lib/python" not in f.file:
+            return str(f)
+    return str(stack[0]) if stack else "no stack"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    stuck: tuple[int, ...]
+    line: str  # one line for the terminal
+
+
+def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int) -> Verdict:
+    """Which rank(s) hold the job up, from their last steps and their stacks."""
+    missing = tuple(r for r in range(world) if r not in ranks)
+    if missing:
+        return Verdict(missing, f"{_names(missing, ranks)} never finished a step")
+    frames = {r: main_stack(stacks.get(r, "")) for r in ranks}
+    coll = {r: collective(frames[r]) for r in ranks}
+    steps = {r: p.step for r, p in ranks.items()}
+    low, high = min(steps.values()), max(steps.values())
+    if low != high:
+        behind = tuple(r for r in ranks if steps[r] == low)
+        ahead = tuple(r for r in ranks if steps[r] > low)
+        outside = tuple(r for r in behind if frames[r] and coll[r] is None)
+        if outside:
+            return Verdict(outside, f"{_names(outside, ranks)} stuck at step {low} in {where(frames[outside[0]])} "
+                                    f"while the others are at step {high}")
+        waiting = coll[behind[0]] or "a collective"
+        return Verdict(ahead, f"{_names(ahead, ranks)} at step {high} passed the {waiting} that "
+                              f"{_names(behind, ranks)} {'waits' if len(behind) == 1 else 'wait'} in at step {low}: "
+                              "a skipped collective")
+    outside = tuple(r for r in ranks if frames[r] and coll[r] is None)
+    inside = [r for r in ranks if coll[r] is not None]
+    if outside and inside:
+        return Verdict(outside, f"{_names(outside, ranks)} stuck at step {low} in {where(frames[outside[0]])} while "
+                                f"the others wait in {coll[inside[0]]}")
+    kinds = Counter(c for c in coll.values() if c is not None)
+    if len(kinds) > 1:
+        common = kinds.most_common(1)[0][0]
+        odd = tuple(r for r in ranks if coll[r] != common)
+        return Verdict(odd, f"{_names(odd, ranks)} in {coll[odd[0]]} while the others wait in {common} (step {low})")
+    if inside:
+        return Verdict((), f"every rank waits in {coll[inside[0]]} at step {low}: a lost peer or the network")
+    return Verdict((), f"no rank finished a step since step {low}; no stack shows a cause")
+
+
+def _names(ranks_: tuple[int, ...], ranks: dict[int, Progress]) -> str:
+    named = [f"rank {r}" + (f" on {ranks[r].host}" if r in ranks else "") for r in ranks_[:8]]
+    more = f" and {len(ranks_) - 8} more" if len(ranks_) > 8 else ""
+    return ", ".join(named) + more
+
+
+def read_stacks(stacks_dir: str) -> dict[int, str]:
+    """rank -> its dumped stack (py-spy's file, else faulthandler's)."""
+    out: dict[int, str] = {}
+    folder = Path(stacks_dir)
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return out
+    for e in entries:
+        m = re.match(r"^rank-(\d+)(\.txt|" + re.escape(FAULTHANDLER_SUFFIX) + ")$", e.name)
+        if not m:
+            continue
+        try:
+            text = e.read_text(errors="replace")
+        except OSError:
+            continue
+        rank = int(m[1])
+        if text.strip() and (m[2] == ".txt" or rank not in out):
+            out[rank] = text
+    return out
+
+
+def read_flight(flight_dir: str) -> dict[int, tuple[int, str, str]]:
+    """rank -> (collectives issued, the last one's name, its state) from the flight recorder dumps
+    hfscale.progress wrote (the default process group's entries)."""
+    out: dict[int, tuple[int, str, str]] = {}
+    try:
+        files = sorted(Path(flight_dir).glob("rank-*.json"))
+    except OSError:
+        return out
+    for f in files:
+        try:
+            dumps = json.loads(f.read_text())
+            entries = [e for d in dumps for e in d.get("entries", []) if isinstance(e, dict)]
+            rank = int(f.stem.removeprefix("rank-"))
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+        if entries:
+            last = max(entries, key=lambda e: e.get("collective_seq_id") or 0)
+            out[rank] = (int(last.get("collective_seq_id") or 0), str(last.get("profiling_name", "?")),
+                         str(last.get("state", "?")))
+    return out
+
+
+def flight_line(flight: dict[int, tuple[int, str, str]]) -> str | None:
+    """One line when the ranks' flight recorders disagree: different counts, or other collectives."""
+    if len(flight) < 2 or len({(n, name) for n, name, _ in flight.values()}) == 1:
+        return None
+    parts = [f"rank {r}: #{n} {name} ({state})" for r, (n, name, state) in sorted(flight.items())[:8]]
+    return "flight recorder, each rank's last collective: " + ", ".join(parts)
+
+
+def report(reason: str, verdict: Verdict, ranks: dict[int, Progress], changed: dict[int, float],
+           stacks: dict[int, str], now: float, flight: dict[int, tuple[int, str, str]] | None = None) -> str:
+    """The full hang report: why, every rank's last step, place and last collective, every stack."""
+    flight = flight or {}
+    lines = [f"hfscale hang report: {reason}", f"verdict: {verdict.line}", "",
+             "rank  host                 pid      step  since   where"]
+    for r in sorted(ranks):
+        p, stack = ranks[r], main_stack(stacks.get(r, ""))
+        last = f"  [collective #{flight[r][0]} {flight[r][1]} {flight[r][2]}]" if r in flight else ""
+        lines.append(f"{r:<5} {p.host[:20]:<20} {p.pid:<8} {p.step:<5} {now - changed.get(r, now):>5.0f}s  "
+                     f"{collective(stack) or where(stack)}{last}")
+    disagree = flight_line(flight)
+    if disagree:
+        lines += ["", disagree]
+    for r in sorted(stacks):
+        lines += ["", f"--- rank {r}", stacks[r].rstrip()]
+    return "\n".join(lines) + "\n"
