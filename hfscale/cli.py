@@ -215,13 +215,18 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
 @main.command()
 @click.argument("config_file", metavar="CONFIG")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per host.")
-def preflight(config_file: str, timeout: float) -> None:
+@click.option("--network", is_flag=True, help="Also measure bandwidth and round trip between the hosts (every pair "
+              "up to 16 hosts, else a ring) over NCCL's interface, print the matrix and name slow links.")
+@click.option("--seconds", default=0.5, show_default=True, help="With --network: seconds of data each way per pair.")
+def preflight(config_file: str, timeout: float, network: bool, seconds: float) -> None:
     """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
     from .execute import run_probes
     from .preflight import evaluate, probes, refusal, render_table, verdict
 
+    from . import network as net
+
     job = _load(config_file)
-    why = refusal(job)
+    why = refusal(job) or (net.refusal(job) if network else None)
     if why:
         click.echo(f"error: {why}", err=True)
         sys.exit(EXIT_BAD_INPUT)
@@ -231,6 +236,19 @@ def preflight(config_file: str, timeout: float) -> None:
     click.echo(line, err=not ok)
     if not ok:
         sys.exit(EXIT_UNREACHABLE)
+    if network:
+        import time
+
+        addrs = net.addresses(job, {r.host: r.facts for r in reports})
+        start = time.time() + 3 + len(job.hosts) / 50  # every host's ssh is up before the first round
+        cmds = net.commands(job, sys.executable, addrs, job.config.cluster.master_port + 1, start, seconds)
+        rounds = len(net.schedule(len(job.hosts)))
+        results = run_probes(cmds, start - time.time() + rounds * net.slot_seconds(seconds) + timeout,
+                             workers=len(cmds))
+        text, ok = net.summary(job, results, addrs)
+        click.echo(text, nl=False)
+        if not ok:
+            sys.exit(EXIT_UNREACHABLE)
 
 
 @main.command()

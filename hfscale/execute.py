@@ -378,11 +378,11 @@ def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:
         return 127, "", f"{e.filename}: not found"
 
 
-def run_probes(cmds: dict[str, Command], timeout: float) -> dict[str, tuple[int, str, str]]:
-    """Run probes in parallel, one per key."""
+def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, tuple[int, str, str]]:
+    """Run probes in parallel, one per key, at most ``workers`` at a time."""
     if not cmds:
         return {}
-    with ThreadPoolExecutor(max_workers=min(64, len(cmds))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cmds)))) as pool:
         futures = {k: pool.submit(run_probe, c, timeout) for k, c in cmds.items()}
         return {k: f.result() for k, f in futures.items()}
 

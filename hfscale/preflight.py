@@ -7,6 +7,7 @@ is ``hfscale.execute.run_probes``' job.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .envvars import RDMA_PRESETS
@@ -18,7 +19,17 @@ PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
 MARK = "HFSCALE_PROBE"
 
 
-def _script(python: str, port: int | None) -> str:
+def nccl_interface(job: Job) -> str | None:
+    """The interface prefix NCCL_SOCKET_IFNAME selects, when it names one (not '^lo,docker0', not a list)."""
+    from .envvars import job_env
+
+    value = job_env(job.config, {}).get("NCCL_SOCKET_IFNAME")
+    if value and re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", value):
+        return value
+    return None
+
+
+def _script(python: str, port: int | None, interface: str | None = None) -> str:
     versions = (
         "import importlib.metadata as m, sys\n"
         "print('python=' + sys.version.split()[0])\n"
@@ -33,6 +44,9 @@ def _script(python: str, port: int | None) -> str:
         "else echo gpus=none; fi",
         "echo ib=$(ls /sys/class/infiniband 2>/dev/null | tr '\\n' ',')",
     ]
+    if interface is not None:  # validated: letters, digits, '_', '.', '-'
+        lines.append(f"echo addr=$(ip -o -4 addr show 2>/dev/null | awk '$2 ~ /^{interface}/ "
+                     "{sub(\"/.*\", \"\", $4); print $4; exit}')")
     if port is not None:
         bind = f"import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', {port}))"
         # without a working interpreter nothing can be said about the port (not "in use")
@@ -55,12 +69,13 @@ def probes(job: Job, python: str) -> dict[str, Command]:
     must be empty: a chatty login shell breaks pdsh and scp)."""
     py = job.config.runner.python or python
     port = job.config.cluster.master_port
+    interface = nccl_interface(job)
     if not job.hosts:
-        return {"local": Command(("sh", "-c", _script(py, port)))}
+        return {"local": Command(("sh", "-c", _script(py, port, interface)))}
     out = {}
     for i, h in enumerate(job.hosts):
         ssh = ssh_argv(job, h.host)
-        out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None)]))
+        out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface)]))
         out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
     return out
 

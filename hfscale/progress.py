@@ -10,8 +10,8 @@ The hfscale callbacks do this for the HF Trainer (hfscale.callbacks.ProgressCall
 script launched by ``hfscale launch`` gets it without a change), and so does the built-in entry
 point. Outside ``hfscale launch`` (no ``HFSCALE_RUN_DIR`` in the environment) it does nothing.
 
-Each rank writes ``<run dir>/progress/rank-<RANK>``: ``<step> <pid> <host>`` (a few bytes, replaced
-atomically). The first call also arranges for the rank's Python stack to be written to
+Each rank writes ``<run dir>/progress/rank-<RANK>``: ``<step> <pid> <host> <beat>`` (a few bytes,
+replaced atomically; the beat counts every write, so ``alive()`` between steps shows work too). The first call also arranges for the rank's Python stack to be written to
 ``<run dir>/stacks/rank-<RANK>.fh`` on SIGUSR2 (``faulthandler``, from C: it works while the rank
 is blocked inside a collective), which the watchdog uses where py-spy is not installed, and
 starts a thread that writes the rank's flight recorder (its last collectives) when the watchdog
@@ -48,10 +48,23 @@ def _target() -> tuple[Path, str] | None:
 
 def step(n: int) -> None:
     """Record that this rank finished optimizer step ``n``; never raises (training goes on)."""
+    _write(int(n))
+
+
+def alive() -> None:
+    """Record that this rank is working between steps (an evaluation batch, a save): the watchdog
+    counts it as progress, the step stays. Cheap enough for every evaluation batch."""
+    last = _state.get("step")
+    _write(last if isinstance(last, int) else 0)
+
+
+def _write(n: int) -> None:
     target = _target()
     if target is None:
         return
     run_dir, rank = target
+    beat = int(_state.get("beat", 0)) + 1  # type: ignore[call-overload]
+    _state["step"], _state["beat"] = n, beat
     try:
         if "stacks" not in _state:
             _state["stacks"] = _install_stack_dump(run_dir, rank)
@@ -59,7 +72,7 @@ def step(n: int) -> None:
         folder = run_dir / PROGRESS_DIR
         folder.mkdir(exist_ok=True)
         tmp = folder / f".rank-{rank}.{os.getpid()}"
-        tmp.write_text(f"{int(n)} {os.getpid()} {socket.gethostname()}\n")
+        tmp.write_text(f"{n} {os.getpid()} {socket.gethostname()} {beat}\n")
         os.replace(tmp, folder / f"rank-{rank}")
     except OSError:
         pass  # a full or read-only disk must not stop training; the watchdog then sees no progress
@@ -128,12 +141,14 @@ class Progress:
     step: int
     pid: int
     host: str
+    beat: int = 0
 
 
 def read_progress(path: Path) -> Progress | None:
     """A rank's progress file, or None when it is missing or half-written."""
     try:
         fields = path.read_text().split()
-        return Progress(int(path.name.removeprefix("rank-")), int(fields[0]), int(fields[1]), fields[2])
+        beat = int(fields[3]) if len(fields) > 3 else 0
+        return Progress(int(path.name.removeprefix("rank-")), int(fields[0]), int(fields[1]), fields[2], beat)
     except (OSError, ValueError, IndexError):
         return None

@@ -43,18 +43,21 @@ class Watchdog:
         self._top = (-1, now)  # (highest step seen, when it was first seen)
 
     def poll(self, now: float) -> str | None:
-        """Read the progress files; a reason when the job counts as hung, else None."""
+        """Read the progress files; a reason when the job counts as hung (no rank wrote a step or a
+        beat for the timeout), else None."""
         folder = Path(self.watch.progress_dir)
         try:
             names = [e.name for e in folder.iterdir() if e.name.startswith("rank-")]
         except OSError:
             names = []
+        active = False
         for name in names:
             p = read_progress(folder / name)
-            if p is not None and (p.rank not in self.ranks or self.ranks[p.rank].step != p.step):
+            if p is not None and (p.rank not in self.ranks or self.ranks[p.rank] != p):
                 self.ranks[p.rank], self.changed[p.rank] = p, now
+                active = True
         top = max((p.step for p in self.ranks.values()), default=-1)
-        if top > self._top[0]:
+        if top > self._top[0] or active:  # a new step, or work between steps (evaluation, saving)
             self._top = (top, now)
         if not self.ranks:
             limit = self.watch.first_step

@@ -517,3 +517,39 @@ def test_one_local_node_runs_its_container_without_pdsh(podman2, cluster2, tmp_p
     plan = (run_dir_of(tmp_path) / "plan.txt").read_text()
     assert f"\n  [0] local: {podman2.binary} run --rm --name hfscale-" in plan
     assert "pdsh -R ssh" not in plan
+
+
+# ---- preflight --network: the bandwidth matrix names a throttled link -----------------------------
+
+
+def _preflight_network(cluster, config: Path) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "hfscale", "preflight", str(config), "--network"], cwd=ROOT,
+                       env=cluster.env(), capture_output=True, text=True, timeout=120)
+    return r, time.monotonic() - t0
+
+
+def test_preflight_network_names_the_throttled_link(make_cluster, tmp_path):
+    """4 namespace hosts, every pair measured over eth0 (NCCL_SOCKET_IFNAME); then node2's veth is
+    throttled to 100 Mbit/s with tc tbf (its sending side): the check names node2's link, and only it."""
+    from cluster import run_on
+
+    cluster = make_cluster(4)
+    config = write_config(tmp_path, cluster.nodes, port=29660, extra={"network": {"env": {"NCCL_SOCKET_IFNAME": "eth0"}}})
+    r, took = _preflight_network(cluster, config)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "network ok: 6 host pairs measured" in r.stdout and "slow:" not in r.stdout
+    assert "Gbit/s, row sends to column:" in r.stdout
+    tbf = run_on(cluster, "node2", "tc qdisc add dev eth0 root tbf rate 100mbit burst 64kb latency 50ms", check=True)
+    assert tbf.returncode == 0
+    try:
+        r, took = _preflight_network(cluster, config)
+    finally:
+        run_on(cluster, "node2", "tc qdisc del dev eth0 root")
+    print(r.stdout)
+    print(f"preflight --network on 4 hosts with the throttled link: {took:.1f} s")
+    assert r.returncode == 3, r.stdout + r.stderr
+    slow = [line for line in r.stdout.splitlines() if line.startswith("slow: ")]
+    assert len(slow) == 1 and slow[0].startswith("slow: node2's link, sending: "), r.stdout
+    assert "network check failed" in r.stdout
+    assert took < 60

@@ -175,3 +175,15 @@ def test_flight_recorder_dumps_are_summarised(tmp_path):
     assert flight_line(flight) == ("flight recorder, each rank's last collective: rank 0: #10 gloo:all_reduce "
                                    "(scheduled), rank 1: #10 gloo:barrier (scheduled)")
     assert flight_line({0: flight[0], 1: flight[0]}) is None  # agreeing ranks: nothing to say
+
+
+def test_work_between_steps_is_progress(tmp_path):
+    """A rank writing beats (evaluation batches, a save) at the same step is not hung."""
+    dog = Watchdog(_watch(tmp_path), now=0)
+    _write(tmp_path, 0, 5)
+    assert dog.poll(0) is None
+    for t in (50, 100, 150):
+        (tmp_path / "progress" / "rank-0").write_text(f"5 100 node0 {t}\n")
+        assert dog.poll(t) is None
+    assert dog.poll(209) is None
+    assert dog.poll(210) == "no rank finished a step for 60 s (the last was step 5)"

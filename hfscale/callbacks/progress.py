@@ -9,10 +9,21 @@ from .. import progress
 
 class ProgressCallback(TrainerCallback):
     """After every optimizer step, ``hfscale.progress.step(global_step)``: one small file per rank
-    in the run directory (nothing outside ``hfscale launch``). No collective, no device sync."""
+    in the run directory (nothing outside ``hfscale launch``); after each evaluation batch and save,
+    ``hfscale.progress.alive()``. No collective, no device sync."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         progress.step(state.global_step)  # a resumed run starts where its checkpoint left off
 
     def on_step_end(self, args, state, control, **kwargs):
         progress.step(state.global_step)
+
+    # work between steps counts as progress: a long evaluation or save is not a hang
+    def on_prediction_step(self, args, state, control, **kwargs):
+        progress.alive()
+
+    def on_save(self, args, state, control, **kwargs):
+        progress.alive()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        progress.alive()
