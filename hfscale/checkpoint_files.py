@@ -118,7 +118,10 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
 
 def deepspeed_ranks(ckpt: Path) -> int | None:
     """The data-parallel ranks that wrote a DeepSpeed checkpoint (None: not one)."""
-    tag_dir = next((p for p in ckpt.glob("global_step*") if p.is_dir()), None)
+    latest = ckpt / "latest"
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip() if latest.is_file() else ""
+    tag_dir = ckpt / tag if tag and "/" not in tag and (ckpt / tag).is_dir() else next(
+        (p for p in sorted(ckpt.glob("global_step*")) if p.is_dir() and not p.name.endswith("_universal")), None)
     if tag_dir is None:
         return None
     ranks = {int(m.group(1)) for p in tag_dir.iterdir() if (m := _SHARD_RE.match(p.name)) and m.group(3) == "optim"}

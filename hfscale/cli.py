@@ -156,7 +156,8 @@ def _context(job, extra_args: tuple[str, ...], restart: bool):
 
     job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
     where = output_dir_to_scan(job)
-    scan = scan_output(where, job.world_size) if where else None
+    # a DeepSpeed checkpoint of another world size is resumed through a universal checkpoint (hfscale.reshard)
+    scan = scan_output(where, job.world_size, reshard=job.deepspeed is not None) if where else None
     return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart)
 
 

@@ -1,17 +1,13 @@
 """The only module that starts processes: it runs launch plans and preflight probes.
 
-A plan runs as one local process (pdsh, docker, or the launcher itself). Its output is echoed,
-split into one log per node, and watched: the first node that fails, SIGINT / SIGTERM / SIGHUP
-to hfscale, or that process killed by someone else, runs the plan's cleanup on every node so no
-rank is left behind (TERM, then KILL after hfscale.runners.stopping's grace period). A host ssh
-cannot reach shows up in the same stream (pdsh reports ssh's exit code 255 for a host that never
-printed its exit line), so there is no separate reachability round before the launch: that
-host's job ends the launch with exit code 3 and the host named. A host lost during the run is
-found the same way: ssh's keep-alives (hfscale.ssh) end its connection within a minute. A
-detached launch (more hosts than runner.fanout) is followed through the run directory instead:
-the nodes' logs and heartbeats (hfscale.follow).
-Submitting plans hand the job to a scheduler, with what each runner knows about its scheduler's
-answers (hfscale.runners).
+A plan runs its ``prepare`` steps here, then one local process (pdsh, docker, the launcher itself)
+whose output is echoed, split into one log per node, and watched: the first node that fails, a
+signal to hfscale, that process killed by someone else, or the hang watchdog (hfscale.watchdog)
+runs the plan's cleanup on every node (TERM, then KILL after hfscale.runners.stopping's grace).
+A host ssh cannot reach, or loses (keep-alives, hfscale.ssh), shows up in the same stream: pdsh
+reports ssh's exit code 255, and the launch ends with exit code 3 naming the host. A detached
+launch (more hosts than runner.fanout) is followed through the run directory (hfscale.follow).
+Submitting plans hand the job to a scheduler, with each runner's knowledge of its answers.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from . import exitcodes
+from .exitcodes import signal_name
 from .files import write_files
 from .follow import Follower
 from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
@@ -35,8 +32,7 @@ from .runners import RUNNERS
 from .rundir import move_aside, write_run_dir
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
-from .progress import FLIGHT_DIR
-from .watchdog import Watchdog, analyze, read_flight, read_stacks, report
+from .watchdog import Watchdog, judge
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 # pdsh's report of a host's ssh: its exit code, or the signal that killed it
@@ -98,7 +94,7 @@ class _Run:
             return
         if ended and ended["sig"]:
             sig = int(ended["sig"])
-            self.fail(ended["host"], 128 + sig, f"the ssh to {ended['host']} was killed ({_signame(sig)})")
+            self.fail(ended["host"], 128 + sig, f"the ssh to {ended['host']} was killed ({signal_name(sig)})")
         elif ended and int(ended["rc"]) == SSH_FAILED and ended["host"] not in self.exited:
             host = ended["host"]
             what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
@@ -119,7 +115,7 @@ class _Run:
         rc = self.proc.wait()
         if rc < 0 and self.failure is None and self.signalled is None and not self._stopping:
             name = os.path.basename(self.plan.main.real_argv()[0])
-            self.fail(name, 128 - rc, f"{name} was killed ({_signame(-rc)})")
+            self.fail(name, 128 - rc, f"{name} was killed ({signal_name(-rc)})")
 
     def stop(self) -> None:
         """Run the cleanup (once, in the background), then end what is left of the main process."""
@@ -168,13 +164,6 @@ class _Run:
         self.ended.set()
         for f in self.logs.values():
             f.close()
-
-
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -239,7 +228,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             threading.Thread(target=_stop_for_signal, args=(signum,), daemon=True).start()
 
     def _stop_for_signal(signum: int) -> None:
-        echo(f"hfscale: got {_signame(signum)}; stopping the job on every node")
+        echo(f"hfscale: got {signal_name(signum)}; stopping the job on every node")
         if run is not None and run.proc is not None:  # else _stream stops it once main exists
             run.stop()
 
@@ -253,6 +242,10 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
                  "nothing was started")
             return exitcodes.BAD_INPUT
+        for step in plan.prepare:
+            rc = _prepare(step, run_dir, echo)
+            if rc or signalled:
+                return 128 + signalled[0] if signalled else rc
         if signalled:
             return 128 + signalled[0]
         if plan.mode == "submit":
@@ -265,6 +258,26 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
+    """Run one of the plan's steps before the job (a checkpoint conversion); its output goes to
+    logs/prepare.log. Its exit code (0: done)."""
+    log = run_dir / "logs" / "prepare.log"
+    echo(f"hfscale: {step.shell()}")
+    t0 = time.monotonic()
+    try:
+        with open(log, "a", encoding="utf-8") as out:
+            rc = subprocess.run(step.real_argv(), env=_env(step), cwd=step.cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT).returncode
+    except OSError as e:
+        echo(f"hfscale: cannot run {step.real_argv()[0]}: {e.strerror or e}; nothing was started")
+        return exitcodes.BAD_INPUT
+    if rc:
+        echo(f"hfscale: that step failed (exit code {rc}); its output is in {log}; nothing was started")
+    else:
+        echo(f"hfscale: done in {time.monotonic() - t0:.1f} s")
+    return rc
 
 
 def _follow(run: _Run, follow: Follow) -> None:
@@ -350,10 +363,7 @@ def _watch(run: _Run, watch: Watch) -> None:
                                stderr=subprocess.DEVNULL, timeout=DUMP_TIMEOUT_S, start_new_session=True)
             except (subprocess.TimeoutExpired, OSError) as e:
                 run.echo(f"hfscale: the stack dump did not finish: {e}")
-        stacks = read_stacks(watch.stacks_dir)
-        verdict = analyze(dog.ranks, stacks, watch.world_size)
-        flight = read_flight(str(Path(watch.stacks_dir).parent / FLIGHT_DIR))
-        text = report(reason, verdict, dog.ranks, dog.changed, stacks, time.monotonic(), flight)
+        verdict, text = judge(dog, reason, time.monotonic())
         report_path = Path(watch.report)
         try:
             write_files(report_path.parent, {report_path.name: text})

@@ -90,6 +90,7 @@ class LaunchPlan:
     follow: Follow | None = None
     watch: Watch | None = None
     dump: Command | None = None  # writes every rank's stack into watch.stacks_dir, on every node
+    prepare: tuple[Command, ...] = ()  # run here, in order, after the run directory is made and before main
 
     def where(self) -> str:
         """Where the job runs, for one line of output."""
@@ -114,6 +115,9 @@ class LaunchPlan:
         shown = [(name, dict(self.files)[name]) for name in self.show] + [(n, t.shown) for n, t in self.private]
         for name, text in shown:
             out += [f"--- {posixpath.join(self.run_dir, name)}", text.rstrip("\n"), "---"]
+        if self.prepare:
+            out.append("first, run here:")
+            out += [f"  {c.shell()}" for c in self.prepare]
         out += ["run:", f"  {self.main.shell()}"]
         if self.follow is not None:
             f = self.follow

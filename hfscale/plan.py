@@ -8,8 +8,10 @@ ranks' environment, what to do with existing checkpoints) and hands it to the ru
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
+from dataclasses import replace
 
 from .artifacts import DEEPSPEED_FILE, render_artifacts
 from .envvars import MASK, deepspeed_env_file, host_secret, masked
@@ -18,6 +20,7 @@ from .job import Job
 from .launch_plan import NOTHING_TO_TRAIN, LaunchPlan, Watch
 from .launcher import CONFIG_COPY, LaunchContext, rank_env, watched
 from .progress import PROGRESS_DIR, STACKS_DIR
+from .reshard import conversion
 from .resume import decide
 from .runners import RUNNERS
 from .runners.common import Common
@@ -74,7 +77,32 @@ def _resume_step(job: Job, ctx: LaunchContext) -> tuple[list[str], tuple[tuple[s
                      "resumes from the newest complete checkpoint then)")
         if scan.state is not None:
             notes += [n for n in [schedule_note(t, scan.state, d.checkpoint or "")] if n]
+        if reshards(job, ctx):
+            notes.append(reshard_note(job, scan.saved_world or 0, d.checkpoint or "", scan.universal))
     return notes, (), False
+
+
+def reshards(job: Job, ctx: LaunchContext) -> bool:
+    """Whether this launch resumes a DeepSpeed checkpoint written by another number of processes."""
+    scan = ctx.output
+    return (job.deepspeed is not None and scan is not None and scan.resume is not None and not ctx.restart
+            and bool(scan.saved_world) and scan.saved_world != job.world_size)
+
+
+def reshard_note(job: Job, saved: int, ckpt: str, ready: bool) -> str:
+    how = "already converted" if ready else "converted by DeepSpeed's ds_to_universal before the job starts"
+    batch = (f"the global batch stays {job.global_batch_size} (batch.global_batch_size; accumulation "
+             f"{job.gradient_accumulation_steps})" if job.is_set(("batch", "global_batch_size")) else
+             f"the global batch is {job.global_batch_size} = micro x accumulation x {job.world_size} processes; set "
+             "batch.global_batch_size to keep the one the checkpoint was trained with")
+    return (f"{ckpt} was saved by {saved} processes, this job has {job.world_size}: it resumes from its universal "
+            f"checkpoint ({how}; the DeepSpeed JSON says checkpoint.load_universal); {batch}")
+
+
+def _universal_json(text: str) -> str:
+    cfg = json.loads(text)
+    cfg.setdefault("checkpoint", {})["load_universal"] = True
+    return json.dumps(cfg, indent=2) + "\n"
 
 
 def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
@@ -93,6 +121,12 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     notes, moves, done = _resume_step(job, ctx)
     env = rank_env(job, rank_dir, ctx)
     files = dict(render_artifacts(job, posixpath.join(rank_dir, DEEPSPEED_FILE)))
+    prepare: tuple = ()
+    if reshards(job, ctx) and not done:
+        files[DEEPSPEED_FILE] = _universal_json(files[DEEPSPEED_FILE])
+        assert ctx.output is not None and ctx.output.resume is not None
+        convert = None if ctx.output.universal else conversion(ctx.output.resume, r.python or ctx.python)
+        prepare = (convert,) if convert is not None else ()
     files[CONFIG_COPY] = resolved_config_yaml(job)
     if rank_dir == run_dir:  # DeepSpeed's own launcher, started by hand from the run directory
         ds_env, unsafe = deepspeed_env_file({k: v for k, v in env.items() if not isinstance(v, Secret)})
@@ -107,4 +141,5 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
         posixpath.join(run_dir, HANG_REPORT), w.timeout, w.first_step, job.world_size)
     common = Common(run_dir, rank_dir, r.workdir or ctx.cwd, r.python or ctx.python, env, tuple(files.items()),
                     tuple(notes), moves, done, watch)
-    return runner.plan(job, ctx, common)
+    plan = runner.plan(job, ctx, common)
+    return replace(plan, prepare=prepare) if prepare else plan

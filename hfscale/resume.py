@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_files import TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks
+from .reshard import universal_ready
 
 MARKER = "hfscale_complete.json"
 MARKER_FORMAT = 1
@@ -126,11 +127,13 @@ def write_marker(ckpt: str | os.PathLike[str], global_step: int, world_size: int
     return ckpt / MARKER
 
 
-def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = None) -> str | None:
+def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = None, reshard: bool = False
+                       ) -> str | None:
     """Why ``ckpt`` cannot be resumed from, or ``None`` when it is complete.
 
     ``world_size``: the processes of the job that would resume; a DeepSpeed ZeRO checkpoint saved
-    by another number of processes cannot be loaded by it."""
+    by another number of processes loads into it only once converted to a universal checkpoint
+    (hfscale.reshard); ``reshard``: the caller will convert it."""
     ckpt = Path(ckpt)
     m = CHECKPOINT_RE.match(ckpt.name)
     marker = ckpt / MARKER
@@ -138,7 +141,7 @@ def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = No
         why = content_problem(ckpt, int(m.group(1)) if m else None)
         if why is not None:
             return f"no {MARKER}, and by its own files: {why}"
-        return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size)
+        return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size, reshard)
     try:
         doc = json.loads(marker.read_text(encoding="utf-8"))
         files = doc["files"]
@@ -171,13 +174,14 @@ def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = No
     why = deepspeed_problem(ckpt, saved_world)
     if why is not None:
         return why
-    return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size)
+    return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size, reshard)
 
 
-def _world_problem(ckpt: Path, saved: int | None, world_size: int | None) -> str | None:
-    if saved and world_size and saved != world_size:
+def _world_problem(ckpt: Path, saved: int | None, world_size: int | None, reshard: bool) -> str | None:
+    if saved and world_size and saved != world_size and not reshard and not universal_ready(ckpt):
         return (f"DeepSpeed ZeRO state saved by {saved} processes; this job has {world_size}, and DeepSpeed "
-                "loads ZeRO shards only into as many processes as wrote them")
+                "loads ZeRO shards only into as many processes as wrote them (hfscale launch converts it to a "
+                "universal checkpoint first)")
     return None
 
 
@@ -250,6 +254,8 @@ class OutputScan:
     resume: str | None  # the newest complete checkpoint folder
     skipped: tuple[tuple[str, str], ...]  # (folder, why) for the incomplete ones looked at
     state: SavedState | None  # of ``resume``
+    saved_world: int | None = None  # the processes that wrote ``resume``'s DeepSpeed ZeRO state (None: not one)
+    universal: bool = False  # ``resume`` holds a universal conversion of that state (hfscale.reshard)
 
 
 def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
@@ -264,15 +270,16 @@ def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
         return None
 
 
-def scan_output(output_dir: str | os.PathLike[str], world_size: int | None) -> OutputScan:
-    """The checkpoints in ``output_dir``: the one to resume from, and why newer ones are skipped."""
+def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool = False) -> OutputScan:
+    """The checkpoints in ``output_dir``: the one to resume from, and why newer ones are skipped.
+    ``reshard``: a DeepSpeed checkpoint of another world size counts (the caller converts it)."""
     found = checkpoints(output_dir)
     skipped = []
     for ckpt in reversed(found):
-        why = checkpoint_problem(ckpt.path, world_size)
+        why = checkpoint_problem(ckpt.path, world_size, reshard)
         if why is None:
             return OutputScan(str(output_dir), tuple(c.path.name for c in found), str(ckpt.path), tuple(skipped),
-                              saved_state(ckpt.path))
+                              saved_state(ckpt.path), deepspeed_ranks(ckpt.path), universal_ready(ckpt.path))
         skipped.append((ckpt.path.name, why))
     return OutputScan(str(output_dir), tuple(c.path.name for c in found), None, tuple(skipped), None)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .launch_plan import Watch
-from .progress import FAULTHANDLER_SUFFIX, Progress, read_progress
+from .progress import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
 
 _PYSPY = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 _FAULT = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
@@ -229,3 +229,11 @@ def report(reason: str, verdict: Verdict, ranks: dict[int, Progress], changed: d
     for r in sorted(stacks):
         lines += ["", f"--- rank {r}", stacks[r].rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def judge(dog: Watchdog, reason: str, now: float) -> tuple[Verdict, str]:
+    """(the verdict, the report's text) once the stacks and flight recorders are on disk."""
+    stacks = read_stacks(dog.watch.stacks_dir)
+    verdict = analyze(dog.ranks, stacks, dog.watch.world_size)
+    flight = read_flight(str(Path(dog.watch.stacks_dir).parent / FLIGHT_DIR))
+    return verdict, report(reason, verdict, dog.ranks, dog.changed, stacks, now, flight)

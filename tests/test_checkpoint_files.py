@@ -125,12 +125,21 @@ def test_fsdp_folders_need_their_metadata(tmp_path):
     assert content_problem(d, 5) is None
 
 
-def test_deepspeed_state_of_another_world_size_is_not_resumed(tmp_path):
+def test_deepspeed_state_of_another_world_size_is_resumed_only_through_a_universal_checkpoint(tmp_path):
     d = trainer_checkpoint(tmp_path, 20, "zero2", ranks=4)
     assert checkpoint_problem(d, world_size=4) is None
     assert checkpoint_problem(d, world_size=2) == (
         "DeepSpeed ZeRO state saved by 4 processes; this job has 2, and DeepSpeed loads ZeRO shards only into as "
-        "many processes as wrote them")
+        "many processes as wrote them (hfscale launch converts it to a universal checkpoint first)")
+    assert checkpoint_problem(d, world_size=2, reshard=True) is None  # the launch converts it
+    assert scan_output(tmp_path, 2, reshard=True).saved_world == 4
+    uni = d / "global_step20_universal"
+    (uni / "zero").mkdir(parents=True)
+    (uni / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    assert checkpoint_problem(d, world_size=2) is not None  # a conversion without latest_universal is unfinished
+    (d / "latest_universal").write_text("global_step20_universal")
+    assert checkpoint_problem(d, world_size=2) is None
+    assert scan_output(tmp_path, 2).universal
     plain = trainer_checkpoint(tmp_path / "ddp", 20, "ddp", ranks=4)
     assert checkpoint_problem(plain, world_size=2) is None  # a whole optimizer loads into any world size
 

@@ -1,0 +1,49 @@
+"""Resuming a DeepSpeed ZeRO checkpoint with another number of processes (files only, no processes).
+
+DeepSpeed loads ZeRO shards only into as many processes as wrote them. Its universal checkpoint
+does not have that limit: ``deepspeed.checkpoint.ds_to_universal`` turns ``<ckpt>/global_stepN``
+into ``<ckpt>/global_stepN_universal`` (each parameter's fp32 weights and optimizer moments whole)
+and writes ``<ckpt>/latest_universal``; a job whose DeepSpeed JSON says
+``checkpoint: {load_universal: true}`` loads it into any number of processes. ``hfscale launch``
+runs the conversion before the job starts (``conversion``) and sets that key for the run.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+from .shell import Command
+
+LATEST_UNIVERSAL = "latest_universal"
+SUFFIX = "_universal"
+
+
+def tag(ckpt: str | Path) -> str | None:
+    """The DeepSpeed tag (``global_stepN``) a Trainer checkpoint's ``latest`` names, or None."""
+    try:
+        text = (Path(ckpt) / "latest").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return text if text and "/" not in text and (Path(ckpt) / text).is_dir() else None
+
+
+def universal_ready(ckpt: str | Path) -> bool:
+    """Whether ``ckpt`` holds a finished universal conversion of its DeepSpeed state (written last:
+    ``latest_universal`` naming a folder with the per-parameter states)."""
+    try:
+        name = (Path(ckpt) / LATEST_UNIVERSAL).read_text(encoding="utf-8").strip()
+    except OSError:
+        return False
+    folder = Path(ckpt) / name
+    return bool(name) and "/" not in name and (folder / "zero").is_dir() and any(folder.glob("*model_states.pt"))
+
+
+def conversion(ckpt: str, python: str) -> Command | None:
+    """The command that converts ``ckpt``'s DeepSpeed state to a universal checkpoint beside it."""
+    t = tag(ckpt)
+    if t is None:
+        return None
+    return Command((python, "-m", "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder", posixpath.join(ckpt, t), "--output_folder", posixpath.join(ckpt, t + SUFFIX),
+                    "--inject_missing_state"))
