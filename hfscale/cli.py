@@ -252,6 +252,44 @@ def preflight(config_file: str, timeout: float, network: bool, seconds: float) -
             sys.exit(EXIT_UNREACHABLE)
 
 
+@main.command("plan")
+@click.argument("config_file", metavar="CONFIG")
+@click.option("--gpu-memory", metavar="SIZE", help="Memory of one GPU, e.g. 80GiB (default: cluster.gpu_memory).")
+@click.option("--seq-len", type=click.IntRange(1, 10_000_000), help="Tokens per sample (default: the script's "
+              "--block_size/--max_seq_length, or training.data.block_size).")
+@click.option("--model", metavar="PATH", help="The model's config.json or directory (default: the YAML's model).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes).")
+@click.option("--no-build", is_flag=True, help="Skip building the model on the meta device (no torch import).")
+def plan_cmd(config_file: str, gpu_memory: str | None, seq_len: int | None, model: str | None, as_json: bool,
+             no_build: bool) -> None:
+    """Memory per GPU of CONFIG's job before a GPU is touched: model states by engine, activations,
+    buckets; with a GPU memory, whether it fits and the cheapest change that does."""
+    from . import sizing
+    from .config_base import size_bytes
+
+    job = _load(config_file)
+    try:
+        if gpu_memory is not None:
+            size_bytes(gpu_memory)
+        sz = sizing.sizing(job, model, seq_len, gpu_memory)
+    except (sizing.SizingError, ValueError) as e:
+        click.echo(f"error: {'--gpu-memory ' if isinstance(e, ValueError) and not isinstance(e, sizing.SizingError) else ''}"
+                   f"{e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    built = None
+    if not no_build:
+        from .meta_count import built_params
+
+        built, why = built_params(sizing.model_config(job, model)[0])
+        if why:
+            click.echo(f"note: {why}", err=True)
+    e, v = sizing.plan_memory(sz)
+    if as_json:
+        click.echo(json.dumps(sizing.as_json(sz, e, v, built), indent=2))
+    else:
+        click.echo(sizing.table(sz, e, v, built))
+
+
 @main.command()
 def schema() -> None:
     """Print the JSON Schema of the config (for editor completion)."""

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 
 from .config_base import (
     MAX_INT,
+    MemorySize,
     NAME_RE,
     USER_RE,
     EnvValue,
@@ -66,6 +67,9 @@ class ClusterConfig(Strict):
     master_port: int = Field(
         29500, ge=1, le=65535, description="Fixed rendezvous port on the master (never random)."
     )
+    gpu_memory: MemorySize | None = Field(
+        None, description="Memory of one GPU, e.g. 80GiB (GB means 10^9 bytes): check and plan then say whether "
+        "the job fits and what to change. Null: plan needs --gpu-memory.")
 
 
 class RunnerConfig(Strict):
@@ -240,6 +244,9 @@ class TrainingConfig(Strict):
     logging_steps: PositiveInt = Field(10, description="Log every N steps.")
     save_steps: PositiveInt = Field(500, description="Save a checkpoint every N steps.")
     save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in backward (the Trainer's gradient_checkpointing): "
+        "about a third more compute for a fraction of the activation memory.")
     report_to: tuple[str, ...] = _seq(("none",), description="Trainer loggers: tensorboard, wandb, mlflow, or none.")
     peak_tflops: float | None = Field(
         None, gt=0, le=1e6, description="Peak dense TFLOP/s of one device at the training precision, for the built-in entry "

@@ -64,6 +64,25 @@ def _no_bool(value: Any) -> Any:
 
 Count = Annotated[int, BeforeValidator(_integral), Field(ge=0, le=MAX_COUNT)]
 PositiveInt = Annotated[int, Field(ge=1, le=MAX_INT)]
+
+_SIZE_RE = re.compile(r"^(?P<n>[0-9]{1,7}(\.[0-9]{1,3})?) ?(?P<unit>[KMGT]i?B)$")
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def size_bytes(text: str) -> int:
+    """Bytes of a memory size such as ``80GiB``, ``81559 MiB`` or ``80GB`` (GB = 10^9 bytes)."""
+    m = _SIZE_RE.match(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a memory size such as 80GiB, 81559MiB or 80GB")
+    return int(float(m["n"]) * _UNITS[m["unit"]])
+
+
+def _size(value: str) -> str:
+    size_bytes(value)
+    return value
+
+
+MemorySize = Annotated[str, AfterValidator(_size)]
 NoBool = BeforeValidator(_no_bool)
 
 

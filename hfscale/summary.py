@@ -37,11 +37,24 @@ def summary(job: Job) -> str:
                          f"{job.gradient_accumulation_steps} x " + (f"world {job.world_size}" if job.data_parallel_size
                          == job.world_size else f"data-parallel {job.data_parallel_size}")),
         *([("comm buckets", buckets)] if (buckets := bucket_memory(job)) else []),
+        *([("memory", memory_line(job))] if cfg.cluster.gpu_memory is not None else []),
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
         ("watchdog", _watchdog(job)),
         ("entry", _entry(job)),
     ]
     return "\n".join(f"  {k:<13}{v}" for k, v in rows)
+
+
+def memory_line(job: Job) -> str:
+    """hfscale plan's verdict against cluster.gpu_memory, in one line."""
+    from .sizing import SizingError, plan_memory, sizing
+
+    try:
+        _, verdict = plan_memory(sizing(job))
+    except SizingError as e:
+        return f"not estimated: {e}"
+    assert verdict is not None  # cluster.gpu_memory is set
+    return verdict.line() + " (hfscale plan for the table)"
 
 
 def _watchdog(job: Job) -> str:

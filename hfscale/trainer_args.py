@@ -69,6 +69,8 @@ def trainer_args(job: Job, deepspeed_config_file: str | None) -> tuple[TrainerAr
         ("bf16", cfg.precision == "bf16", ("precision",)),
         ("fp16", cfg.precision == "fp16", ("precision",)),
         ("max_grad_norm", cfg.gradient_clipping or 0.0, ("gradient_clipping",)),
+        # only when on: transformers 5 renamed it (activation_checkpointing) and warns about the old name
+        ("gradient_checkpointing", True if t.gradient_checkpointing else None, ("training", "gradient_checkpointing")),
         ("deepspeed", deepspeed_config_file if job.deepspeed is not None else None, ("distributed", "backend")),
     ]
     return tuple(TrainerArg(*row) for row in rows)
@@ -79,6 +81,8 @@ def training_arguments_kwargs(job: Job, deepspeed_config_file: str | None = None
     kw = {a.name: a.value for a in trainer_args(job, deepspeed_config_file)}
     if job.deepspeed is None:
         del kw["deepspeed"]
+    if kw["gradient_checkpointing"] is None:
+        del kw["gradient_checkpointing"]
     return kw
 
 

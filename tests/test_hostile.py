@@ -35,7 +35,7 @@ env > "$HOSTILE_OUT/env"
 PDSH = {
     "name": "hostile",
     "cluster": {"hosts": [{"host": "node0", "slots": 1}, {"host": "node1", "slots": 1}], "master_port": 29700,
-                "master_addr": "node0"},
+                "master_addr": "node0", "gpu_memory": "80GiB"},
     "runner": {"type": "pdsh", "launcher": "torchrun", "ssh_user": "alice", "workdir": "/w", "run_dir": "runs",
                "connect_timeout": 5, "ssh_port": 22, "max_restarts": 1, "fanout": 64},
     "network": {"preset": "infiniband", "env": {"NCCL_IB_HCA": "mlx5_0"}},

@@ -66,12 +66,23 @@ def test_flags_exact():
     assert trainer_flags(trainer_args(job, f"{RUN}/ds_config.json")) == FLAGS
 
 
+def test_gradient_checkpointing_is_passed_only_when_on_and_a_scripts_own_flag_is_a_conflict():
+    on = job_of(SFT.replace("      seed: 7", "      seed: 7\n      gradient_checkpointing: true"))
+    flags = trainer_flags(trainer_args(on, f"{RUN}/ds_config.json"))
+    assert flags[flags.index("--gradient_checkpointing") + 1] == "true"
+    assert training_arguments_kwargs(on)["gradient_checkpointing"] is True
+    assert "gradient_checkpointing" not in training_arguments_kwargs(job_of(SFT))
+    with pytest.raises(ConfigError) as e:
+        job_of(SFT.replace("--train_file, data.txt]", "--train_file, data.txt, --gradient_checkpointing]"))
+    assert "--gradient_checkpointing disagrees with training.gradient_checkpointing, not set in the YAML" in str(e.value)
+
+
 def test_hf_argument_parser_reads_the_flags_as_the_kwargs_the_built_in_entry_point_uses():
     """The real consumer: transformers' own parser turns the flags into the same TrainingArguments
     values as the keyword arguments (one table behind both)."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    job = job_of(SFT.replace("precision: bf16", 'precision: "no"'))
+    job = job_of(SFT.replace("precision: bf16", 'precision: "no"').replace("      seed: 7", "      seed: 7\n      gradient_checkpointing: true"))
     kw = training_arguments_kwargs(job, None)
     del kw["deepspeed"]  # parsing a --deepspeed path would load the file
     flags = trainer_flags([a for a in trainer_args(job, None) if a.name != "deepspeed"])
