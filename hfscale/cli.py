@@ -222,7 +222,7 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
 def preflight(config_file: str, timeout: float, network: bool, seconds: float) -> None:
     """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
     from .execute import run_probes
-    from .preflight import evaluate, probes, refusal, render_table, verdict
+    from .preflight import evaluate, gpu_memory_hint, probes, refusal, render_table, verdict
 
     from . import network as net
 
@@ -233,6 +233,9 @@ def preflight(config_file: str, timeout: float, network: bool, seconds: float) -
         sys.exit(EXIT_BAD_INPUT)
     reports = evaluate(job, run_probes(probes(job, sys.executable), timeout))
     click.echo(render_table(reports), nl=False)
+    hint = gpu_memory_hint(job, reports)
+    if hint:
+        click.echo(hint)
     line, ok = verdict(reports)
     click.echo(line, err=not ok)
     if not ok:

@@ -68,8 +68,9 @@ class ClusterConfig(Strict):
         29500, ge=1, le=65535, description="Fixed rendezvous port on the master (never random)."
     )
     gpu_memory: MemorySize | None = Field(
-        None, description="Memory of one GPU, e.g. 80GiB (GB means 10^9 bytes): check and plan then say whether "
-        "the job fits and what to change. Null: plan needs --gpu-memory.")
+        None, description="Memory of one GPU, e.g. 81559MiB or 80GB (10^9 bytes; an H100 80GB has 81559 MiB, "
+        "preflight shows it): check and plan say whether the job fits and what to change. Null: plan needs "
+        "--gpu-memory.")
 
 
 class RunnerConfig(Strict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .config_base import size_bytes
 from .envvars import RDMA_PRESETS
 from .job import Job
 from .shell import Command, render, words
@@ -41,7 +42,8 @@ def _script(python: str, port: int | None, interface: str | None = None) -> str:
         f"echo {MARK}",
         f"{render(words([python, '-c', versions]))} || echo python=missing",
         "if command -v nvidia-smi >/dev/null 2>&1; then echo gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); "
-        "else echo gpus=none; fi",
+        "echo gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | "
+        "head -1); else echo gpus=none; fi",
         "echo ib=$(ls /sys/class/infiniband 2>/dev/null | tr '\\n' ',')",
     ]
     if interface is not None:  # validated: letters, digits, '_', '.', '-'
@@ -137,6 +139,11 @@ def evaluate(job: Job, results: dict[str, tuple[int, str, str]]) -> list[HostRep
         gpus = facts.get("gpus", "none")
         if gpus != "none" and gpus.isdigit() and int(gpus) < slots[host]:
             problems.append(f"{slots[host]} slots but only {gpus} GPUs")
+        mib = facts.get("gpu_mib", "").strip()
+        want = job.config.cluster.gpu_memory
+        if want is not None and mib.isdigit() and int(mib) * 2**20 < size_bytes(want):
+            problems.append(f"its smallest GPU has {mib} MiB, less than cluster.gpu_memory {want} (what check and "
+                            "plan judge the job against)")
         if job.config.network.preset in RDMA_PRESETS and not facts.get("ib", "").strip(","):
             problems.append(f"no InfiniBand devices in /sys/class/infiniband (network preset {job.config.network.preset})")
         if i == 0 and facts.get("port") == "busy":
@@ -147,7 +154,7 @@ def evaluate(job: Job, results: dict[str, tuple[int, str, str]]) -> list[HostRep
 
 def render_table(reports: list[HostReport]) -> str:
     """The per-host table people read before a launch."""
-    cols = ["python", *PACKAGES, "gpus", "ib", "port"]
+    cols = ["python", *PACKAGES, "gpus", "gpu_mib", "ib", "port"]
     rows = [["host", *cols, "status"]]
     for r in reports:
         status = "ok" if not r.problems else "FAIL"
@@ -157,6 +164,15 @@ def render_table(reports: list[HostReport]) -> str:
     for r in reports:
         lines += [f"{r.host}: {p}" for p in r.problems]
     return "\n".join(lines) + "\n"
+
+
+def gpu_memory_hint(job: Job, reports: list[HostReport]) -> str | None:
+    """The smallest GPU memory the hosts reported, as a line suggesting cluster.gpu_memory when unset."""
+    sizes = [int(m) for r in reports if (m := r.facts.get("gpu_mib", "").strip()).isdigit()]
+    if not sizes or job.config.cluster.gpu_memory is not None:
+        return None
+    return (f"smallest GPU: {min(sizes)} MiB; set cluster.gpu_memory: {min(sizes)}MiB for check's and plan's "
+            "verdict on whether the job fits")
 
 
 def verdict(reports: list[HostReport]) -> tuple[str, bool]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import time
 
 import pytest
@@ -86,8 +87,11 @@ def test_one_slow_pair_is_named_as_a_pair_and_errors_are_problems():
 
 def test_the_measurement_itself_on_loopback():
     """hfscale.netcheck's two sides in one process: a round trip and both rates come back."""
-    netcheck.serve(29599, time.time() + 10, 0.2)
-    got = netcheck.measure("127.0.0.1", 29599, 0.2, time.time() + 3)
+    with socket.socket() as probe:  # a free port: a fixed one collides with a second test session
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    netcheck.serve(port, time.time() + 10, 0.2)
+    got = netcheck.measure("127.0.0.1", port, 0.2, time.time() + 3)
     assert got["rtt_us"] > 0 and got["send_gbps"] > 0 and got["recv_gbps"] > 0
 
 

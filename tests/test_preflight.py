@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from hfscale.preflight import MARK, evaluate, probes, render_table
+from hfscale.preflight import MARK, evaluate, gpu_memory_hint, probes, render_table
 
 from conftest import job_of, run_cli
 
@@ -18,7 +18,7 @@ TWO = """
 
 def facts(**over):
     base = dict(python="3.11.7", torch="2.13.0", transformers="5.23.0", deepspeed="0.19.8", accelerate="1.15.0",
-                gpus="4", ib="mlx5_0,mlx5_1,", port="free")
+                gpus="4", gpu_mib="81559", ib="mlx5_0,mlx5_1,", port="free")
     base.update(over)
     return (0, f"{MARK}\n" + "".join(f"{k}={v}\n" for k, v in base.items()), "")
 
@@ -40,9 +40,21 @@ def test_all_good():
     assert [r.problems for r in reports] == [(), ()]
     table = render_table(reports)
     assert table.splitlines()[0].split() == ["host", "python", "torch", "transformers", "deepspeed", "accelerate",
-                                             "gpus", "ib", "port", "status"]
+                                             "gpus", "gpu_mib", "ib", "port", "status"]
     assert table.splitlines()[1].split() == ["node0", "3.11.7", "2.13.0", "5.23.0", "0.19.8", "1.15.0", "4",
-                                             "mlx5_0,mlx5_1", "free", "ok"]
+                                             "81559", "mlx5_0,mlx5_1", "free", "ok"]
+    assert gpu_memory_hint(job_of(TWO), reports) == (
+        "smallest GPU: 81559 MiB; set cluster.gpu_memory: 81559MiB for check's and plan's verdict on whether the job fits")
+
+
+def test_gpus_smaller_than_cluster_gpu_memory_are_named():
+    job = job_of(TWO.replace("master_port: 29555}", "master_port: 29555, gpu_memory: 80GB}"))
+    results = {"node0": facts(), "node1": facts(gpu_mib="40960"), "node0/shell": (0, "", ""),
+               "node1/shell": (0, "", "")}
+    reports = evaluate(job, results)
+    assert reports[0].problems == () and gpu_memory_hint(job, reports) is None
+    assert reports[1].problems == ("its smallest GPU has 40960 MiB, less than cluster.gpu_memory 80GB (what check "
+                                   "and plan judge the job against)",)
 
 
 def test_every_failure_names_its_host():
