@@ -167,12 +167,15 @@ def _context(job, extra_args: tuple[str, ...], restart: bool):
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, per-node commands, cleanup) and exit.")
 @click.option("--restart", is_flag=True, help="Start at step 0: move the checkpoints in training.output_dir aside "
               "(into restarted-<job id>/ there) instead of resuming from them.")
-def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restart: bool) -> None:
+@click.option("--quiet", "-q", "mode", flag_value="quiet", help="Show errors and failures only (node logs get all).")
+@click.option("--verbose", "-v", "mode", flag_value="verbose", help="Show every line the nodes print.")
+def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restart: bool, mode: str | None) -> None:
     """Start the training described by CONFIG on its node(s).
 
     \b
     Every run gets a directory (runner.run_dir/<name>-<job id>) holding the resolved config, the
-    generated files, the plan and one log per node. Arguments after -- go to training.script (a
+    generated files, the plan and one log per node. The terminal shows one progress line (rank
+    0's step, loss, tokens/s, ETA) and the nodes' errors; library warnings go to the logs only. Arguments after -- go to training.script (a
     flag the YAML determines only with the same value). A relaunch resumes from the newest
     complete checkpoint in training.output_dir. Secrets (tokens, keys, passwords) are masked in
     everything printed or written.
@@ -201,10 +204,11 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
         click.echo(f"hfscale: {' '.join(n for n in plan.notes if n.startswith(NOTHING_TO_TRAIN))}; nothing was "
                    "started", err=True)
         return
+    from .console import Console
     from .execute import execute
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
-    rc = execute(plan, record, echo=lambda s: click.echo(s))
+    rc = execute(plan, record, echo=Console(mode or "normal"))
     if plan.mode == "submit":
         what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
         click.echo(f"hfscale: job {plan.job_id} {what}; run directory {plan.run_dir}", err=True)
@@ -303,6 +307,11 @@ def schema() -> None:
     s["title"] = "hfscale config"
     click.echo(json.dumps(s, indent=2))
 
+
+from .cli_runs import RUN_COMMANDS  # noqa: E402 (they register on main)
+
+for _command in RUN_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,13 +1,11 @@
 """The only module that starts processes: it runs launch plans and preflight probes.
 
-A plan runs its ``prepare`` steps here, then one local process (pdsh, docker, the launcher itself)
-whose output is echoed, split into one log per node, and watched: the first node that fails, a
-signal to hfscale, that process killed by someone else, or the hang watchdog (hfscale.watchdog)
-runs the plan's cleanup on every node (TERM, then KILL after hfscale.runners.stopping's grace).
-A host ssh cannot reach, or loses (keep-alives, hfscale.ssh), shows up in the same stream: pdsh
-reports ssh's exit code 255, and the launch ends with exit code 3 naming the host. A detached
+A plan runs its ``prepare`` steps, then one local process (pdsh, docker, the launcher) whose
+output is logged per node, shown (hfscale.console) and watched: a failing node, a signal, that
+process killed by someone else, or the hang watchdog (hfscale.watchdog) runs the plan's cleanup
+on every node (TERM, then KILL after a grace period). A host ssh cannot reach, or loses, shows
+up in the same stream (pdsh reports ssh's exit code 255): exit code 3 naming the host. A detached
 launch (more hosts than runner.fanout) is followed through the run directory (hfscale.follow).
-Submitting plans hand the job to a scheduler, with each runner's knowledge of its answers.
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ from .files import write_files
 from .follow import Follower
 from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
 from .runners import RUNNERS
-from .rundir import move_aside, write_run_dir
+from .console import Console, follow_progress, never_raises
+from .rundir import move_aside, record_state, write_run_dir
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
 from .watchdog import Watchdog, judge
@@ -200,22 +199,14 @@ def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
     return r.returncode
 
 
-def _quiet(echo: Callable[[str], None]) -> Callable[[str], None]:
-    """``echo`` that never raises: after SIGHUP the terminal is gone, and the job must still stop."""
-    def say(text: str) -> None:
-        try:
-            echo(text)
-        except (OSError, ValueError):
-            pass
-    return say
-
-
 def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None) -> int:
-    """Run ``plan``; return its exit code (the failing node's, or 128+N after signal N).
+    """Run ``plan``; return its exit code (the failing node's, or 128+N after signal N). ``echo``:
+    each output line (a Console also gets rank 0's progress line).
 
     From the first line on, SIGINT, SIGTERM and SIGHUP stop the job: before ``main`` starts
     nothing is started; after, the plan's cleanup runs on every node."""
-    echo = _quiet(echo or (lambda s: print(s, flush=True)))
+    console = echo if isinstance(echo, Console) else None
+    echo = never_raises(echo or (lambda s: print(s, flush=True)))
     if plan.mode == "done":
         return 0
     run: _Run | None = None
@@ -242,19 +233,30 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
                  "nothing was started")
             return exitcodes.BAD_INPUT
+        record_state(run_dir, state="running", job_id=plan.job_id, runner=plan.runner)
+        rc = 0
         for step in plan.prepare:
-            rc = _prepare(step, run_dir, echo)
-            if rc or signalled:
-                return 128 + signalled[0] if signalled else rc
-        if signalled:
-            return 128 + signalled[0]
-        if plan.mode == "submit":
-            return submit(plan, run_dir, echo)
-        run = _Run(plan, run_dir, echo, signalled)
-        try:
-            return _stream(run)
-        finally:
-            run.close()
+            rc = rc or _prepare(step, run_dir, echo)
+        if rc or signalled:
+            rc = 128 + signalled[0] if signalled else rc
+        elif plan.mode == "submit":
+            rc = submit(plan, run_dir, echo)
+        else:
+            run = _Run(plan, run_dir, echo, signalled)
+            shower = threading.Thread(target=follow_progress, daemon=True, args=(
+                run_dir, run.ended, console.progress, console.tty)) if console and plan.watch else None
+            if shower is not None:  # rank 0 reports where the watchdog reads
+                shower.start()
+            try:
+                rc = _stream(run)
+            finally:
+                run.close()
+                if shower is not None and console is not None:
+                    shower.join(5)  # its last line, before the launch's own
+                    console.close()
+        record_state(run_dir, exit_code=rc, ended=time.time(), state=(
+            "submitted" if plan.mode == "submit" and rc == 0 else exitcodes.state_of(rc)))
+        return rc
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -14,3 +14,14 @@ def signal_name(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+def state_of(rc: int) -> str:
+    """A launch's end as ``hfscale runs`` shows it (preempted is told by rank 0, hfscale.progress)."""
+    if rc == OK:
+        return "finished"
+    if rc == HUNG:
+        return "hung"
+    if rc in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP):
+        return "stopped"
+    return "failed"

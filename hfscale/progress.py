@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ STACKS_DIR = "stacks"
 FLIGHT_DIR = "flight"
 FAULTHANDLER_SUFFIX = ".fh"
 FIFO_SUFFIX = ".fifo"
+METRICS_FILE = "metrics.json"
 _state: dict[str, object] = {}
 
 
@@ -56,6 +58,39 @@ def alive() -> None:
     counts it as progress, the step stays. Cheap enough for every evaluation batch."""
     last = _state.get("step")
     _write(last if isinstance(last, int) else 0)
+
+
+def report(**values: object) -> None:
+    """Rank 0's latest numbers (step, max_steps, loss, learning_rate, tokens_per_s, eta_s, ...) for
+    ``hfscale launch``'s progress line and ``hfscale runs``: merged into ``progress/metrics.json``
+    (replaced atomically). Other ranks, and runs outside ``hfscale launch``, write nothing. In a
+    plain loop: ``hfscale.progress.report(step=step, max_steps=total, loss=loss.item())``."""
+    target = _target()
+    if target is None or target[1] != "0":
+        return
+    merged = {**_state.get("metrics", {}), **{k: v for k, v in values.items() if _plain(v)}}  # type: ignore[dict-item]
+    _state["metrics"] = merged
+    folder = target[0] / PROGRESS_DIR
+    try:
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f".{METRICS_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps({**merged, "time": time.time()}))
+        os.replace(tmp, folder / METRICS_FILE)
+    except OSError:
+        pass
+
+
+def _plain(v: object) -> bool:
+    return v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and v == v and abs(v) != float("inf"))
+
+
+def read_metrics(run_dir: str | Path) -> dict:
+    """What rank 0 last reported ({} when nothing yet, or the file is being replaced)."""
+    try:
+        doc = json.loads((Path(run_dir) / PROGRESS_DIR / METRICS_FILE).read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _write(n: int) -> None:

@@ -3,7 +3,10 @@ and the checkpoints ``--restart`` moves aside. Files only, no processes."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -39,3 +42,20 @@ def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) 
     if moves:
         echo(f"hfscale: moved {len(moves)} checkpoint(s) to {os.path.dirname(moves[0][1])}")
     return True
+
+
+STATE_FILE = "state.json"
+
+
+def record_state(run_dir: str | Path, **fields: object) -> None:
+    """Merge ``fields`` into ``<run dir>/state.json`` (what ``hfscale runs``/``status``/``stop`` read):
+    at the start the launching process and host, at the end the state and exit code."""
+    path = Path(run_dir) / STATE_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = {"pid": os.getpid(), "host": socket.gethostname(), "cwd": os.getcwd(), "started": time.time()}
+    try:
+        write_files(Path(run_dir), {STATE_FILE: json.dumps({**doc, **fields}, indent=1) + "\n"})
+    except OSError:
+        pass  # the run goes on; hfscale runs then shows it without a state

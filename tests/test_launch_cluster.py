@@ -103,9 +103,14 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
         assert "HFSCALE_EXIT rc=0" in log
     assert sorted(p.name for p in run_dir.iterdir()) == [
         ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "env.sh", "hostfile", "logs",
-        "nodes.sh", "pdsh_hosts", "plan.txt", "progress", "stacks"]
+        "nodes.sh", "pdsh_hosts", "plan.txt", "progress", "stacks", "state.json"]
     # the plain loop's one line for the hang watchdog: each rank's last step
-    assert {p.name: p.read_text().split()[0] for p in (run_dir / "progress").iterdir()} == {"rank-0": "4", "rank-1": "4"}
+    assert {p.name: p.read_text().split()[0] for p in (run_dir / "progress").glob("rank-*")} == {
+        "rank-0": "4", "rank-1": "4"}
+    # and rank 0's numbers for the progress line and hfscale runs (reported at step 1 of 4)
+    metrics = json.loads((run_dir / "progress" / "metrics.json").read_text())
+    assert metrics["step"] == 1 and metrics["max_steps"] == 4 and metrics["loss"] > 0
+    assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
     for secret_file in ("env.sh", "nodes.sh"):
         assert (run_dir / secret_file).stat().st_mode & 0o777 == 0o600
     assert leftover_processes(cluster2, timeout=5) == {}

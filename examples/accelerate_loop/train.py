@@ -88,6 +88,8 @@ def main() -> None:
             hfscale.progress.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
             if accelerator.is_main_process and (step % t.logging_steps == 0 or step == 1):
                 print(f"step {step}/{steps} loss {loss.item():.4f}", flush=True)
+                # hfscale launch's progress line and hfscale runs (rank 0 only; nothing elsewhere)
+                hfscale.progress.report(step=step, max_steps=steps, loss=loss.item())
         if step >= steps:
             break
 

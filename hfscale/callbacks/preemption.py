@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from .. import progress
 from . import collectives
 from .collectives import logger
 
@@ -93,6 +94,7 @@ class PreemptionCallback(TrainerCallback):
             control.should_training_stop = True
             here = self.received.name if self.received is not None else "no signal here (another rank got one)"
             logger.warning("preemption: saving checkpoint-%d and stopping (%s)", state.global_step, here)
+            progress.report(preempted=True, step=state.global_step)  # hfscale runs shows the run as preempted
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -101,6 +103,7 @@ class PreemptionCallback(TrainerCallback):
         if not self.preempted and self._any_rank_signalled():
             self.preempted = True
             self.stop_step = state.global_step
+            progress.report(preempted=True, step=state.global_step)
         if not self.preempted:
             self.restore()
         collectives.leave_process_group_at_exit()

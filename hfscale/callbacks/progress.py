@@ -27,3 +27,11 @@ class ProgressCallback(TrainerCallback):
 
     def on_evaluate(self, args, state, control, **kwargs):
         progress.alive()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # rank 0's numbers for hfscale launch's progress line (hfscale.progress.report ignores other ranks)
+        logs = logs or {}
+        keys = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm", "epoch": "epoch",
+                "hfscale/tokens_per_s": "tokens_per_s", "hfscale/eta_s": "eta_s", "hfscale/mfu": "mfu"}
+        progress.report(step=state.global_step, max_steps=state.max_steps,
+                        **{ours: logs[theirs] for theirs, ours in keys.items() if theirs in logs})

@@ -1,0 +1,172 @@
+"""What ``hfscale launch`` shows on the terminal: one live progress line fed by rank 0's numbers,
+the nodes' errors, hfscale's own lines. Library warnings and info logs, and the Trainer's log
+dicts (the progress line shows them), stay in the node logs (``<run dir>/logs``), which always
+get every line. ``--verbose`` shows every line as well; ``--quiet`` only errors and failures.
+
+No processes here: ``execute`` calls a Console for each line and runs ``follow_progress`` in a
+thread.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+from .progress import read_metrics
+
+PROGRESS_POLL_S = 1.0
+PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is printed this often
+
+_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): (?:\[(?:default)?rank\d+\]:)?")
+_RANK = re.compile(r"^\[(?:default)?rank\d+\]:")
+_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; its next, indented, line is the source
+_NOISE = [
+    re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(?:INFO|WARNING|DEBUG)\]"),  # DeepSpeed's logger
+    re.compile(r"^\[(?:transformers|accelerate|datasets|torch)\] "),  # transformers 5's logging format
+    re.compile(r"^\[?[WI]\d{4} [\d:.]+ +(?:\d+ )?"),  # torch's c10 logging (torchrun's OMP_NUM_THREADS notice ...)
+    re.compile(r"^(?:WARNING|INFO|DEBUG):[\w.]+:"),  # the logging module's default format
+    re.compile(r"^\{'(?:loss|grad_norm|learning_rate|hfscale/)"),  # the Trainer's log dicts (not the final summary)
+    re.compile(r"\d+%\|.*\| *\d+/\d+ \["),  # tqdm bars
+    re.compile(r"^\s*warnings\.warn\("),
+]
+_ERROR = re.compile(r"Traceback \(most recent call last\)|\b\w*(?:Error|Exception)\b|\bFAILED\b|\berror\b", re.I)
+_TRACE_END = re.compile(r"^[\w.]+(?:Error|Exception|Interrupt|Exit)\b")
+_HFSCALE_FAILURE = re.compile(r"fail|cannot|stopping|lost|hang|killed|error|not submitted", re.I)
+
+
+class Console:
+    """The terminal side of a launch; ``mode``: quiet, normal or verbose."""
+
+    def __init__(self, mode: str = "normal", stream: TextIO | None = None, tty: bool | None = None):
+        self.mode = mode
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._lock = threading.Lock()
+        self._live = ""  # the progress line now on the terminal (tty only)
+        self._after_warning: set[str] = set()  # sources whose last line was a warning's first line
+        self._in_trace: set[str] = set()
+
+    def shown(self, line: str) -> bool:
+        """Whether ``line`` (as the launcher printed it) goes to the terminal in this mode."""
+        if self.mode == "verbose":
+            return True
+        if line.startswith("hfscale: "):
+            return self.mode == "normal" or bool(_HFSCALE_FAILURE.search(line))
+        m = _PREFIX.match(line)
+        source, text = (m["host"], line[m.end():]) if m else ("", _RANK.sub("", line))
+        if not text.strip():
+            return False
+        if source in self._after_warning:
+            self._after_warning.discard(source)
+            if text[:1].isspace():
+                return False
+        if "Traceback (most recent call last)" in text:
+            self._in_trace.add(source)
+            return True
+        if source in self._in_trace:
+            if _TRACE_END.match(text):
+                self._in_trace.discard(source)
+            return True
+        if _WARNING.match(text):
+            self._after_warning.add(source)
+            return False
+        if any(p.search(text) for p in _NOISE):
+            return False
+        return self.mode == "normal" or bool(_ERROR.search(text))
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            if not self.shown(line):
+                return
+            if self._live:
+                self.stream.write("\r\033[K")
+            self.stream.write(line + "\n")
+            if self._live:
+                self.stream.write(self._live)
+            self.stream.flush()
+
+    def progress(self, text: str) -> None:
+        """Show ``text`` as the live line (a terminal), else as a line of its own."""
+        if self.mode == "quiet":
+            return
+        with self._lock:
+            if self.tty:
+                self._live = text
+                self.stream.write("\r\033[K" + text)
+            else:
+                self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """End the live line so what follows starts on a line of its own."""
+        with self._lock:
+            if self._live:
+                self.stream.write("\n")
+                self.stream.flush()
+                self._live = ""
+
+
+def never_raises(echo: Callable[[str], None]) -> Callable[[str], None]:
+    """``echo`` that never raises: after SIGHUP the terminal is gone, and the job must still stop."""
+    def say(text: str) -> None:
+        try:
+            echo(text)
+        except (OSError, ValueError):
+            pass
+    return say
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
+def progress_text(m: dict, rate: float | None = None) -> str | None:
+    """``step 120/300 (40%) | loss 4.1230 | 18.2k tokens/s | ETA 1m05s`` from rank 0's numbers
+    (``rate``: steps per second seen here, for an ETA the run did not report)."""
+    step, total = m.get("step"), m.get("max_steps")
+    if not isinstance(step, int):
+        return None
+    parts = [f"step {step}/{total} ({100 * step // total}%)" if isinstance(total, int) and total > 0 else f"step {step}"]
+    if isinstance(m.get("loss"), (int, float)):
+        parts.append(f"loss {m['loss']:.4f}")
+    if isinstance(m.get("tokens_per_s"), (int, float)):
+        parts.append(f"{_count(m['tokens_per_s'])} tokens/s")
+    eta = m.get("eta_s")
+    if not isinstance(eta, (int, float)) and rate and isinstance(total, int) and total > step:
+        eta = (total - step) / rate
+    if isinstance(eta, (int, float)):
+        parts.append(f"ETA {_duration(eta)}")
+    return "hfscale: " + " | ".join(parts)
+
+
+def follow_progress(run_dir: str | Path, done: threading.Event, show: Callable[[str], None], tty: bool) -> None:
+    """Until ``done`` (and once more then): read rank 0's numbers each second and ``show`` the line
+    when it changes (without a terminal: the first, then at most every PROGRESS_EVERY_S, and the
+    last)."""
+    last_text, last_shown, first = None, 0.0, None
+    while True:
+        ending = done.wait(PROGRESS_POLL_S)
+        m = read_metrics(run_dir)
+        step = m.get("step")
+        if isinstance(step, int):
+            now = time.monotonic()
+            if first is None:
+                first = (now, step)
+            rate = (step - first[1]) / (now - first[0]) if now > first[0] and step > first[1] else None
+            text = progress_text(m, rate)
+            final = ending or (isinstance(m.get("max_steps"), int) and step >= m["max_steps"])
+            if text is not None and text != last_text and (
+                    tty or final or last_text is None or now - last_shown >= PROGRESS_EVERY_S):
+                show(text)
+                last_text, last_shown = text, now
+        if ending:
+            return

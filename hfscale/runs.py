@@ -1,0 +1,280 @@
+"""The runs in a runs directory, as ``hfscale runs``/``status``/``logs``/``stop`` show them (files
+only: the run directory's state.json, rank 0's progress/metrics.json, the ranks' progress files,
+the logs; stopping and scheduler queries go through hfscale.execute).
+
+A run's state: ``running`` while the launching hfscale process lives (checked when it runs on
+this host), ``died`` when it is gone without a word (killed -9, a lost login node), ``submitted``
+for scheduler jobs, else what its exit code says (hfscale.exitcodes.state_of) or ``preempted``
+when rank 0 reported a preemption save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plan import HANG_REPORT
+from .progress import PROGRESS_DIR, read_metrics, read_progress
+from .rundir import STATE_FILE, record_state
+from .runners.slurm import JOB_ID_FILE
+
+
+class RunError(ValueError):
+    """A run that cannot be found or used; the message names it."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """One run directory, read."""
+
+    path: Path
+    job_id: str
+    runner: str
+    state: str
+    step: int | None
+    max_steps: int | None
+    loss: float | None
+    started: float | None
+    ended: float | None
+    exit_code: int | None
+    pid: int | None
+    host: str | None
+    slurm_job: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def _state_doc(path: Path) -> dict:
+    try:
+        doc = json.loads((path / STATE_FILE).read_text())
+        return doc if isinstance(doc, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def launcher_alive(pid: object, host: object) -> bool | None:
+    """Whether the launching hfscale process still runs (None: it runs on another host)."""
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"hfscale" in cmdline  # a recycled pid belongs to something else
+
+
+def run_info(path: str | Path) -> RunInfo:
+    """What ``path`` (a run directory) says about its run."""
+    path = Path(path)
+    doc, m = _state_doc(path), read_metrics(path)
+    steps = [p.step for f in (path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f)) is not None]
+    step = m.get("step") if isinstance(m.get("step"), int) else (max(steps) if steps else None)
+    state = doc.get("state", "unknown")
+    if state == "running" and launcher_alive(doc.get("pid"), doc.get("host")) is False:
+        state = "died"
+    if m.get("preempted") and state in ("finished", "stopped", "failed") and not doc.get("stop_requested"):
+        state = "preempted"
+    try:
+        slurm = (path / JOB_ID_FILE).read_text().strip() or None
+    except OSError:
+        slurm = None
+    loss = m.get("loss")
+    return RunInfo(path, str(doc.get("job_id", "")), str(doc.get("runner", "")), state, step,
+                   m.get("max_steps") if isinstance(m.get("max_steps"), int) else None,
+                   float(loss) if isinstance(loss, (int, float)) else None,
+                   doc.get("started"), doc.get("ended"), doc.get("exit_code"), doc.get("pid"), doc.get("host"), slurm)
+
+
+def output_dir_of(run: Path) -> str:
+    """The run's training.output_dir, as the launch saw it (runner.workdir, else the launch's cwd)."""
+    import yaml
+
+    from .launcher import CONFIG_COPY
+
+    try:
+        cfg = yaml.safe_load((run / CONFIG_COPY).read_text())
+        out = cfg.get("training", {}).get("output_dir", "output")
+        workdir = cfg.get("runner", {}).get("workdir") or _state_doc(run).get("cwd") or "."
+    except (OSError, ValueError, AttributeError, yaml.YAMLError) as e:
+        raise RunError(f"{run / CONFIG_COPY}: cannot read the run's config ({e})") from None
+    return os.path.join(workdir, out)
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "plan.txt").is_file() and (path / "logs").is_dir()
+
+
+def list_runs(root: str | Path) -> list[RunInfo]:
+    """The runs under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        raise RunError(f"{root} is not a directory of runs (runner.run_dir; default: runs)")
+    infos = [run_info(p) for p in root.iterdir() if p.is_dir() and is_run_dir(p)]
+    return sorted(infos, key=lambda i: (i.started or 0, i.name))
+
+
+def find_run(ref: str, root: str | Path = "runs") -> Path:
+    """A run directory: ``ref`` itself, or the one run under ``root`` whose name or job id is or
+    ends with ``ref``."""
+    if is_run_dir(Path(ref)):
+        return Path(ref)
+    root = Path(root)
+    if not root.is_dir():
+        raise RunError(f"no run directory {ref!r}, and no runs directory {root}")
+    found = [p for p in root.iterdir() if p.is_dir() and is_run_dir(p) and (p.name == ref or p.name.endswith(ref))]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise RunError(f"no run {ref!r} in {root} (hfscale runs {root} lists them)")
+    raise RunError(f"{ref!r} matches {len(found)} runs in {root}: {', '.join(sorted(p.name for p in found))}")
+
+
+def _when(t: object) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+
+
+def _steps(i: RunInfo) -> str:
+    if i.step is None:
+        return "-"
+    return f"{i.step}/{i.max_steps}" if i.max_steps else str(i.step)
+
+
+def runs_table(infos: list[RunInfo]) -> str:
+    """One line per run: name, runner, state, steps, last loss, started."""
+    rows = [["run", "runner", "state", "steps", "loss", "started"]]
+    rows += [[i.name, i.runner or "-", i.state, _steps(i), f"{i.loss:.4f}" if i.loss is not None else "-",
+              _when(i.started)] for i in infos]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows) + "\n"
+
+
+def log_files(path: Path) -> list[Path]:
+    """The node logs of a run, in name order."""
+    return sorted((path / "logs").glob("*.log"))
+
+
+def pick_log(path: Path, node: str | None) -> list[Path]:
+    """The logs ``--node`` names (a host name or its index in name order); all without it."""
+    logs = log_files(path)
+    if node is None:
+        return logs
+    names = [p.stem for p in logs]
+    if node in names:
+        return [logs[names.index(node)]]
+    if node.isdigit() and int(node) < len(logs):
+        return [logs[int(node)]]
+    raise RunError(f"no log of node {node!r} in {path / 'logs'}; there are: {', '.join(names) or 'none'}")
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return f.read().decode("utf-8", "replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
+    """``hfscale status``: the run, rank 0's numbers, each rank's step, a hang report, log tails."""
+    m = read_metrics(i.path)
+    lines = [f"run          {i.name} ({i.path})", f"state        {i.state}"
+             + (f" (exit code {i.exit_code})" if i.exit_code is not None else "")
+             + (f"; Slurm job {i.slurm_job}: {scheduler_state}" if i.slurm_job and scheduler_state else
+                f"; Slurm job {i.slurm_job}" if i.slurm_job else ""),
+             f"runner       {i.runner or '-'}; launched by pid {i.pid} on {i.host}",
+             f"started      {_when(i.started)}" + (f"; ended {_when(i.ended)}" if i.ended else ""),
+             f"step         {_steps(i)}" + (f"; loss {i.loss:.4f}" if i.loss is not None else "")
+             + (f"; {m['tokens_per_s']:.0f} tokens/s" if isinstance(m.get("tokens_per_s"), (int, float)) else "")]
+    ranks = sorted((p for f in (i.path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f))), key=lambda p: p.rank)
+    if ranks:
+        lo = min(p.step for p in ranks)
+        behind = [f"rank {p.rank} ({p.host})" for p in ranks if p.step == lo and lo < max(p.step for p in ranks)]
+        lines.append(f"ranks        {len(ranks)} reporting; steps {lo}..{max(p.step for p in ranks)}"
+                     + (f"; behind: {', '.join(behind[:8])}" if behind else ""))
+    if (i.path / HANG_REPORT).is_file():
+        lines.append(f"hang report  {i.path / HANG_REPORT}")
+    for log in log_files(i.path):
+        lines += ["", f"--- {log} (last lines)", *_tail(log, 5)]
+    return "\n".join(lines) + "\n"
+
+
+STOP_WAIT_S = 120  # the launcher's stop: TERM, a grace period, KILL, on every node
+
+
+def scheduler_command(i: RunInfo, action: str):
+    """The scheduler command that stops (``stop``) or asks about (``state``) a submitted run."""
+    from .runners.kubernetes import MANIFESTS
+    from .shell import Command
+
+    if i.slurm_job:
+        return Command(("scancel", i.slurm_job)) if action == "stop" else \
+            Command(("squeue", "-h", "-j", i.slurm_job, "-o", "%T"))
+    if i.runner == "kubernetes" and action == "stop":
+        return Command(("kubectl", "delete", "--ignore-not-found", "-f", str(i.path / MANIFESTS)))
+    return None
+
+
+def stop(i: RunInfo, say) -> int:
+    """Stop run ``i`` on every host: its launcher gets SIGTERM (it runs the cleanup everywhere)
+    and is waited for; a submitted run is cancelled through its scheduler. The exit code."""
+    from .execute import run_probe
+
+    if i.state == "submitted":
+        cmd = scheduler_command(i, "stop")
+        if cmd is None:
+            raise RunError(f"{i.name}: submitted to {i.runner or 'a scheduler'}; hfscale does not know how to cancel it")
+        rc, out, err = run_probe(cmd, timeout=60)
+        if rc != 0:
+            raise RunError(f"{i.name}: {cmd.shell()} failed (exit code {rc}): {(err or out).strip()[:300]}")
+        record_state(i.path, state="stopped", ended=time.time())
+        say(f"hfscale: {cmd.shell()}: done; {i.name} stopped")
+        return 0
+    if i.state != "running":
+        raise RunError(f"{i.name} is not running (state {i.state})")
+    alive = launcher_alive(i.pid, i.host)
+    if alive is None:
+        raise RunError(f"{i.name} was launched on {i.host} (pid {i.pid}): run hfscale stop there")
+    assert isinstance(i.pid, int)
+    say(f"hfscale: stopping {i.name}: SIGTERM to its launcher (pid {i.pid}), which stops every node")
+    record_state(i.path, stop_requested=time.time())  # the ranks' preemption save then reads as stopped
+    os.kill(i.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        doc = _state_doc(i.path)
+        if doc.get("state") != "running" or launcher_alive(i.pid, i.host) is False:
+            say(f"hfscale: {i.name} {doc.get('state', 'ended')} (exit code {doc.get('exit_code')})")
+            return 0
+        time.sleep(0.5)
+    raise RunError(f"{i.name}: the launcher (pid {i.pid}) did not end within {STOP_WAIT_S} s")
+
+
+def follow_logs(run: Path, logs: list[Path], write, poll_s: float = 0.5) -> None:
+    """Write what ``logs`` hold, then what is appended, until the run is no longer running."""
+    offsets = {p: 0 for p in logs}
+    prefix = len(logs) > 1
+    while True:
+        running = run_info(run).state == "running"  # read first: what was written before it ended is drained below
+        for p in logs:
+            try:
+                with open(p, "rb") as f:
+                    f.seek(offsets[p])
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1  # whole lines only; the rest next time
+            if end:
+                offsets[p] += end
+                for line in data[:end].decode("utf-8", "replace").splitlines():
+                    write(f"[{p.stem}] {line}" if prefix else line)
+        if not running:
+            return
+        time.sleep(poll_s)

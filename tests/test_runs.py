@@ -1,0 +1,246 @@
+"""Living with runs: what the terminal shows (hfscale.console), and hfscale runs / status / logs /
+stop on real runs of the built-in entry point (2 CPU processes)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from hfscale.console import Console, progress_text
+from hfscale.runs import RunInfo, run_info, scheduler_command
+
+WARN = ("/usr/lib/python3/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` "
+        "is deprecated.")
+LINES = [
+    "hfscale: resuming from out/checkpoint-10",
+    WARN,
+    "  return func(*args, **kwargs)",
+    "[2026-11-24 20:28:23,166] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
+    "[W1124 20:53:40.275528081 Utils.hpp:137] Warning: Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated",
+    "W1124 20:53:40.275000 123 torch/distributed/run.py:766] Setting OMP_NUM_THREADS environment variable",
+    "{'loss': '5.291', 'grad_norm': '2.181', 'learning_rate': '0.00095', 'epoch': '0.000109'}",
+    "{'hfscale/step_time_s': '0.08425', 'epoch': '0.000109'}",
+    "",
+    "{'train_runtime': '1.365', 'train_loss': '5.001', 'epoch': '0.00109'}",
+    "node1: " + WARN,
+    "node1:   warnings.warn(",
+    "node1: Traceback (most recent call last):",
+    'node1:   File "train.py", line 3, in <module>',
+    "node1: RuntimeError: CUDA out of memory",
+    "node0: [rank0]: ValueError: bad batch",
+    "hfscale: node1 failed (exit code 1); stopping the job on every node",
+]
+
+
+def _shown(mode: str) -> list[str]:
+    c = Console(mode, io.StringIO(), tty=False)
+    return [line for line in LINES if c.shown(line)]
+
+
+def test_the_terminal_keeps_errors_and_hfscale_lines_and_drops_library_noise():
+    assert _shown("normal") == [
+        "hfscale: resuming from out/checkpoint-10",
+        "{'train_runtime': '1.365', 'train_loss': '5.001', 'epoch': '0.00109'}",
+        "node1: Traceback (most recent call last):",
+        'node1:   File "train.py", line 3, in <module>',
+        "node1: RuntimeError: CUDA out of memory",
+        "node0: [rank0]: ValueError: bad batch",
+        "hfscale: node1 failed (exit code 1); stopping the job on every node",
+    ]
+    assert _shown("quiet") == [
+        "node1: Traceback (most recent call last):",
+        'node1:   File "train.py", line 3, in <module>',
+        "node1: RuntimeError: CUDA out of memory",
+        "node0: [rank0]: ValueError: bad batch",
+        "hfscale: node1 failed (exit code 1); stopping the job on every node",
+    ]
+    assert _shown("verbose") == LINES
+
+
+def test_the_progress_line():
+    m = {"step": 120, "max_steps": 300, "loss": 4.12301, "tokens_per_s": 18234.0, "eta_s": 65.2}
+    assert progress_text(m) == "hfscale: step 120/300 (40%) | loss 4.1230 | 18.2k tokens/s | ETA 1m05s"
+    assert progress_text({"step": 5, "max_steps": 10}, rate=0.5) == "hfscale: step 5/10 (50%) | ETA 0m10s"
+    assert progress_text({"loss": 1.0}) is None
+    out = io.StringIO()
+    c = Console("normal", out, tty=True)
+    c.progress("hfscale: step 1/2 (50%)")
+    c("node0: RuntimeError: boom")
+    c.close()
+    # a line printed while the live line is up clears it and draws it again below
+    assert out.getvalue() == ("\r\033[Khfscale: step 1/2 (50%)\r\033[Knode0: RuntimeError: boom\n"
+                              "hfscale: step 1/2 (50%)\n")
+
+
+def test_scheduler_commands_for_stop_and_status(tmp_path):
+    def info(runner: str, slurm: str | None) -> RunInfo:
+        return RunInfo(tmp_path, "id", runner, "submitted", None, None, None, None, None, None, None, None, slurm)
+
+    assert scheduler_command(info("slurm", "4242"), "stop").real_argv() == ["scancel", "4242"]
+    assert scheduler_command(info("slurm", "4242"), "state").real_argv() == ["squeue", "-h", "-j", "4242", "-o", "%T"]
+    assert scheduler_command(info("kubernetes", None), "stop").real_argv() == [
+        "kubectl", "delete", "--ignore-not-found", "-f", str(tmp_path / "pytorchjob.yaml")]
+
+
+def _job(tmp: Path, name: str, steps: int, port: int, extra_env: dict | None = None) -> Path:
+    doc = {"name": name, "cluster": {"nproc_per_node": 2, "master_port": port},
+           "runner": {"launcher": "torchrun", "run_dir": str(tmp / "runs")},
+           "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
+           "batch": {"micro_batch_size": 2, "global_batch_size": 8},
+           "env": {"vars": {"OMP_NUM_THREADS": "1", **(extra_env or {})}},
+           "training": {"output_dir": str(tmp / f"out-{name}"), "max_steps": steps, "save_steps": 10,
+                        "logging_steps": 2, "learning_rate": 1.0e-3,
+                        "model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32,
+                                             "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
+                                             "eos_token_id": 0}},
+                        "data": {"block_size": 32}}}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def hfscale(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hfscale", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 20-step run, launched with the default output."""
+    tmp = tmp_path_factory.mktemp("runs")
+    r = hfscale("launch", str(_job(tmp, "tiny", 20, 29881)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tmp, r
+
+
+@pytest.mark.slow
+def test_a_launch_shows_progress_and_keeps_warnings_in_the_logs(finished):
+    tmp, r = finished
+    assert "hfscale: step 20/20 (100%) | loss " in r.stdout
+    assert "Warning" not in r.stdout and "{'loss'" not in r.stdout
+    (run,) = (tmp / "runs").iterdir()
+    log = (run / "logs" / "local.log").read_text()
+    assert "FutureWarning" in log and "{'loss'" in log  # every line is in the node log
+
+
+@pytest.mark.slow
+def test_runs_status_and_logs_of_a_finished_run(finished):
+    tmp, _ = finished
+    (run,) = (tmp / "runs").iterdir()
+    r = hfscale("runs", str(tmp / "runs"))
+    assert r.returncode == 0, r.stderr
+    header, line = r.stdout.splitlines()
+    assert header.split() == ["run", "runner", "state", "steps", "loss", "started"]
+    cells = line.split()
+    assert cells[:4] == [run.name, "local", "finished", "20/20"] and float(cells[4]) > 0
+    s = hfscale("status", run.name[-6:], "--runs-dir", str(tmp / "runs"))  # the job id's tail is enough
+    assert s.returncode == 0, s.stderr
+    assert "state        finished (exit code 0)" in s.stdout
+    assert "ranks        2 reporting; steps 20..20" in s.stdout
+    g = hfscale("logs", str(run), "--node", "0")
+    assert g.returncode == 0 and "FutureWarning" in g.stdout and "HFSCALE_TRAIN done step=20" in g.stdout
+    bad = hfscale("logs", str(run), "--node", "node9")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no log of node 'node9'")
+    missing = hfscale("status", "nope", "--runs-dir", str(tmp / "runs"))
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
+
+
+@pytest.mark.slow
+def test_quiet_and_verbose(tmp_path):
+    q = hfscale("launch", str(_job(tmp_path, "q", 4, 29882)), "--quiet")
+    assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
+    assert q.stdout == ""  # no errors: nothing but the start and end lines (on stderr)
+    v = hfscale("launch", str(_job(tmp_path, "v", 4, 29883)), "--verbose")
+    assert v.returncode == 0 and "FutureWarning" in v.stdout and "{'loss'" in v.stdout
+
+
+def _processes_of(marker: str) -> list[str]:
+    """Processes whose command line or environment holds ``marker`` (the ranks get HFSCALE_RUN_DIR)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or proc.name == str(os.getpid()):
+            continue
+        try:
+            if marker.encode() in (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes():
+                found.append(proc.name)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_stop_ends_a_running_run_on_every_rank(tmp_path):
+    job = _job(tmp_path, "long", 100000, 29884)
+    launcher = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(job)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        run = None
+        while time.monotonic() < deadline:
+            runs = list((tmp_path / "runs").glob("long-*"))
+            if runs and run_info(runs[0]).step and run_info(runs[0]).step >= 2:
+                run = runs[0]
+                break
+            time.sleep(0.5)
+        assert run is not None, "the run did not reach step 2"
+        assert run_info(run).state == "running"
+        listed = hfscale("runs", str(tmp_path / "runs"))
+        assert " running " in listed.stdout
+        t0 = time.monotonic()
+        r = hfscale("stop", run.name, "--runs-dir", str(tmp_path / "runs"), timeout=200)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert launcher.wait(timeout=30) == 143
+        info = run_info(run)
+        assert info.state == "stopped" and info.exit_code == 143
+        time.sleep(1)
+        assert _processes_of(str(run)) == []
+        print(f"stopped in {took:.1f} s at step {info.step}")
+        again = hfscale("stop", run.name, "--runs-dir", str(tmp_path / "runs"))
+        assert again.returncode == 2 and "is not running (state stopped)" in again.stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def test_a_launcher_gone_without_a_word_is_died(tmp_path):
+    run = tmp_path / "runs" / "x-1"
+    (run / "logs").mkdir(parents=True)
+    (run / "plan.txt").write_text("plan\n")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (run / "state.json").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "state": "running",
+                                                "started": time.time()}))
+    assert run_info(run).state == "died"
+    (run / "state.json").write_text(json.dumps({"pid": os.getpid(), "host": "elsewhere", "state": "running"}))
+    assert run_info(run).state == "running"  # another host's process cannot be checked from here
+    r = hfscale("stop", str(run))
+    assert r.returncode == 2 and f"was launched on elsewhere (pid {os.getpid()}): run hfscale stop there" in r.stderr
+
+
+@pytest.mark.slow
+def test_report_and_export_of_a_run_by_name(finished, tmp_path):
+    tmp, _ = finished
+    (run,) = (tmp / "runs").iterdir()
+    r = hfscale("report", run.name, "--runs-dir", str(tmp / "runs"), "--out", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("<svg") >= 5 and "Loss" in page
+    e = hfscale("export", run.name, "--runs-dir", str(tmp / "runs"), "--out", str(tmp_path / "model"))
+    assert e.returncode == 0, e.stderr
+    assert "(zero2; weights: fp32 master weights" in e.stdout and "checkpoint-20" in e.stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert model.config.n_embd == 32 and model.num_parameters() > 0
+    again = hfscale("export", run.name, "--runs-dir", str(tmp / "runs"), "--out", str(tmp_path / "model"))
+    assert again.returncode == 2 and again.stderr.startswith("error: ") and "Traceback" not in again.stderr
