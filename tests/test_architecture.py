@@ -19,7 +19,8 @@ MAX_LINES = 400
 CONFIG_ONLY = ["hfscale.cli", "hfscale.load", "hfscale.summary", "hfscale.model_config", "hfscale.template",
                "hfscale.artifacts", "hfscale.files", "hfscale.plan", "hfscale.preflight", "hfscale.importer",
                "hfscale.deepspeed_rules", "hfscale.accelerate_rules", "hfscale.engine_source",
-               "hfscale.accelerate_source", "hfscale.sizing", "hfscale.memory", "hfscale.fit", "hfscale.model_shape"]
+               "hfscale.accelerate_source", "hfscale.sizing", "hfscale.memory", "hfscale.fit", "hfscale.model_shape",
+               "hfscale.runs", "hfscale.console", "hfscale.cli_runs"]
 
 
 def modules() -> dict[str, Path]:

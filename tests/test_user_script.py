@@ -85,7 +85,7 @@ def test_the_yaml_drives_an_unchanged_trainer_script_and_a_relaunch_resumes(tmp_
     assert not (ckpt / "hfscale_complete.json").exists()  # the unchanged script writes no marker...
     assert checkpoint_problem(ckpt, 2) is None  # ...and its files show it complete
     # the hang watchdog's steps: hfscale.run_script added ProgressCallback to the script's Trainer
-    steps = {p.name: p.read_text().split()[0] for p in (run_dir / "progress").iterdir()}
+    steps = {p.name: p.read_text().split()[0] for p in (run_dir / "progress").glob("rank-*")}
     assert steps == {"rank-0": "20", "rank-1": "20"}
 
     # relaunch with more steps: the plan says what the restored schedule does, the run resumes at 20
@@ -150,8 +150,9 @@ def test_builtin_entry_point_trains_zero3_on_cpu(tmp_path, zero3_init):
     doc["training"]["model"]["config"].update(n_layer=2, n_embd=64, n_head=2)
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(doc))
-    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=400, env={**os.environ})
+    # --verbose: the Trainer's log dicts (the losses read below) are on the terminal too
+    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config), "--verbose"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=400, env={**os.environ})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     built = "partitioned (zero.Init)" if zero3_init else "whole"
     assert f"hfscale.train: model built {built}" in r.stdout
