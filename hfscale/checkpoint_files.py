@@ -116,11 +116,19 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
     return None
 
 
+def deepspeed_tag(ckpt: str | os.PathLike[str]) -> str | None:
+    """The DeepSpeed tag (``global_stepN``) a Trainer checkpoint's ``latest`` names, or None."""
+    try:
+        text = (Path(ckpt) / "latest").read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    return text if text and "/" not in text and (Path(ckpt) / text).is_dir() else None
+
+
 def deepspeed_ranks(ckpt: Path) -> int | None:
     """The data-parallel ranks that wrote a DeepSpeed checkpoint (None: not one)."""
-    latest = ckpt / "latest"
-    tag = latest.read_text(encoding="utf-8", errors="replace").strip() if latest.is_file() else ""
-    tag_dir = ckpt / tag if tag and "/" not in tag and (ckpt / tag).is_dir() else next(
+    tag = deepspeed_tag(ckpt)
+    tag_dir = ckpt / tag if tag else next(
         (p for p in sorted(ckpt.glob("global_step*")) if p.is_dir() and not p.name.endswith("_universal")), None)
     if tag_dir is None:
         return None

@@ -278,16 +278,19 @@ def plan_cmd(config_file: str, gpu_memory: str | None, seq_len: int | None, mode
     try:
         if gpu_memory is not None:
             size_bytes(gpu_memory)
+    except ValueError as e:
+        click.echo(f"error: --gpu-memory {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    try:
         sz = sizing.sizing(job, model, seq_len, gpu_memory)
-    except (sizing.SizingError, ValueError) as e:
-        click.echo(f"error: {'--gpu-memory ' if isinstance(e, ValueError) and not isinstance(e, sizing.SizingError) else ''}"
-                   f"{e}", err=True)
+    except sizing.SizingError as e:
+        click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     built = None
     if not no_build:
         from .meta_count import built_params
 
-        built, why = built_params(sizing.model_config(job, model)[0])
+        built, why = built_params(sz.model)
         if why:
             click.echo(f"note: {why}", err=True)
     e, v = sizing.plan_memory(sz)

@@ -119,7 +119,7 @@ def export_cmd(source: str, out: str, force: bool, model_config: str | None, run
 
     try:
         where = source if Path(source).is_dir() and not runs.is_run_dir(Path(source)) else \
-            runs.output_dir_of(runs.find_run(source, runs_dir))
+            runs.run_output_dir(runs.find_run(source, runs_dir))
         r = export_model(where, out, force=force, config=model_config)
     except (runs.RunError, ExportError) as e:
         _run_error(e)

@@ -127,6 +127,14 @@ class DsSchedulerConfig(Strict):
 class DeepSpeedSection(Strict):
     """DeepSpeed settings; rendered into the DeepSpeed JSON."""
 
+    def overlap(self) -> bool:
+        """overlap_comm as DeepSpeed applies it: null means on for stage 3 only."""
+        return self.overlap_comm if self.overlap_comm is not None else self.stage == 3
+
+    def comm_bytes(self, precision: str) -> int:
+        """Bytes per element in the communication buckets (communication_data_type, else the precision's)."""
+        return 4 if (self.communication_data_type or {"no": "fp32"}.get(precision, "fp16")) == "fp32" else 2
+
     stage: Annotated[Literal[0, 1, 2, 3], NoBool] = Field(2, description="ZeRO stage: 0 off, 1 optimizer state, 2 +gradients, 3 +parameters. Default 2: DeepSpeed's own default is 0, but choosing DeepSpeed means choosing ZeRO.")
     offload_optimizer: OffloadOptimizerConfig = Field(
         default_factory=OffloadOptimizerConfig, description="Optimizer state offload (stages 1-3; nvme needs stage 3).")

@@ -21,7 +21,8 @@ from .progress import read_metrics
 PROGRESS_POLL_S = 1.0
 PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is printed this often
 
-_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): (?:\[(?:default)?rank\d+\]:)?")
+# "host: " as pdsh prefixes a node's lines (pdsh's own lines: "pdsh@launcher: host: ")
+HOST_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): ")
 _RANK = re.compile(r"^\[(?:default)?rank\d+\]:")
 _WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; its next, indented, line is the source
 _NOISE = [
@@ -56,8 +57,8 @@ class Console:
             return True
         if line.startswith("hfscale: "):
             return self.mode == "normal" or bool(_HFSCALE_FAILURE.search(line))
-        m = _PREFIX.match(line)
-        source, text = (m["host"], line[m.end():]) if m else ("", _RANK.sub("", line))
+        m = HOST_PREFIX.match(line)
+        source, text = (m["host"], _RANK.sub("", line[m.end():])) if m else ("", _RANK.sub("", line))
         if not text.strip():
             return False
         if source in self._after_warning:

@@ -27,7 +27,7 @@ from .files import write_files
 from .follow import Follower
 from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
 from .runners import RUNNERS
-from .console import Console, follow_progress, never_raises
+from .console import HOST_PREFIX, Console, follow_progress, never_raises
 from .rundir import move_aside, record_state, write_run_dir
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
@@ -37,7 +37,6 @@ _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 # pdsh's report of a host's ssh: its exit code, or the signal that killed it
 _PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
                          r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
-_PREFIXED = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[^\s:]+): ")
 SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -75,7 +74,7 @@ class _Run:
         return self._signals[0] if self._signals else None
 
     def route(self, line: str) -> None:
-        m = _PREFIXED.match(line)
+        m = HOST_PREFIX.match(line)
         host = m["host"] if m and m["host"] in self.logs else None
         if host is None and len(self.logs) == 1:
             host = next(iter(self.logs))

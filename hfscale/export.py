@@ -33,8 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import TRAINER_STATE
-from .reshard import tag as deepspeed_tag
+from .checkpoint_files import TRAINER_STATE, deepspeed_tag
 from .resume import CHECKPOINT_RE, checkpoint_problem, checkpoints, scan_output
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_0" (save_fsdp_model, model 0)

@@ -16,6 +16,7 @@ from .model_shape import Shape
 
 GiB = 2**30
 CONTEXT_BYTES = GiB  # CUDA context, cuBLAS workspaces and NCCL buffers of one process
+CONTEXT_LINE = "CUDA context + NCCL"
 ALLOCATOR_MARGIN = 0.10  # of what torch allocates: the caching allocator's fragmentation
 OFFLOAD_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for pinned CPU memory
 
@@ -72,7 +73,7 @@ class Estimate:
     @property
     def reserved(self) -> int:
         """What torch's caching allocator would hold: everything but the context line."""
-        return sum(b for n, b, _ in self.gpu if n != "CUDA context + NCCL")
+        return sum(b for n, b, _ in self.gpu if n != CONTEXT_LINE)
 
     @property
     def cpu_total(self) -> int:
@@ -173,5 +174,5 @@ def estimate(shape: Shape, s: Setting) -> Estimate:
     rows += activations(shape, s)
     dynamic = sum(r[1] for r in rows)
     rows.append(("allocator margin", int(dynamic * ALLOCATOR_MARGIN), f"{ALLOCATOR_MARGIN:.0%} of the above"))
-    rows.append(("CUDA context + NCCL", CONTEXT_BYTES, "per process, outside torch's allocator"))
+    rows.append((CONTEXT_LINE, CONTEXT_BYTES, "per process, outside torch's allocator"))
     return Estimate(s, shape.params(), tuple(rows), tuple(cpu_memory(shape, s)))

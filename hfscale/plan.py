@@ -8,7 +8,6 @@ ranks' environment, what to do with existing checkpoints) and hands it to the ru
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from dataclasses import replace
@@ -99,12 +98,6 @@ def reshard_note(job: Job, saved: int, ckpt: str, ready: bool) -> str:
             f"checkpoint ({how}; the DeepSpeed JSON says checkpoint.load_universal); {batch}")
 
 
-def _universal_json(text: str) -> str:
-    cfg = json.loads(text)
-    cfg.setdefault("checkpoint", {})["load_universal"] = True
-    return json.dumps(cfg, indent=2) + "\n"
-
-
 def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     """The launch plan for ``job``: real values inside, ``render()`` shows secrets as ``***``.
 
@@ -120,10 +113,10 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
         raise ConfigError(job.source, problems)
     notes, moves, done = _resume_step(job, ctx)
     env = rank_env(job, rank_dir, ctx)
-    files = dict(render_artifacts(job, posixpath.join(rank_dir, DEEPSPEED_FILE)))
+    universal = reshards(job, ctx) and not done
+    files = dict(render_artifacts(job, posixpath.join(rank_dir, DEEPSPEED_FILE), load_universal=universal))
     prepare: tuple = ()
-    if reshards(job, ctx) and not done:
-        files[DEEPSPEED_FILE] = _universal_json(files[DEEPSPEED_FILE])
+    if universal:
         assert ctx.output is not None and ctx.output.resume is not None
         convert = None if ctx.output.universal else conversion(ctx.output.resume, r.python or ctx.python)
         prepare = (convert,) if convert is not None else ()

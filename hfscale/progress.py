@@ -73,9 +73,7 @@ def report(**values: object) -> None:
     folder = target[0] / PROGRESS_DIR
     try:
         folder.mkdir(exist_ok=True)
-        tmp = folder / f".{METRICS_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps({**merged, "time": time.time()}))
-        os.replace(tmp, folder / METRICS_FILE)
+        _replace(folder / METRICS_FILE, json.dumps({**merged, "time": time.time()}))
     except OSError:
         pass
 
@@ -93,6 +91,13 @@ def read_metrics(run_dir: str | Path) -> dict:
         return {}
 
 
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: readers (the watchdog, hfscale runs) never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _write(n: int) -> None:
     target = _target()
     if target is None:
@@ -106,9 +111,7 @@ def _write(n: int) -> None:
             _state["flight"] = _serve_flight_recorder(run_dir, rank)
         folder = run_dir / PROGRESS_DIR
         folder.mkdir(exist_ok=True)
-        tmp = folder / f".rank-{rank}.{os.getpid()}"
-        tmp.write_text(f"{n} {os.getpid()} {socket.gethostname()} {beat}\n")
-        os.replace(tmp, folder / f"rank-{rank}")
+        _replace(folder / f"rank-{rank}", f"{n} {os.getpid()} {socket.gethostname()} {beat}\n")
     except OSError:
         pass  # a full or read-only disk must not stop training; the watchdog then sees no progress
 
@@ -161,9 +164,7 @@ def _flight_loop(fifo: Path, out: Path) -> None:
                     pass
         try:
             out.parent.mkdir(exist_ok=True)
-            tmp = out.with_name(out.name + ".tmp")
-            tmp.write_text(json.dumps(dumps))
-            os.replace(tmp, out)
+            _replace(out, json.dumps(dumps))
         except OSError:
             pass
 

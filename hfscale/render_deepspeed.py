@@ -38,8 +38,7 @@ def _zero(ds: DeepSpeedSection) -> dict[str, Any]:
     for key, stages in ZERO_KEYS.items():
         if ds.stage in stages:
             zero[key] = getattr(ds, key)
-    if zero["overlap_comm"] is None:
-        zero["overlap_comm"] = ds.stage == 3  # DeepSpeed's own default, written out
+    zero["overlap_comm"] = ds.overlap()  # DeepSpeed's own default, written out
     if ds.stage in (1, 2):
         zero.update(allgather_partitions=True, reduce_scatter=True)
     else:
@@ -78,8 +77,9 @@ def _scheduler(job: Job, ds: DeepSpeedSection) -> dict[str, Any] | None:
     return {"type": kind, "params": params}
 
 
-def deepspeed_config(job: Job) -> dict[str, Any]:
-    """The DeepSpeed config dict for ``job`` (backend deepspeed), ``extra`` merged in."""
+def deepspeed_config(job: Job, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``job`` (backend deepspeed), ``extra`` merged in;
+    ``load_universal``: the job resumes a universal checkpoint (hfscale.reshard)."""
     ds = job.deepspeed
     if ds is None:
         raise ValueError("deepspeed_config() needs distributed.backend: deepspeed")
@@ -111,9 +111,12 @@ def deepspeed_config(job: Job) -> dict[str, Any]:
     for name, section in (("optimizer", _optimizer(job, ds)), ("scheduler", _scheduler(job, ds))):
         if section is not None:
             out[name] = section
-    return merge(out, ds.extra)
+    out = merge(out, ds.extra)
+    if load_universal:  # after extra: the resume needs it whatever extra says
+        out.setdefault("checkpoint", {})["load_universal"] = True
+    return out
 
 
-def render_deepspeed(job: Job) -> str:
+def render_deepspeed(job: Job, load_universal: bool = False) -> str:
     """The DeepSpeed JSON text for ``job``."""
-    return json.dumps(deepspeed_config(job), indent=2) + "\n"
+    return json.dumps(deepspeed_config(job, load_universal), indent=2) + "\n"

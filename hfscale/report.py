@@ -16,7 +16,6 @@ import html
 import io
 import json
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from .files import write_files
 from .launcher import CONFIG_COPY
 from .resume import checkpoints
 from .rundir import STATE_FILE
+from .runs import output_dir_of
 
 __all__ = ["ReportError", "RunData", "read_run", "render_html", "write_report"]
 
@@ -58,34 +58,6 @@ class RunData:
     stragglers: list[dict[str, Any]] = field(default_factory=list)  # "straggler" events, file order
     state: dict[str, Any] = field(default_factory=dict)  # state.json (hfscale.rundir.record_state)
     notes: list[str] = field(default_factory=list)  # oddities found while reading, shown on the page
-
-
-def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
-    """The directory ``hfscale launch`` ran in: run_dir is ``<cwd>/<runner.run_dir>/<name>-<id>``."""
-    if os.path.isabs(run_dir_setting):
-        return None  # the cwd is not part of the path
-    parts = tuple(p for p in Path(os.path.normpath(run_dir_setting)).parts if p != ".")
-    base = run_dir.resolve().parent.parts
-    if ".." in parts or (parts and base[-len(parts):] != parts):
-        return None
-    return Path(*base[:len(base) - len(parts)])
-
-
-def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = None) -> Path:
-    """training.output_dir as the ranks saw it: relative to runner.workdir, itself relative to the
-    launch directory (hfscale.launcher.output_dir_to_scan): ``launch_cwd`` where state.json
-    recorded it, else inferred from the run directory's path, else this process's. The first
-    candidate that exists wins, else the most likely one."""
-    out = str((cfg.get("training") or {}).get("output_dir") or "output")
-    runner = cfg.get("runner") or {}
-    workdir = str(runner.get("workdir") or "")
-    rel = os.path.join(workdir, out)
-    if os.path.isabs(rel):
-        return Path(rel)
-    bases = [Path(launch_cwd) if launch_cwd else None, _launch_cwd(run_dir, str(runner.get("run_dir") or "runs")),
-             Path.cwd()]
-    candidates = [b / rel for b in bases if b is not None]
-    return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def _read_json_lines(path: Path, notes: list[str]) -> list[dict[str, Any]]:

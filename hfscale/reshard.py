@@ -13,19 +13,11 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path
 
+from .checkpoint_files import deepspeed_tag
 from .shell import Command
 
 LATEST_UNIVERSAL = "latest_universal"
 SUFFIX = "_universal"
-
-
-def tag(ckpt: str | Path) -> str | None:
-    """The DeepSpeed tag (``global_stepN``) a Trainer checkpoint's ``latest`` names, or None."""
-    try:
-        text = (Path(ckpt) / "latest").read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
-    return text if text and "/" not in text and (Path(ckpt) / text).is_dir() else None
 
 
 def universal_ready(ckpt: str | Path) -> bool:
@@ -41,7 +33,7 @@ def universal_ready(ckpt: str | Path) -> bool:
 
 def conversion(ckpt: str, python: str) -> Command | None:
     """The command that converts ``ckpt``'s DeepSpeed state to a universal checkpoint beside it."""
-    t = tag(ckpt)
+    t = deepspeed_tag(ckpt)
     if t is None:
         return None
     return Command((python, "-m", "deepspeed.checkpoint.ds_to_universal",

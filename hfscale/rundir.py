@@ -47,14 +47,20 @@ def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) 
 STATE_FILE = "state.json"
 
 
+def read_state(run_dir: str | Path) -> dict:
+    """``<run dir>/state.json`` ({} when missing or unreadable)."""
+    try:
+        doc = json.loads((Path(run_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def record_state(run_dir: str | Path, **fields: object) -> None:
     """Merge ``fields`` into ``<run dir>/state.json`` (what ``hfscale runs``/``status``/``stop`` read):
     at the start the launching process and host, at the end the state and exit code."""
-    path = Path(run_dir) / STATE_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        doc = {"pid": os.getpid(), "host": socket.gethostname(), "cwd": os.getcwd(), "started": time.time()}
+    doc = read_state(run_dir) or {"pid": os.getpid(), "host": socket.gethostname(), "cwd": os.getcwd(),
+                                  "started": time.time()}
     try:
         write_files(Path(run_dir), {STATE_FILE: json.dumps({**doc, **fields}, indent=1) + "\n"})
     except OSError:

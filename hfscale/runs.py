@@ -10,17 +10,17 @@ when rank 0 reported a preemption save.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .plan import HANG_REPORT
 from .progress import PROGRESS_DIR, read_metrics, read_progress
-from .rundir import STATE_FILE, record_state
+from .rundir import read_state, record_state
 from .runners.slurm import JOB_ID_FILE
 
 
@@ -51,14 +51,6 @@ class RunInfo:
         return self.path.name
 
 
-def _state_doc(path: Path) -> dict:
-    try:
-        doc = json.loads((path / STATE_FILE).read_text())
-        return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def launcher_alive(pid: object, host: object) -> bool | None:
     """Whether the launching hfscale process still runs (None: it runs on another host)."""
     if not isinstance(pid, int) or host != socket.gethostname():
@@ -73,7 +65,7 @@ def launcher_alive(pid: object, host: object) -> bool | None:
 def run_info(path: str | Path) -> RunInfo:
     """What ``path`` (a run directory) says about its run."""
     path = Path(path)
-    doc, m = _state_doc(path), read_metrics(path)
+    doc, m = read_state(path), read_metrics(path)
     steps = [p.step for f in (path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f)) is not None]
     step = m.get("step") if isinstance(m.get("step"), int) else (max(steps) if steps else None)
     state = doc.get("state", "unknown")
@@ -92,19 +84,48 @@ def run_info(path: str | Path) -> RunInfo:
                    doc.get("started"), doc.get("ended"), doc.get("exit_code"), doc.get("pid"), doc.get("host"), slurm)
 
 
-def output_dir_of(run: Path) -> str:
-    """The run's training.output_dir, as the launch saw it (runner.workdir, else the launch's cwd)."""
+def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
+    """The directory ``hfscale launch`` ran in: run_dir is ``<cwd>/<runner.run_dir>/<name>-<id>``."""
+    if os.path.isabs(run_dir_setting):
+        return None  # the cwd is not part of the path
+    parts = tuple(p for p in Path(os.path.normpath(run_dir_setting)).parts if p != ".")
+    base = run_dir.resolve().parent.parts
+    if ".." in parts or (parts and base[-len(parts):] != parts):
+        return None
+    return Path(*base[:len(base) - len(parts)])
+
+
+def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = None) -> Path:
+    """training.output_dir as the ranks saw it: relative to runner.workdir, itself relative to the
+    launch directory (hfscale.launcher.output_dir_to_scan): ``launch_cwd`` where state.json
+    recorded it, else inferred from the run directory's path, else this process's. The first
+    candidate that exists wins, else the most likely one."""
+    out = str((cfg.get("training") or {}).get("output_dir") or "output")
+    runner = cfg.get("runner") or {}
+    workdir = str(runner.get("workdir") or "")
+    rel = os.path.join(workdir, out)
+    if os.path.isabs(rel):
+        return Path(rel)
+    bases = [Path(launch_cwd) if launch_cwd else None, _launch_cwd(run_dir, str(runner.get("run_dir") or "runs")),
+             Path.cwd()]
+    candidates = [b / rel for b in bases if b is not None]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+def run_output_dir(run: Path) -> Path:
+    """The training.output_dir of run directory ``run`` (its config copy and state.json)."""
     import yaml
 
     from .launcher import CONFIG_COPY
 
     try:
         cfg = yaml.safe_load((run / CONFIG_COPY).read_text())
-        out = cfg.get("training", {}).get("output_dir", "output")
-        workdir = cfg.get("runner", {}).get("workdir") or _state_doc(run).get("cwd") or "."
-    except (OSError, ValueError, AttributeError, yaml.YAMLError) as e:
+    except (OSError, ValueError, yaml.YAMLError) as e:
         raise RunError(f"{run / CONFIG_COPY}: cannot read the run's config ({e})") from None
-    return os.path.join(workdir, out)
+    if not isinstance(cfg, dict):
+        raise RunError(f"{run / CONFIG_COPY}: not the config copy hfscale launch writes")
+    cwd = read_state(run).get("cwd")
+    return output_dir_of(run, cfg, cwd if isinstance(cwd, str) else None)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -249,7 +270,7 @@ def stop(i: RunInfo, say) -> int:
     os.kill(i.pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_WAIT_S
     while time.monotonic() < deadline:
-        doc = _state_doc(i.path)
+        doc = read_state(i.path)
         if doc.get("state") != "running" or launcher_alive(i.pid, i.host) is False:
             say(f"hfscale: {i.name} {doc.get('state', 'ended')} (exit code {doc.get('exit_code')})")
             return 0

@@ -34,6 +34,7 @@ class Sizing:
     """The inputs of one plan and where each came from."""
 
     shape: Shape
+    model: dict[str, Any]  # the transformers config mapping the shape came from
     model_from: str
     setting: Setting
     seq_from: str
@@ -121,13 +122,11 @@ def setting_of(job: Job, seq_len: int) -> Setting:
     common = dict(micro_batch=c.batch.micro_batch_size, accumulation=job.gradient_accumulation_steps,
                   precision=c.precision, seq_len=seq_len, gpus_per_node=job.procs_per_node, nodes=job.num_nodes)
     if ds is not None:
-        comm = ds.communication_data_type or {"no": "fp32"}.get(c.precision, "fp16")
         return Setting("deepspeed", ds.stage, ds.offload_optimizer.device != "none", ds.offload_param.device != "none",
                        checkpointing=c.training.gradient_checkpointing, world=job.world_size,
                        reduce_bucket=ds.reduce_bucket_size, allgather_bucket=ds.allgather_bucket_size,
                        prefetch_bucket=ds.stage3_prefetch_bucket_size,
-                       overlap_comm=ds.overlap_comm if ds.overlap_comm is not None else ds.stage == 3,
-                       comm_bytes=4 if comm == "fp32" else 2, **common)
+                       overlap_comm=ds.overlap(), comm_bytes=ds.comm_bytes(c.precision), **common)
     if fs is not None:
         shards = p.dp_shard_size if p is not None and p.total == job.world_size else job.world_size
         return Setting("fsdp", 3 if fs.reshard_after_forward else 2, fs.offload_params, fs.offload_params,
@@ -151,7 +150,7 @@ def sizing(job: Job, model: str | None = None, seq_len: int | None = None, gpu_m
         limit, limit_from = size_bytes(job.config.cluster.gpu_memory), "cluster.gpu_memory"
     else:
         limit, limit_from = None, ""
-    return Sizing(shape, model_from, setting_of(job, seq), seq_from, limit, limit_from)
+    return Sizing(shape, cfg, model_from, setting_of(job, seq), seq_from, limit, limit_from)
 
 
 def _gib(n: int) -> str:

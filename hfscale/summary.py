@@ -98,9 +98,7 @@ def bucket_memory(job: Job) -> str | None:
     ds = job.deepspeed
     if ds is None or ds.stage == 0:
         return None
-    size = {"fp32": 4, "fp16": 2, "bf16": 2}[ds.communication_data_type or
-                                               {"no": "fp32"}.get(job.config.precision, "fp16")]
-    overlap = ds.overlap_comm if ds.overlap_comm is not None else ds.stage == 3
+    size, overlap = ds.comm_bytes(job.config.precision), ds.overlap()
     if ds.stage in (1, 2):
         factor = 4.5 if overlap else 1
         total = (ds.reduce_bucket_size + ds.allgather_bucket_size) * size * factor

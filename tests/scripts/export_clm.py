@@ -12,15 +12,15 @@ generation_config.json that is not the default). Like tests/scripts/hf_clm.py it
 from hfscale; the data are the bytes of the standard library's source files (token = byte).
 """
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, HfArgumentParser, PreTrainedTokenizerFast, Trainer,
                           TrainingArguments, default_data_collator, set_seed)
+
+from hf_clm import ByteBlocks  # beside this script: the same training blocks
 
 MAX_NEW_TOKENS = 7  # the generation setting an export must carry over
 
@@ -31,22 +31,6 @@ class ScriptArguments:
     block_size: int = field(default=32)
     max_train_samples: int = field(default=256)
     logits_file: Optional[str] = field(default=None, metadata={"help": "rank 0 saves ids and logits here"})
-
-
-class ByteBlocks(torch.utils.data.Dataset):
-    def __init__(self, block: int, n: int):
-        data = bytearray()
-        for path in sorted(Path(os.path.dirname(os.__file__)).glob("*.py")):
-            data += path.read_bytes()
-            if len(data) >= block * n:
-                break
-        self.blocks = torch.tensor(list(data[: block * n]), dtype=torch.long).view(n, block)
-
-    def __len__(self):
-        return len(self.blocks)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
