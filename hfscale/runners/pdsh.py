@@ -103,8 +103,9 @@ def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> L
     ``alive/<host>`` while it runs, then return at once."""
     beat_file = Cat((posixpath.join(run_dir, BEATS_DIR) + "/", Var(HOST_VAR)))
     log_file = Cat((posixpath.join(run_dir, LOGS_DIR) + "/", Var(HOST_VAR), ".log"))
-    # the loop ends with the node's line: killed at its end (its sleep too), or finding $$ gone
-    beat = Line.of(Sh("( trap 'kill $s 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
+    # the loop ends with the node's line: killed at its end, or finding $$ gone. The trap kills its
+    # jobs, not $s: a TERM between 'sleep &' and 's=$!' would leave that sleep behind (seen in CI)
+    beat = Line.of(Sh("( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
                       "do n=$((n+1)); echo $n >"), beat_file,
                    Sh(f"; sleep {HEARTBEAT_S} & s=$!; wait $s; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
     node = node_script(before, launcher, first=beat, on_exit="kill $hb 2>/dev/null; ")
