@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Callable
 
 from .files import write_files
 from .launch_plan import LaunchPlan
+from .shell import Command
+
+CLEANUP_FILE = "cleanup.json"  # the plan's cleanup, for ``hfscale stop`` of a run whose launcher died
 
 
 def write_run_dir(plan: LaunchPlan, record: str) -> Path:
@@ -20,7 +24,11 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=False)
     write_files(run_dir, {**dict(plan.files), "plan.txt": record})
-    write_files(run_dir, {name: text.real for name, text in plan.private}, mode=0o600)
+    private = {name: text.real for name, text in plan.private}
+    if plan.cleanup is not None:
+        c = plan.cleanup  # real values (its environment may carry ssh options): this user only
+        private[CLEANUP_FILE] = json.dumps({"argv": c.real_argv(), "env": c.real_env(), "cwd": c.cwd}) + "\n"
+    write_files(run_dir, private, mode=0o600)
     (run_dir / "logs").mkdir()
     if plan.follow is not None:
         Path(plan.follow.beats_dir).mkdir()
@@ -28,6 +36,25 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
         Path(plan.watch.progress_dir).mkdir()
         Path(plan.watch.stacks_dir).mkdir()
     return run_dir
+
+
+def read_cleanup(run_dir: str | Path) -> Command | None:
+    """The cleanup ``write_run_dir`` recorded (None: none recorded, not readable as one, or a file
+    this user did not write alone: it is run as a command)."""
+    path = Path(run_dir) / CLEANUP_FILE
+    try:
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return None
+        doc = json.loads(path.read_text())
+        argv, env, cwd = doc["argv"], doc["env"], doc["cwd"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv) and isinstance(env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+            and (cwd is None or isinstance(cwd, str))):
+        return None
+    return Command(tuple(argv), tuple(env.items()), cwd)
 
 
 def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) -> bool:

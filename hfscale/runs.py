@@ -20,7 +20,7 @@ from typing import Any
 
 from .plan import HANG_REPORT
 from .progress import PROGRESS_DIR, read_metrics, read_progress
-from .rundir import read_state, record_state
+from .rundir import CLEANUP_FILE, read_cleanup, read_state, record_state
 from .runners.slurm import JOB_ID_FILE
 
 
@@ -259,6 +259,8 @@ def stop(i: RunInfo, say) -> int:
         record_state(i.path, state="stopped", ended=time.time())
         say(f"hfscale: {cmd.shell()}: done; {i.name} stopped")
         return 0
+    if i.state == "died":
+        return _stop_orphans(i, say)
     if i.state != "running":
         raise RunError(f"{i.name} is not running (state {i.state})")
     alive = launcher_alive(i.pid, i.host)
@@ -276,6 +278,26 @@ def stop(i: RunInfo, say) -> int:
             return 0
         time.sleep(0.5)
     raise RunError(f"{i.name}: the launcher (pid {i.pid}) did not end within {STOP_WAIT_S} s")
+
+
+def _stop_orphans(i: RunInfo, say) -> int:
+    """The launcher of ``i`` died without stopping its nodes (killed -9, out of memory): run the
+    cleanup it recorded, which stops this job's processes on every host."""
+    from .execute import run_probe
+
+    cmd = read_cleanup(i.path)
+    if cmd is None:
+        raise RunError(f"{i.name}: its launcher (pid {i.pid}) died and {i.path / CLEANUP_FILE} is missing, "
+                       "unreadable or writable by others; stop its processes by hand")
+    name = os.path.basename(cmd.argv[0])
+    say(f"hfscale: {i.name}: its launcher (pid {i.pid}) died; running the recorded cleanup ({name}) on every host")
+    record_state(i.path, stop_requested=time.time())
+    rc, out, err = run_probe(cmd, timeout=STOP_WAIT_S)
+    if rc != 0:
+        raise RunError(f"{i.name}: the cleanup ({name}) failed (exit code {rc}): {(err or out).strip()[:300]}")
+    record_state(i.path, state="stopped", ended=time.time())
+    say(f"hfscale: {i.name} stopped")
+    return 0
 
 
 def follow_logs(run: Path, logs: list[Path], write, poll_s: float = 0.5) -> None:

@@ -340,3 +340,34 @@ def test_exit_cleanly_runs_atexit_hooks_leaves_the_group_and_keeps_the_code(tmp_
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr[-3000:]
     assert out.stdout == "buffered; atexit ran; destroyed, still initialized: False; "
+
+
+_DROPPED_SCRIPT = """
+import os
+from accelerate import Accelerator
+from transformers import TrainerControl, TrainerState
+from hfscale.callbacks import ProgressCallback
+
+def begin(rank0=True):
+    ProgressCallback().on_train_begin(None, TrainerState(is_world_process_zero=rank0), TrainerControl())
+
+begin()  # before any Accelerator: nothing to say
+Accelerator()  # what a Trainer makes; on this CPU-only machine accelerate leaves FSDP out
+begin()
+begin(rank0=False)
+del os.environ["ACCELERATE_USE_FSDP"]
+begin()
+"""
+
+
+def test_fsdp_dropped_by_accelerate_is_said_once_on_rank_0():
+    """accelerate launch sets ACCELERATE_USE_FSDP from an FSDP config, but accelerate builds FSDP on
+    GPUs and other accelerators only: on CPU a Trainer trains DDP. Real accelerate here; the rank-0
+    warning is what the launch's terminal then shows."""
+    env = {**os.environ, "ACCELERATE_USE_FSDP": "true"}
+    r = subprocess.run([sys.executable, "-c", _DROPPED_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [line for line in r.stdout.splitlines() if line.startswith("hfscale:")]
+    assert said == ["hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as NO (it uses FSDP "
+                    "on GPUs and other accelerators only): every rank holds the whole model"], r.stdout

@@ -102,8 +102,8 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
         assert f"HFSCALE_RANK rank={i} world_size=2" in log
         assert "HFSCALE_EXIT rc=0" in log
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        ".deepspeed_env", "accelerate_config.yaml", "config.yaml", "ds_config.json", "env.sh", "hostfile", "logs",
-        "nodes.sh", "pdsh_hosts", "plan.txt", "progress", "stacks", "state.json"]
+        ".deepspeed_env", "accelerate_config.yaml", "cleanup.json", "config.yaml", "ds_config.json", "env.sh",
+        "hostfile", "logs", "nodes.sh", "pdsh_hosts", "plan.txt", "progress", "stacks", "state.json"]
     # the plain loop's one line for the hang watchdog: each rank's last step
     assert {p.name: p.read_text().split()[0] for p in (run_dir / "progress").glob("rank-*")} == {
         "rank-0": "4", "rank-1": "4"}
@@ -111,7 +111,7 @@ def test_two_node_deepspeed_training_with_accelerate(cluster2, tmp_path):
     metrics = json.loads((run_dir / "progress" / "metrics.json").read_text())
     assert metrics["step"] == 1 and metrics["max_steps"] == 4 and metrics["loss"] > 0
     assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
-    for secret_file in ("env.sh", "nodes.sh"):
+    for secret_file in ("env.sh", "nodes.sh", "cleanup.json"):
         assert (run_dir / secret_file).stat().st_mode & 0o777 == 0o600
     assert leftover_processes(cluster2, timeout=5) == {}
 
@@ -398,6 +398,26 @@ def test_detached_dead_node_is_noticed_by_its_heartbeat(make_cluster, tmp_path):
     assert "hfscale: lost node1: no heartbeat for 40 s; stopping the job on every node" in out
     assert took < 60
     assert leftover_processes(cluster, timeout=STOP_GRACE_S + 3).get("node0") is None, out
+
+
+def test_stop_of_a_died_detached_launch_stops_every_node(make_cluster, tmp_path):
+    """The launcher killed -9 (out of memory on the login node): the detached nodes train on, and
+    the run shows as died; ``hfscale stop`` runs the cleanup the launch recorded, over pdsh, and
+    nothing of the job is left on any node."""
+    cluster = make_cluster(2)
+    config = detached_config(tmp_path, cluster.nodes, 1, port=29627, script_args=["--mode", "hang"])
+    proc, seen = launch_until_ready(cluster, config, ranks=2)
+    proc.kill()
+    proc.communicate(timeout=30)
+    run_dir = run_dir_of(tmp_path)
+    time.sleep(1)
+    assert set(leftover_processes(cluster)) == set(cluster.nodes), "".join(seen)  # the ranks live on
+    r = subprocess.run([sys.executable, "-m", "hfscale", "stop", str(run_dir)], cwd=ROOT, env=cluster.env(),
+                       capture_output=True, text=True, timeout=STOP_GRACE_S + 60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "died; running the recorded cleanup (pdsh) on every host" in r.stdout
+    assert leftover_processes(cluster, timeout=5) == {}
+    assert json.loads((run_dir / "state.json").read_text())["state"] == "stopped"
 
 
 def test_eight_hosts_attached_and_detached(make_cluster, tmp_path):

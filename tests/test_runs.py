@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, job_pids
 from hfscale.console import Console, progress_text
+from hfscale.rundir import read_cleanup
 from hfscale.runs import RunInfo, run_info, scheduler_command
 
 WARN = ("/usr/lib/python3/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` "
@@ -91,9 +92,9 @@ def test_scheduler_commands_for_stop_and_status(tmp_path):
         "kubectl", "delete", "--ignore-not-found", "-f", str(tmp_path / "pytorchjob.yaml")]
 
 
-def _job(tmp: Path, name: str, steps: int, port: int, extra_env: dict | None = None) -> Path:
+def _job(tmp: Path, name: str, steps: int, port: int, extra_env: dict | None = None, python: str | None = None) -> Path:
     doc = {"name": name, "cluster": {"nproc_per_node": 2, "master_port": port},
-           "runner": {"launcher": "torchrun", "run_dir": str(tmp / "runs")},
+           "runner": {"launcher": "torchrun", "run_dir": str(tmp / "runs"), **({"python": python} if python else {})},
            "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
            "batch": {"micro_batch_size": 2, "global_batch_size": 8},
            "env": {"vars": {"OMP_NUM_THREADS": "1", **(extra_env or {})}},
@@ -221,10 +222,54 @@ def test_a_launcher_gone_without_a_word_is_died(tmp_path):
     (run / "state.json").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "state": "running",
                                                 "started": time.time()}))
     assert run_info(run).state == "died"
+    (run / "cleanup.json").write_text('{"argv": "not a list"')
+    r = hfscale("stop", str(run))
+    assert r.returncode == 2 and "cleanup.json is missing, unreadable or writable by others" in r.stderr, r.stderr
     (run / "state.json").write_text(json.dumps({"pid": os.getpid(), "host": "elsewhere", "state": "running"}))
     assert run_info(run).state == "running"  # another host's process cannot be checked from here
     r = hfscale("stop", str(run))
     assert r.returncode == 2 and f"was launched on elsewhere (pid {os.getpid()}): run hfscale stop there" in r.stderr
+
+
+def test_stop_of_a_died_run_runs_its_recorded_cleanup(tmp_path):
+    """The launcher killed -9 leaves its node's processes running; ``hfscale stop`` then runs the
+    cleanup the launch recorded (0600) and nothing of the job is left. The launcher is a stand-in
+    that starts a long sleep (no torch: what is stopped is the job's processes, whatever they are)."""
+    standin = tmp_path / "python"
+    standin.write_text("#!/bin/sh\nsleep 300 &\nwait\n")
+    standin.chmod(0o755)
+    launcher = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(_job(tmp_path, "orphans", 4, 29885,
+                                python=str(standin)))], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        run = job = None
+        while time.monotonic() < deadline and not (job and len(job_pids(job)) >= 2):
+            runs = list((tmp_path / "runs").glob("orphans-*"))
+            run = runs[0] if runs else None
+            job = run_info(run).job_id if run else None
+            time.sleep(0.2)
+        assert run is not None and job and len(job_pids(job)) >= 2, "the stand-in and its sleep did not start"
+        assert oct((run / "cleanup.json").stat().st_mode & 0o777) == "0o600"
+        assert read_cleanup(run) is not None
+        (run / "cleanup.json").chmod(0o622)  # a file others could have written is not run
+        assert read_cleanup(run) is None
+        (run / "cleanup.json").chmod(0o600)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        left = job_pids(job)
+        assert left and run_info(run).state == "died"  # the sleep outlives its launcher
+        r = hfscale("stop", str(run))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "died; running the recorded cleanup (bash) on every host" in r.stdout
+        deadline = time.monotonic() + 5
+        while job_pids(job) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job_pids(job) == [] and run_info(run).state == "stopped"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in job_pids(job) if job else []:
+            os.kill(pid, 9)
 
 
 @pytest.mark.slow

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 from transformers import TrainerCallback
 
 from .. import progress
+
+
+def dropped_engine() -> str | None:
+    """The distributed type accelerate runs this process with when ``accelerate launch`` was told
+    FSDP (ACCELERATE_USE_FSDP) but the Accelerator is not FSDP: accelerate uses FSDP on GPUs and
+    other accelerators only, and on CPU silently trains DDP. None when nothing was dropped."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+        return None
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if not AcceleratorState._shared_state:  # no Accelerator in this process (a Trainer makes one first)
+        return None
+    kind = AcceleratorState().distributed_type
+    return None if kind == DistributedType.FSDP else str(kind.value)
 
 
 class ProgressCallback(TrainerCallback):
@@ -14,6 +31,10 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         progress.step(state.global_step)  # a resumed run starts where its checkpoint left off
+        if state.is_world_process_zero and (kind := dropped_engine()) is not None:
+            # what check reported (fsdp) is not what runs: say so where the launch shows it
+            print(f"hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as {kind} "
+                  "(it uses FSDP on GPUs and other accelerators only): every rank holds the whole model", flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         progress.step(state.global_step)
