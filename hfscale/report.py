@@ -149,9 +149,12 @@ def _num(v: Any) -> float | None:
 
 
 def _relaunched(prev: dict[str, Any], r: dict[str, Any]) -> bool:
-    """Whether ``r`` comes from another launch than ``prev`` (launches sharing an output_dir append to
-    one file): the step went back, the world size changed, or a rank's peak memory fell (a peak is
-    never reset within a process, so only a new process lowers it)."""
+    """Whether ``r`` comes from other processes than ``prev`` (launches sharing an output_dir append
+    to one file): another job id, or, within a job (torchrun's restarts) and for records written
+    without one, the step went back, the world size changed, or a rank's peak memory fell (a peak
+    is never reset within a process, so only a new process lowers it)."""
+    if "job" in prev and "job" in r and prev["job"] != r["job"]:
+        return True
     if r["step"] <= prev["step"] or r.get("world_size") != prev.get("world_size"):
         return True
     pairs = zip(prev.get("mem_peak_mb_per_rank") or [], r.get("mem_peak_mb_per_rank") or [])
@@ -316,12 +319,20 @@ def _when(t: Any) -> str | None:
     return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(x)) if x is not None else None
 
 
+def _other_launch(r: dict[str, Any], job: Any, t0: float | None, t1: float | None) -> bool:
+    """Whether metrics record ``r`` was written by another launch than this run's: by its job id,
+    else (written without one) by its time against the run's start and end."""
+    if "job" in r and isinstance(job, str):
+        return r["job"] != job
+    t = _num(r.get("time"))
+    return t is not None and ((t0 is not None and t < t0) or (t1 is not None and t > t1))
+
+
 def _summary(d: RunData) -> str:
     st, last = d.state, d.metrics[-1] if d.metrics else {}
     steps = [e["step"] for e in d.history] + [r["step"] for r in d.metrics]
     t0, t1 = _num(st.get("started")), _num(st.get("ended"))
-    others = sum(1 for r in d.metrics if (t := _num(r.get("time"))) is not None and
-                 ((t0 is not None and t < t0) or (t1 is not None and t > t1)))
+    others = sum(1 for r in d.metrics if _other_launch(r, st.get("job_id"), t0, t1))
     reports = f"{len(d.metrics)}, {others} of them by other launches in this output_dir" if others else len(d.metrics)
     items = [("run directory", d.run_dir), ("training output_dir", d.output_dir),
              ("state", st.get("state")), ("exit code", st.get("exit_code")), ("host", st.get("host")),

@@ -59,8 +59,10 @@ def hf():
     return types.SimpleNamespace(tf=transformers, Recorder=Recorder, make_trainer=make_trainer)
 
 
-def test_metrics_in_a_real_trainer_reach_loggers_history_and_jsonl(hf, tmp_path):
+def test_metrics_in_a_real_trainer_reach_loggers_history_and_jsonl(hf, tmp_path, monkeypatch):
     from hfscale.callbacks import METRICS_FILE, MetricsCallback
+
+    monkeypatch.setenv("HFSCALE_JOB_ID", "20261124-120000-abcdef")  # as under hfscale launch
 
     before = hf.Recorder()  # registered first, like the report_to loggers
     trainer = hf.make_trainer(tmp_path / "out", callbacks=[before])
@@ -72,7 +74,7 @@ def test_metrics_in_a_real_trainer_reach_loggers_history_and_jsonl(hf, tmp_path)
     records = read_jsonl(tmp_path / "out" / METRICS_FILE)
     assert [r["step"] for r in records] == [2, 4, 6]  # every logging_steps, not every step
     for r in records:
-        assert set(r) == FIELDS
+        assert set(r) == FIELDS | {"job"} and r["job"] == "20261124-120000-abcdef"
         assert r["event"] == "metrics" and r["world_size"] == 1 and r["window_steps"] == 2
         assert r["step_time_s"] > 0 and r["samples_per_s"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64)

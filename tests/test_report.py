@@ -170,9 +170,22 @@ def test_relaunches_sharing_the_output_dir_are_plotted_as_launches(tmp_path):
     went_on = [metrics(2), metrics(4), {**metrics(6), "mem_peak_mb_per_rank": [700.0, 900.0]},
                {**metrics(8), "mem_peak_mb_per_rank": [701.0, 901.0]}]
     assert [s[1] for s in _series(went_on, lambda r: r["step"])] == [[2, 4], [6, 8]]
+    # records with job ids: a launch that went on with a higher peak, which only the id tells apart;
+    # within one job (a torchrun restart) the step going back still splits
+    a, b = {"job": "20261124-1-aaaaaa"}, {"job": "20261124-2-bbbbbb"}
+    ids = [{**metrics(2), **a}, {**metrics(4), **a}, {**metrics(6), **b}, {**metrics(8), **b}, {**metrics(6), **b}]
+    assert [s[1] for s in _series(ids, lambda r: r["step"])] == [[2, 4], [6, 8], [6]]
+    assert [s[1] for s in _series([{**r, **a} for r in ids[:4]], lambda r: r["step"])] == [[2, 4, 6, 8]]
     assert page.count("<svg ") == len(TITLES)
     assert "<dt>metric reports</dt><dd>6, 3 of them by other launches in this output_dir</dd>" in page
     assert "<dt>world size</dt><dd>4</dd>" in page
+    # with job ids the count goes by them, not by time: here every record falls inside this run's
+    # start and end, and 2 are another job's
+    by_id = [{**metrics(s), "job": "other"} for s in (2, 4)] + [{**metrics(s), "job": "this"} for s in (6, 8, 10)]
+    run2 = make_run(tmp_path / "ids", events=by_id, state={"cwd": str(tmp_path / "ids"), "job_id": "this",
+                                                           "started": 1.7e9, "ended": 1.7e9 + 200})
+    page2 = write_report(run2, tmp_path / "ids" / "r.html").read_text()
+    assert "<dt>metric reports</dt><dd>5, 2 of them by other launches in this output_dir</dd>" in page2
 
 
 def test_the_output_dir_is_found_as_the_ranks_saw_it(tmp_path, monkeypatch):

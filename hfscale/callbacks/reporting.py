@@ -18,6 +18,13 @@ from . import collectives
 from .collectives import LOG_PREFIX, METRICS_FILE, logger
 
 
+def _launch() -> dict[str, str]:
+    """``{"job": <job id>}`` under ``hfscale launch`` (launches sharing an output_dir append to one
+    file; the report tells them apart by it), else nothing."""
+    job = os.environ.get("HFSCALE_JOB_ID")
+    return {"job": job} if job else {}
+
+
 class _Reporter(TrainerCallback):
     """Times optimizer steps and, every ``every`` steps, gathers numbers from all ranks.
 
@@ -186,6 +193,7 @@ class MetricsCallback(_Reporter):
             "mem_peak_mb_per_rank": mem,
             "flops_per_token": self._flops_per_token,
             "mfu": mfu,
+            **_launch(),
         }
         self.last = record
         self._write(args, state, record)
@@ -314,6 +322,7 @@ class StragglerCallback(_Reporter):
             "ratio": ratio,
             "threshold": self.threshold,
             "straggler": ratio > self.threshold,
+            **_launch(),
         }
         self.last = record
         if record["straggler"] and state.is_world_process_zero:
