@@ -208,7 +208,7 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
     from .execute import execute
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
-    rc = execute(plan, record, echo=Console(mode or "normal"))
+    rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
     if plan.mode == "submit":
         what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
         click.echo(f"hfscale: job {plan.job_id} {what}; run directory {plan.run_dir}", err=True)

@@ -23,7 +23,7 @@ PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is prin
 
 # "host: " as pdsh prefixes a node's lines (pdsh's own lines: "pdsh@launcher: host: ")
 HOST_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): ")
-_RANK = re.compile(r"^\[(?:default)?rank\d+\]:")
+_RANK = re.compile(r"^\[(?:default)?rank\d+\]: ?")
 _WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; its next, indented, line is the source
 _NOISE = [
     re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(?:INFO|WARNING|DEBUG)\]"),  # DeepSpeed's logger
@@ -42,8 +42,10 @@ _HFSCALE_FAILURE = re.compile(r"fail|cannot|stopping|lost|hang|killed|error|not 
 class Console:
     """The terminal side of a launch; ``mode``: quiet, normal or verbose."""
 
-    def __init__(self, mode: str = "normal", stream: TextIO | None = None, tty: bool | None = None):
+    def __init__(self, mode: str = "normal", stream: TextIO | None = None, tty: bool | None = None,
+                 hosts: frozenset[str] | None = None):
         self.mode = mode
+        self.hosts = hosts  # the names a "host: " prefix may carry (None: any name)
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self._lock = threading.Lock()
@@ -58,6 +60,8 @@ class Console:
         if line.startswith("hfscale: "):
             return self.mode == "normal" or bool(_HFSCALE_FAILURE.search(line))
         m = HOST_PREFIX.match(line)
+        if m and self.hosts is not None and m["host"] not in self.hosts:
+            m = None  # "ValueError: bad batch" from a local run is no host's line
         source, text = (m["host"], _RANK.sub("", line[m.end():])) if m else ("", _RANK.sub("", line))
         if not text.strip():
             return False

@@ -3,13 +3,13 @@
 A plan runs its ``prepare`` steps, then one local process (pdsh, docker, the launcher) whose
 output is logged per node, shown (hfscale.console) and watched: a failing node, a signal, that
 process killed by someone else, or the hang watchdog (hfscale.watchdog) runs the plan's cleanup
-on every node (TERM, then KILL after a grace period). A host ssh cannot reach, or loses, shows
-up in the same stream (pdsh reports ssh's exit code 255): exit code 3 naming the host. A detached
-launch (more hosts than runner.fanout) is followed through the run directory (hfscale.follow).
-"""
+on every node (TERM, then KILL after a grace period). A host ssh cannot reach, or loses, shows up
+in the same stream (pdsh reports ssh's exit code 255): exit code 3 naming the host. A detached
+launch (more hosts than runner.fanout) is followed through the run directory (hfscale.follow)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -58,6 +58,7 @@ class _Run:
         self.echo = echo
         self.logs: dict[str, TextIO] = {h: open(run_dir / "logs" / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
         self.failure: tuple[str, int] | None = None
+        self.hung = False  # the failure is the hang watchdog's (a node may exit 4 too)
         self.exited: set[str] = set()  # hosts that printed their exit line
         self._last: dict[str, str] = {}  # each host's last line (ssh's complaint, for an unreachable one)
         self._lines: dict[str, int] = {}  # lines per host: more than ssh's one complaint means it was reached
@@ -165,10 +166,8 @@ class _Run:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
@@ -235,7 +234,8 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
         record_state(run_dir, state="running", job_id=plan.job_id, runner=plan.runner)
         rc = 0
         for step in plan.prepare:
-            rc = rc or _prepare(step, run_dir, echo)
+            if (rc := _prepare(step, run_dir, echo)) or signalled:
+                break
         if rc or signalled:
             rc = 128 + signalled[0] if signalled else rc
         elif plan.mode == "submit":
@@ -253,8 +253,8 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
                 if shower is not None and console is not None:
                     shower.join(5)  # its last line, before the launch's own
                     console.close()
-        record_state(run_dir, exit_code=rc, ended=time.time(), state=(
-            "submitted" if plan.mode == "submit" and rc == 0 else exitcodes.state_of(rc)))
+        record_state(run_dir, exit_code=rc, ended=time.time(), state=exitcodes.state_of(
+            rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
         return rc
     finally:
         for s, h in previous.items():
@@ -373,6 +373,7 @@ def _watch(run: _Run, watch: Watch) -> None:
         stuck = verdict.stuck[0] if verdict.stuck else None
         where = dog.ranks[stuck].host if stuck in dog.ranks else "the job"
         if run.failure is None and run.signalled is None:
+            run.hung = True
             run.fail(where, exitcodes.HUNG, f"hang: {verdict.line} ({reason}); report in {report_path}")
         return
 

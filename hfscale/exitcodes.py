@@ -16,12 +16,9 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def state_of(rc: int) -> str:
-    """A launch's end as ``hfscale runs`` shows it (preempted is told by rank 0, hfscale.progress)."""
+def state_of(rc: int, *, submitted: bool = False, signalled: bool = False, hung: bool = False) -> str:
+    """A launch's end as ``hfscale runs`` shows it, from what ended it (a node's own exit code of 4
+    or 143 is a failure, not a hang or a stop); preempted is told by rank 0 (hfscale.progress)."""
     if rc == OK:
-        return "finished"
-    if rc == HUNG:
-        return "hung"
-    if rc in (128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP):
-        return "stopped"
-    return "failed"
+        return "submitted" if submitted else "finished"
+    return "stopped" if signalled else "hung" if hung else "failed"

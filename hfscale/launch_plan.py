@@ -92,6 +92,12 @@ class LaunchPlan:
     dump: Command | None = None  # writes every rank's stack into watch.stacks_dir, on every node
     prepare: tuple[Command, ...] = ()  # run here, in order, after the run directory is made and before main
 
+    @property
+    def line_hosts(self) -> frozenset[str]:
+        """The host names that may prefix the lines of ``main``'s output ("host: ", pdsh's and the
+        follower's): anything else before a colon (``ValueError: ...``) is the line's own text."""
+        return frozenset(self.logs) | frozenset(self.follow.hosts if self.follow else ())
+
     def where(self) -> str:
         """Where the job runs, for one line of output."""
         hosts = [n.host for n in self.nodes if n.host]

@@ -153,6 +153,7 @@ def test_more_hosts_than_fanout_launch_detached_exact():
                                             f"^{RUN}/pdsh_hosts", "-l", "alice", script)
     assert plan.logs == () and attached.logs == ("node0", "node1") and attached.follow is None
     assert plan.follow == Follow(("node0", "node1"), f"{RUN}/logs", f"{RUN}/alive", 10, 40)
+    assert plan.line_hosts == attached.line_hosts == frozenset({"node0", "node1"})  # what the terminal reads as hosts
     assert plan.cleanup == Command((*plan.main.argv[:-1], attached.cleanup.argv[-1]), attached.cleanup.env)
     assert "a host silent for 40 s is lost" in plan.render()
 

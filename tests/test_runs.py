@@ -67,6 +67,22 @@ def test_the_terminal_keeps_errors_and_hfscale_lines_and_drops_library_noise():
     assert _shown("verbose") == LINES
 
 
+def test_a_traceback_ends_at_its_exception_line_with_or_without_prefixes():
+    """A local run's lines carry no host: "ValueError: ..." is the exception, not a host named
+    ValueError; a "[rank0]: " traceback ends at its exception too. Lines after it are filtered again."""
+    local = ["Traceback (most recent call last):", '  File "train.py", line 3, in <module>',
+             "ValueError: bad batch", "W1124 20:53:40.275000 123 torch/distributed/run.py:766] noise",
+             "plain info line"]
+    rank = ["node0: [rank0]: Traceback (most recent call last):", 'node0: [rank0]:   File "t.py", line 1, in <module>',
+            "node0: [rank0]: RuntimeError: boom", "node0: [rank0]: W1124 20:53:40.275000 1 x.py:1] noise",
+            "node0: [rank0]: plain info line"]
+    for hosts, lines in ((frozenset({"local"}), local), (frozenset({"node0", "node1"}), rank)):
+        quiet = Console("quiet", io.StringIO(), tty=False, hosts=hosts)
+        assert [line for line in lines if quiet.shown(line)] == lines[:3]
+        normal = Console("normal", io.StringIO(), tty=False, hosts=hosts)
+        assert [line for line in lines if normal.shown(line)] == lines[:3] + lines[4:]
+
+
 def test_the_progress_line():
     m = {"step": 120, "max_steps": 300, "loss": 4.12301, "tokens_per_s": 18234.0, "eta_s": 65.2}
     assert progress_text(m) == "hfscale: step 120/300 (40%) | loss 4.1230 | 18.2k tokens/s | ETA 1m05s"
@@ -289,3 +305,12 @@ def test_report_and_export_of_a_run_by_name(finished, tmp_path):
     assert model.config.n_embd == 32 and model.num_parameters() > 0
     again = hfscale("export", run.name, "--runs-dir", str(tmp / "runs"), "--out", str(tmp_path / "model"))
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "Traceback" not in again.stderr
+
+
+def test_a_runs_end_state_comes_from_what_ended_it_not_from_its_exit_code():
+    from hfscale.exitcodes import HUNG, state_of
+
+    assert state_of(0) == "finished" and state_of(0, submitted=True) == "submitted"
+    assert state_of(143, signalled=True) == state_of(130, signalled=True) == "stopped"
+    assert state_of(143) == state_of(130) == "failed"  # a node killed by someone else's TERM, a script's exit(130)
+    assert state_of(HUNG, hung=True) == "hung" and state_of(HUNG) == "failed"  # a script may exit 4 itself
