@@ -108,11 +108,12 @@ def _value_problems(value: Any, kinds, choices, bounds, section: bool) -> list[s
 
 
 def merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``extra`` merged in: mappings key by key, anything else replaced."""
+    """``base`` with ``extra`` merged in: mappings key by key (new dicts: the result shares none
+    with ``extra``, so adding to it cannot change the config), anything else replaced."""
     out = dict(base)
     for k, v in extra.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
+        if isinstance(v, Mapping):
+            out[k] = merge(out[k] if isinstance(out.get(k), dict) else {}, v)
         else:
             out[k] = v
     return out

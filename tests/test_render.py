@@ -148,6 +148,16 @@ def test_stage0_renders_only_the_stage():
     assert deepspeed_config(job)["zero_optimization"] == {"stage": 0}
 
 
+def test_load_universal_is_added_to_a_copy_of_extras_checkpoint_section():
+    """A resume at another world size renders checkpoint.load_universal next to what extra says; the
+    job itself stays as loaded, so the next plain rendering has no load_universal."""
+    job = job_of("name: u\ndistributed: {deepspeed: {stage: 2, extra: {checkpoint: {tag_validation: Warn}}}}\n"
+                 "precision: 'no'\nbatch: {micro_batch_size: 1}\n")
+    assert deepspeed_config(job, load_universal=True)["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}
+    assert deepspeed_config(job)["checkpoint"] == {"tag_validation": "Warn"}
+    assert job.deepspeed.extra == {"checkpoint": {"tag_validation": "Warn"}}
+
+
 def test_fsdp_accelerate_yaml_exact():
     job = job_of(
         """
