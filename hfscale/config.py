@@ -197,6 +197,11 @@ class BatchConfig(Strict):
     )
 
 
+# what the built-in entry point trains when training.model names nothing: a tiny GPT-2 over bytes
+DEFAULT_MODEL_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256,
+                        "n_positions": 128}
+
+
 class ModelConfig(Strict):
     """The model the built-in entry point trains (a script builds its own)."""
 

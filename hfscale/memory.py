@@ -86,7 +86,6 @@ def model_states(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:
     half = s.precision in ("bf16", "fp16")
     w = 2 if half else 4
     opt = 16 if half else 12  # master + 2 moments + fp32 gradient partition; fp32 training: the weights are the master
-    out: list[tuple[str, int, str]] = []
     if s.engine == "ddp":
         # accelerate keeps fp32 weights under autocast; DDP copies gradients into its buckets
         return [("weights", 4 * P, "fp32: 4 B x P"), ("gradients", 4 * P, "fp32: 4 B x P"),
@@ -100,10 +99,10 @@ def model_states(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:
                 ("optimizer states (shard)", shard * 8 * P // N, f"Adam moments: 8 B x P / {N}"),
                 ("gathered parameters", gathered, f"{w} B x P, kept gathered" if s.stage == 2 else
                  f"{w} B x 3 x largest layer ({L:,} parameters)")]
-    if s.stage == 0:
+    if s.stage == 0:  # fp32: DeepSpeed runs the torch optimizer unwrapped (engine._do_optimizer_sanity_check)
         return [("weights", w * P, f"{w} B x P"), ("gradients", w * P, f"{w} B x P"),
-                ("optimizer states", (opt + (4 if not half else 0)) * P,
-                 "fp32 master, fp32 gradients, Adam moments: 16 B x P" if half else "Adam moments, fp32 copy: 12 B x P")]
+                ("optimizer states", (16 if half else 8) * P,
+                 "fp32 master, fp32 gradients, Adam moments: 16 B x P" if half else "Adam moments: 8 B x P")]
     if s.stage in (1, 2):
         grads = w * P if s.stage == 1 else w * P // N
         out = [("weights", w * P, f"{w} B x P")]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .config import DEFAULT_MODEL_CONFIG
 from .config_base import size_bytes
 from .fit import Verdict, judge
 from .job import Job
@@ -80,7 +81,7 @@ def model_config(job: Job, model: str | None) -> tuple[dict[str, Any], str]:
     if t.model.path is not None:
         return _read_json(Path(t.model.path)), f"training.model.path {t.model.path}"
     if t.script is None:
-        return {"model_type": "gpt2"}, "the built-in entry point's default (gpt2)"
+        return dict(DEFAULT_MODEL_CONFIG), "the built-in entry point's default (a 2-layer GPT-2)"
     flags = {g.name: g.words for g in given_flags(t.script_args, {"model_name_or_path", "config_name",
                                                                    "model_type", "config_overrides"})}
     for name in ("config_name", "model_name_or_path"):

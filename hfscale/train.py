@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import DataConfig, ModelConfig
+from .config import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from .errors import ConfigError
 from .job import Job
 from .load import load_job
@@ -123,8 +123,7 @@ def build_model(model: ModelConfig, seed: int, zero_init: bool = True):
             has_tok = any((Path(model.path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
             tok = AutoTokenizer.from_pretrained(model.path, local_files_only=True) if has_tok else None
             return m, tok
-        cfg = dict(model.config or {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64,
-                                     "vocab_size": BYTE_VOCAB, "n_positions": 128})
+        cfg = dict(model.config or DEFAULT_MODEL_CONFIG)
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)), None
 
 

@@ -161,6 +161,11 @@ def test_model_states_by_hand():
                     "gathered parameters": 3 * 2 * 500 * 64}
     fp32 = {n: b for n, b, _ in model_states(shape, setting(stage=2, world=4, precision="no"))}
     assert fp32 == {"weights": 4 * P, "gradients": P, "optimizer states": 12 * P // 4}
+    # ZeRO-0: bf16 wraps the optimizer (fp32 master and gradients); fp32 runs the torch optimizer as is
+    zero0 = {n: b for n, b, _ in model_states(shape, setting(stage=0, world=4, precision="no"))}
+    assert zero0 == {"weights": 4 * P, "gradients": 4 * P, "optimizer states": 8 * P}
+    zero0 = {n: b for n, b, _ in model_states(shape, setting(stage=0, world=4, precision="bf16"))}
+    assert zero0 == {"weights": 2 * P, "gradients": 2 * P, "optimizer states": 16 * P}
 
 
 def test_the_total_adds_its_lines_and_the_margin():
@@ -283,3 +288,17 @@ def test_plan_reads_a_scripts_model_and_sequence_length(tmp_path):
     os.mkfifo(fifo)
     r = _run("plan", str(_write(tmp_path, JOB)), "--model", str(fifo), "--no-build")
     assert r.returncode == 2 and "is not a regular file" in r.stderr
+
+
+def test_a_job_naming_no_model_is_sized_as_the_model_the_entry_point_builds():
+    """No training.model and no script: plan sizes the built-in entry point's default model, the
+    one hfscale.train.build_model makes (it once sized GPT-2 small, 124M, for a 2-layer model)."""
+    from conftest import job_of
+    from hfscale.config import ModelConfig
+    from hfscale.sizing import model_config
+    from hfscale.train import build_model
+
+    cfg, source = model_config(job_of("name: d\nbatch: {micro_batch_size: 1}\n"), None)
+    built, _ = build_model(ModelConfig(), seed=0, zero_init=False)
+    assert shape_of(cfg).params() == sum(p.numel() for p in built.parameters())
+    assert source == "the built-in entry point's default (a 2-layer GPT-2)"
