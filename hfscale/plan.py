@@ -21,6 +21,7 @@ from .launcher import CONFIG_COPY, LaunchContext, rank_env, watched
 from .progress import PROGRESS_DIR, STACKS_DIR
 from .reshard import conversion
 from .resume import decide
+from .rundir import HANG_REPORT
 from .runners import RUNNERS
 from .runners.common import Common
 from .schedule import schedule_note
@@ -29,7 +30,6 @@ from .shell import Secret
 from .trainer_args import given_flags
 from .yamlsource import dump
 
-HANG_REPORT = "hang-report.txt"
 
 __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]
 

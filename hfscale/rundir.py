@@ -16,6 +16,8 @@ from .launch_plan import LaunchPlan
 from .shell import Command
 
 CLEANUP_FILE = "cleanup.json"  # the plan's cleanup, for ``hfscale stop`` of a run whose launcher died
+HANG_REPORT = "hang-report.txt"  # the hang watchdog's report
+SLURM_JOB_ID_FILE = "slurm_job_id"  # the id sbatch answered
 
 
 def write_run_dir(plan: LaunchPlan, record: str) -> Path:

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .plan import HANG_REPORT
 from .progress import PROGRESS_DIR, read_metrics, read_progress
-from .rundir import CLEANUP_FILE, read_cleanup, read_state, record_state
-from .runners.slurm import JOB_ID_FILE
+from .rundir import CLEANUP_FILE, HANG_REPORT, SLURM_JOB_ID_FILE, read_cleanup, read_state, record_state
 
 
 class RunError(ValueError):
@@ -74,7 +72,7 @@ def run_info(path: str | Path) -> RunInfo:
     if m.get("preempted") and state in ("finished", "stopped", "failed") and not doc.get("stop_requested"):
         state = "preempted"
     try:
-        slurm = (path / JOB_ID_FILE).read_text().strip() or None
+        slurm = (path / SLURM_JOB_ID_FILE).read_text().strip() or None
     except OSError:
         slurm = None
     loss = m.get("loss")
@@ -246,21 +244,25 @@ def scheduler_command(i: RunInfo, action: str):
 
 def stop(i: RunInfo, say) -> int:
     """Stop run ``i`` on every host: its launcher gets SIGTERM (it runs the cleanup everywhere)
-    and is waited for; a submitted run is cancelled through its scheduler. The exit code."""
-    from .execute import run_probe
-
+    and is waited for; a submitted run is cancelled through its scheduler; a run whose launcher
+    died gets the cleanup that launcher recorded. The exit code."""
     if i.state == "submitted":
         cmd = scheduler_command(i, "stop")
         if cmd is None:
             raise RunError(f"{i.name}: submitted to {i.runner or 'a scheduler'}; hfscale does not know how to cancel it")
-        rc, out, err = run_probe(cmd, timeout=60)
-        if rc != 0:
-            raise RunError(f"{i.name}: {cmd.shell()} failed (exit code {rc}): {(err or out).strip()[:300]}")
-        record_state(i.path, state="stopped", ended=time.time())
+        _run_stop(i, cmd, cmd.shell(), 60)
         say(f"hfscale: {cmd.shell()}: done; {i.name} stopped")
         return 0
     if i.state == "died":
-        return _stop_orphans(i, say)
+        cmd = read_cleanup(i.path)
+        if cmd is None:
+            raise RunError(f"{i.name}: its launcher (pid {i.pid}) died and {i.path / CLEANUP_FILE} is missing, "
+                           "unreadable or writable by others; stop its processes by hand")
+        what = f"the recorded cleanup ({os.path.basename(cmd.argv[0])})"
+        say(f"hfscale: {i.name}: its launcher (pid {i.pid}) died; running {what} on every host")
+        _run_stop(i, cmd, what, STOP_WAIT_S)
+        say(f"hfscale: {i.name} stopped")
+        return 0
     if i.state != "running":
         raise RunError(f"{i.name} is not running (state {i.state})")
     alive = launcher_alive(i.pid, i.host)
@@ -280,24 +282,16 @@ def stop(i: RunInfo, say) -> int:
     raise RunError(f"{i.name}: the launcher (pid {i.pid}) did not end within {STOP_WAIT_S} s")
 
 
-def _stop_orphans(i: RunInfo, say) -> int:
-    """The launcher of ``i`` died without stopping its nodes (killed -9, out of memory): run the
-    cleanup it recorded, which stops this job's processes on every host."""
+def _run_stop(i: RunInfo, cmd, what: str, timeout: float) -> None:
+    """Run the command that stops ``i`` (a scheduler's cancel, or the cleanup a launcher that died
+    recorded: it stops the job's processes on every host), then record the run as stopped."""
     from .execute import run_probe
 
-    cmd = read_cleanup(i.path)
-    if cmd is None:
-        raise RunError(f"{i.name}: its launcher (pid {i.pid}) died and {i.path / CLEANUP_FILE} is missing, "
-                       "unreadable or writable by others; stop its processes by hand")
-    name = os.path.basename(cmd.argv[0])
-    say(f"hfscale: {i.name}: its launcher (pid {i.pid}) died; running the recorded cleanup ({name}) on every host")
     record_state(i.path, stop_requested=time.time())
-    rc, out, err = run_probe(cmd, timeout=STOP_WAIT_S)
+    rc, out, err = run_probe(cmd, timeout=timeout)
     if rc != 0:
-        raise RunError(f"{i.name}: the cleanup ({name}) failed (exit code {rc}): {(err or out).strip()[:300]}")
+        raise RunError(f"{i.name}: {what} failed (exit code {rc}): {(err or out).strip()[:300]}")
     record_state(i.path, state="stopped", ended=time.time())
-    say(f"hfscale: {i.name} stopped")
-    return 0
 
 
 def follow_logs(run: Path, logs: list[Path], write, poll_s: float = 0.5) -> None:

@@ -13,12 +13,12 @@ from ..job import Job
 from ..launch_plan import LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
 from ..render_slurm import MASTER, NODE_RANK, SCRIPT, render_sbatch
+from ..rundir import SLURM_JOB_ID_FILE
 from ..shell import Command, Line, Secret, Sh, words
 from .common import Common
 from .stopping import dump_script, stop_script
 
 EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
-JOB_ID_FILE = "slurm_job_id"
 
 
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
@@ -68,4 +68,4 @@ def unavailable(plan: LaunchPlan) -> tuple[str, int]:
 def submitted(plan: LaunchPlan, stdout: str) -> tuple[dict[str, str], str]:
     """(files to record, what to say) after sbatch --parsable printed ``<job id>[;cluster]``."""
     job = stdout.strip().split(";")[0]
-    return {JOB_ID_FILE: job + "\n"}, f"hfscale: submitted Slurm job {job}; output in {plan.run_dir}/slurm-{job}.out"
+    return {SLURM_JOB_ID_FILE: job + "\n"}, f"hfscale: submitted Slurm job {job}; output in {plan.run_dir}/slurm-{job}.out"
