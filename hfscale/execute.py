@@ -243,8 +243,8 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
         else:
             run = _Run(plan, run_dir, echo, signalled)
             shower = threading.Thread(target=follow_progress, daemon=True, args=(
-                run_dir, run.ended, console.progress, console.tty)) if console and plan.watch else None
-            if shower is not None:  # rank 0 reports where the watchdog reads
+                run_dir, run.ended, console.progress, console.tty)) if console and console.mode != "quiet" else None
+            if shower is not None:  # rank 0 reports into <run dir>/progress, watchdog on or off
                 shower.start()
             try:
                 rc = _stream(run)

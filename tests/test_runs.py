@@ -176,8 +176,12 @@ def test_quiet_and_verbose(tmp_path):
     q = hfscale("launch", str(_job(tmp_path, "q", 4, 29882)), "--quiet")
     assert q.returncode == 0, q.stdout[-2000:] + q.stderr[-2000:]
     assert q.stdout == ""  # no errors: nothing but the start and end lines (on stderr)
-    v = hfscale("launch", str(_job(tmp_path, "v", 4, 29883)), "--verbose")
+    job = _job(tmp_path, "v", 4, 29883)
+    doc = yaml.safe_load(job.read_text())
+    job.write_text(yaml.safe_dump({**doc, "watchdog": {"timeout": None}}))
+    v = hfscale("launch", str(job), "--verbose")
     assert v.returncode == 0 and "FutureWarning" in v.stdout and "{'loss'" in v.stdout
+    assert "hfscale: step 4/4 (100%) | loss " in v.stdout  # the progress line, with the hang watchdog off
 
 
 def _processes_of(marker: str) -> list[str]:
