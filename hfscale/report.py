@@ -203,12 +203,12 @@ def _svg(series: list[Series], title: str, ylabel: str, uid: str) -> str:
         ax = fig.add_subplot()
         colors: dict[str, str] = {}
         starts = set()  # where a later launch's line begins
-        for label, xs, ys in series:
+        for n, (label, xs, ys) in enumerate(series):
             first = label not in colors
             colors.setdefault(label, f"C{len(colors) % 10}")
             starts |= set() if first else {xs[0]}
             ax.plot(xs, ys, color=colors[label], marker="." if len(xs) < 40 else None, linewidth=1.2,
-                    label=(label or None) if first else None)
+                    label=(label or None) if first else None, gid=f"series{n}")  # <g id=...>: each line findable
         for i, x in enumerate(sorted(starts)):
             ax.axvline(x, color="0.6", linestyle=":", linewidth=1, label=None if i else "relaunch")
         ax.set_xlabel("step")  # the title is the figure's caption in the page

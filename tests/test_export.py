@@ -125,14 +125,18 @@ def test_the_export_gives_the_logits_of_the_model_at_training_time(trained, tmp_
 def test_zero_1_2_use_the_master_weights_not_the_whole_model_file(trained, tmp_path, engine):
     """ZeRO-1/2 checkpoints also hold a whole model.safetensors; the export reads the fp32 ZeRO
     state (says so) and, trained in fp32, both agree exactly."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
-    ckpt = trained(engine) / "out" / "checkpoint-4"
-    assert (ckpt / "model.safetensors").is_file()
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    shutil.copytree(trained(engine) / "out" / "checkpoint-4", ckpt)
+    saved = load_file(ckpt / "model.safetensors")
+    # the Trainer's copy blanked (same size, so the completeness marker still holds): were it read,
+    # the export would be zeros
+    save_file({k: torch.zeros_like(v) for k, v in saved.items()}, ckpt / "model.safetensors", metadata={"format": "pt"})
     result = export_model(ckpt, tmp_path / "final")
     assert result.weights == ("fp32 master weights in global_step4/ (DeepSpeed zero_to_fp32; model.safetensors, "
                               "the Trainer's copy, not read)")
-    exported, saved = load_file(tmp_path / "final" / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    exported = load_file(tmp_path / "final" / "model.safetensors")
     assert set(exported) == set(saved) - {"lm_head.weight"}  # the Trainer's file keeps the tied twin too
     assert all(torch.equal(exported[k], saved[k]) for k in exported)
 
@@ -148,6 +152,10 @@ def test_a_universal_conversion_beside_the_shards_is_not_read(trained, tmp_path)
                         "--inject_missing_state"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert (ckpt / "latest_universal").is_file()
+    converted = list((ckpt / "global_step4_universal").rglob("*.pt"))
+    assert converted
+    for f in converted:  # were the conversion read, the export would fail
+        f.write_bytes(b"not a checkpoint")
     result = export_model(out, tmp_path / "final")
     assert result.checkpoint == str(ckpt) and "in global_step4/" in result.weights
     assert logits_difference(tmp_path / "final", torch.load(trained("zero2") / "ref.pt")) <= TOLERANCE
