@@ -64,13 +64,11 @@ def run_info(path: str | Path) -> RunInfo:
     """What ``path`` (a run directory) says about its run."""
     path = Path(path)
     doc, m = read_state(path), read_metrics(path)
-    steps = [p.step for f in (path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f)) is not None]
-    step = m.get("step") if isinstance(m.get("step"), int) else (max(steps) if steps else None)
-    state = doc.get("state", "unknown")
-    if state == "running" and launcher_alive(doc.get("pid"), doc.get("host")) is False:
-        state = "died"
-    if m.get("preempted") and state in ("finished", "stopped", "failed") and not doc.get("stop_requested"):
-        state = "preempted"
+    step = m.get("step") if isinstance(m.get("step"), int) else None
+    if step is None:  # rank 0 reported no step (a plain loop without progress.report): the ranks' files
+        steps = [p.step for f in (path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f)) is not None]
+        step = max(steps) if steps else None
+    state = _state(doc, m)
     try:
         slurm = (path / SLURM_JOB_ID_FILE).read_text().strip() or None
     except OSError:
@@ -80,6 +78,16 @@ def run_info(path: str | Path) -> RunInfo:
                    m.get("max_steps") if isinstance(m.get("max_steps"), int) else None,
                    float(loss) if isinstance(loss, (int, float)) else None,
                    doc.get("started"), doc.get("ended"), doc.get("exit_code"), doc.get("pid"), doc.get("host"), slurm)
+
+
+def _state(doc: dict, metrics: dict) -> str:
+    """The run's state from its state.json (``doc``) and rank 0's metrics."""
+    state = doc.get("state", "unknown")
+    if state == "running" and launcher_alive(doc.get("pid"), doc.get("host")) is False:
+        state = "died"
+    if metrics.get("preempted") and state in ("finished", "stopped", "failed") and not doc.get("stop_requested"):
+        state = "preempted"
+    return state
 
 
 def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
@@ -215,9 +223,9 @@ def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
              + (f"; {m['tokens_per_s']:.0f} tokens/s" if isinstance(m.get("tokens_per_s"), (int, float)) else "")]
     ranks = sorted((p for f in (i.path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f))), key=lambda p: p.rank)
     if ranks:
-        lo = min(p.step for p in ranks)
-        behind = [f"rank {p.rank} ({p.host})" for p in ranks if p.step == lo and lo < max(p.step for p in ranks)]
-        lines.append(f"ranks        {len(ranks)} reporting; steps {lo}..{max(p.step for p in ranks)}"
+        lo, hi = min(p.step for p in ranks), max(p.step for p in ranks)
+        behind = [f"rank {p.rank} ({p.host})" for p in ranks if p.step == lo < hi]
+        lines.append(f"ranks        {len(ranks)} reporting; steps {lo}..{hi}"
                      + (f"; behind: {', '.join(behind[:8])}" if behind else ""))
     if (i.path / HANG_REPORT).is_file():
         lines.append(f"hang report  {i.path / HANG_REPORT}")
@@ -299,7 +307,7 @@ def follow_logs(run: Path, logs: list[Path], write, poll_s: float = 0.5) -> None
     offsets = {p: 0 for p in logs}
     prefix = len(logs) > 1
     while True:
-        running = run_info(run).state == "running"  # read first: what was written before it ended is drained below
+        running = _state(read_state(run), {}) == "running"  # read first: what was written before it ended is drained below
         for p in logs:
             try:
                 with open(p, "rb") as f:

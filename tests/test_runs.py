@@ -242,7 +242,10 @@ def test_a_launcher_gone_without_a_word_is_died(tmp_path):
     (run / "state.json").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "state": "running",
                                                 "started": time.time()}))
     assert run_info(run).state == "died"
-    (run / "cleanup.json").write_text('{"argv": "not a list"')
+    for bad in ('{"argv": ["pdsh"]', '{"argv": "pdsh -w h kill", "env": {}, "cwd": null}',
+                '{"argv": ["pdsh"], "env": {"A": 1}, "cwd": null}'):  # cut short; argv a string; a number in env
+        (run / "cleanup.json").write_text(bad)
+        assert read_cleanup(run) is None, bad
     r = hfscale("stop", str(run))
     assert r.returncode == 2 and "cleanup.json is missing, unreadable or writable by others" in r.stderr, r.stderr
     (run / "state.json").write_text(json.dumps({"pid": os.getpid(), "host": "elsewhere", "state": "running"}))
