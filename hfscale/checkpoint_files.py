@@ -169,8 +169,8 @@ def _optimizer_problem(ckpt: Path, deepspeed: bool, ranks: int) -> str | None:
         why = deepspeed_problem(ckpt, ranks)
         if why is not None:
             return why
-        tag = (ckpt / "latest").read_text(encoding="utf-8", errors="replace").strip()
-        for p in sorted((ckpt / tag).iterdir()):
+        tag = deepspeed_tag(ckpt)  # deepspeed_problem found it valid
+        for p in sorted((ckpt / str(tag)).iterdir()):
             why = file_problem(p, f"{tag}/{p.name}") if p.is_file() else None
             if why:
                 return why

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .cli_runs import RUN_COMMANDS
 from .errors import ConfigError
 from .exitcodes import BAD_INPUT as EXIT_BAD_INPUT
 from .exitcodes import UNREACHABLE as EXIT_UNREACHABLE
@@ -311,9 +312,7 @@ def schema() -> None:
     click.echo(json.dumps(s, indent=2))
 
 
-from .cli_runs import RUN_COMMANDS  # noqa: E402 (they register on main)
-
-for _command in RUN_COMMANDS:
+for _command in RUN_COMMANDS:  # the commands about runs that exist (cli_runs)
     main.add_command(_command)
 
 if __name__ == "__main__":  # pragma: no cover

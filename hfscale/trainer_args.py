@@ -78,12 +78,8 @@ def trainer_args(job: Job, deepspeed_config_file: str | None) -> tuple[TrainerAr
 
 def training_arguments_kwargs(job: Job, deepspeed_config_file: str | None = None) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments`` (pure; no transformers import)."""
-    kw = {a.name: a.value for a in trainer_args(job, deepspeed_config_file)}
-    if job.deepspeed is None:
-        del kw["deepspeed"]
-    if kw["gradient_checkpointing"] is None:
-        del kw["gradient_checkpointing"]
-    return kw
+    # None: not set (TrainingArguments' own default), as trainer_flags leaves it off a command line
+    return {a.name: a.value for a in trainer_args(job, deepspeed_config_file) if a.value is not None}
 
 
 def training_arguments(job: Job, deepspeed_config_file: str | None = None, **overrides: Any):

@@ -87,9 +87,10 @@ def main() -> None:
             step += 1
             hfscale.progress.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
             if accelerator.is_main_process and (step % t.logging_steps == 0 or step == 1):
-                print(f"step {step}/{steps} loss {loss.item():.4f}", flush=True)
+                value = loss.item()  # one device sync
+                print(f"step {step}/{steps} loss {value:.4f}", flush=True)
                 # hfscale launch's progress line and hfscale runs (rank 0 only; nothing elsewhere)
-                hfscale.progress.report(step=step, max_steps=steps, loss=loss.item())
+                hfscale.progress.report(step=step, max_steps=steps, loss=value)
         if step >= steps:
             break
 

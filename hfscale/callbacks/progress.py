@@ -9,6 +9,11 @@ from transformers import TrainerCallback
 from .. import progress
 
 
+# the Trainer's log keys -> the names in progress/metrics.json
+_REPORTED = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm", "epoch": "epoch",
+             "hfscale/tokens_per_s": "tokens_per_s", "hfscale/eta_s": "eta_s", "hfscale/mfu": "mfu"}
+
+
 def dropped_engine() -> str | None:
     """The distributed type accelerate runs this process with when ``accelerate launch`` was told
     FSDP (ACCELERATE_USE_FSDP) but the Accelerator is not FSDP: accelerate uses FSDP on GPUs and
@@ -52,7 +57,5 @@ class ProgressCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         # rank 0's numbers for hfscale launch's progress line (hfscale.progress.report ignores other ranks)
         logs = logs or {}
-        keys = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm", "epoch": "epoch",
-                "hfscale/tokens_per_s": "tokens_per_s", "hfscale/eta_s": "eta_s", "hfscale/mfu": "mfu"}
         progress.report(step=state.global_step, max_steps=state.max_steps,
-                        **{ours: logs[theirs] for theirs, ours in keys.items() if theirs in logs})
+                        **{ours: logs[theirs] for theirs, ours in _REPORTED.items() if theirs in logs})
