@@ -28,7 +28,7 @@ from .follow import Follower
 from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
 from .runners import RUNNERS
 from .console import HOST_PREFIX, Console, follow_progress, never_raises
-from .rundir import move_aside, record_state, write_run_dir
+from .rundir import LOGS_DIR, move_aside, record_state, write_run_dir
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
 from .watchdog import Watchdog, judge
@@ -56,7 +56,7 @@ class _Run:
         self.plan = plan
         self._signals = signals  # execute's signal handler appends the first stop signal here
         self.echo = echo
-        self.logs: dict[str, TextIO] = {h: open(run_dir / "logs" / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
+        self.logs: dict[str, TextIO] = {h: open(run_dir / LOGS_DIR / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
         self.failure: tuple[str, int] | None = None
         self.hung = False  # the failure is the hang watchdog's (a node may exit 4 too)
         self.exited: set[str] = set()  # hosts that printed their exit line
@@ -264,7 +264,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
 def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
     """Run one of the plan's steps before the job (a checkpoint conversion); its output goes to
     logs/prepare.log. Its exit code (0: done)."""
-    log = run_dir / "logs" / "prepare.log"
+    log = run_dir / LOGS_DIR / "prepare.log"
     echo(f"hfscale: {step.shell()}")
     t0 = time.monotonic()
     try:

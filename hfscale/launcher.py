@@ -16,12 +16,12 @@ from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
 from .envvars import job_env, secret_names
 from .job import Job
 from .resume import OutputScan
+from .rundir import CONFIG_COPY
 from .script_rules import SCRIPT_ENTRY, script_argv
 from .progress import FLIGHT_DIR
 from .shell import Cat, Secret, Word
 
 BUILTIN_ENTRY = "hfscale.train"
-CONFIG_COPY = "config.yaml"
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 

@@ -22,17 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .files import write_files
-from .launcher import CONFIG_COPY
 from .resume import checkpoints
-from .rundir import STATE_FILE
-from .runs import output_dir_of
+from .rundir import CONFIG_COPY, PLAN_FILE, STATE_FILE
+from .runs import RunError, output_dir_of, read_config_copy
 
 __all__ = ["ReportError", "RunData", "read_run", "render_html", "write_report"]
 
-PLAN_FILE = "plan.txt"  # hfscale.rundir.write_run_dir
 METRICS_FILE = "hfscale_metrics.jsonl"  # hfscale.callbacks.collectives.METRICS_FILE (that module imports torch)
 TRAINER_STATE = "trainer_state.json"
 MAX_STRAGGLER_ROWS = 50
@@ -120,13 +116,12 @@ def read_run(run_dir: str | Path) -> RunData:
         raise ReportError(f"{run_dir} is not an hfscale run directory: {' and '.join(missing)} missing "
                           "(hfscale launch writes both)")
     try:
-        config_text = (run_dir / CONFIG_COPY).read_text(encoding="utf-8")
+        config_text, cfg = read_config_copy(run_dir)
         plan_text = (run_dir / PLAN_FILE).read_text(encoding="utf-8")
-        cfg = yaml.safe_load(config_text)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ReportError(f"{run_dir}: cannot read {CONFIG_COPY} or {PLAN_FILE}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ReportError(f"{run_dir / CONFIG_COPY}: not a YAML mapping, not the config copy hfscale launch writes")
+    except RunError as e:
+        raise ReportError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportError(f"{run_dir / PLAN_FILE}: cannot read it: {e}") from None
     notes: list[str] = []
     state = _read_state(run_dir / STATE_FILE, notes) or {}
     cwd = state.get("cwd") if isinstance(state.get("cwd"), str) else None

@@ -15,6 +15,9 @@ from .files import write_files
 from .launch_plan import LaunchPlan
 from .shell import Command
 
+PLAN_FILE = "plan.txt"  # the plan as --dry-run prints it
+CONFIG_COPY = "config.yaml"  # the resolved config the ranks read ($HFSCALE_CONFIG)
+LOGS_DIR = "logs"  # one log per node (and prepare.log)
 CLEANUP_FILE = "cleanup.json"  # the plan's cleanup, for ``hfscale stop`` of a run whose launcher died
 HANG_REPORT = "hang-report.txt"  # the hang watchdog's report
 SLURM_JOB_ID_FILE = "slurm_job_id"  # the id sbatch answered
@@ -25,13 +28,13 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
     files (real secret values) readable by this user only."""
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=False)
-    write_files(run_dir, {**dict(plan.files), "plan.txt": record})
+    write_files(run_dir, {**dict(plan.files), PLAN_FILE: record})
     private = {name: text.real for name, text in plan.private}
     if plan.cleanup is not None:
         c = plan.cleanup  # real values (its environment may carry ssh options): this user only
         private[CLEANUP_FILE] = json.dumps({"argv": c.real_argv(), "env": c.real_env(), "cwd": c.cwd}) + "\n"
     write_files(run_dir, private, mode=0o600)
-    (run_dir / "logs").mkdir()
+    (run_dir / LOGS_DIR).mkdir()
     if plan.follow is not None:
         Path(plan.follow.beats_dir).mkdir()
     if plan.watch is not None:  # the ranks write here; made now so a rank's first write cannot race another's

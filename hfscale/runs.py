@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .progress import PROGRESS_DIR, read_metrics, read_progress
-from .rundir import CLEANUP_FILE, HANG_REPORT, SLURM_JOB_ID_FILE, read_cleanup, read_state, record_state
+from .rundir import (CLEANUP_FILE, CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, read_cleanup,
+                     read_state, record_state)
 
 
 class RunError(ValueError):
@@ -118,24 +119,28 @@ def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = N
     return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
-def run_output_dir(run: Path) -> Path:
-    """The training.output_dir of run directory ``run`` (its config copy and state.json)."""
+def read_config_copy(run: Path) -> tuple[str, dict[str, Any]]:
+    """(text, mapping) of run directory ``run``'s resolved config copy; RunError when unusable."""
     import yaml
 
-    from .launcher import CONFIG_COPY
-
     try:
-        cfg = yaml.safe_load((run / CONFIG_COPY).read_text())
+        text = (run / CONFIG_COPY).read_text(encoding="utf-8")
+        cfg = yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise RunError(f"{run / CONFIG_COPY}: cannot read the run's config ({e})") from None
     if not isinstance(cfg, dict):
-        raise RunError(f"{run / CONFIG_COPY}: not the config copy hfscale launch writes")
+        raise RunError(f"{run / CONFIG_COPY}: not a YAML mapping, not the config copy hfscale launch writes")
+    return text, cfg
+
+
+def run_output_dir(run: Path) -> Path:
+    """The training.output_dir of run directory ``run`` (its config copy and state.json)."""
     cwd = read_state(run).get("cwd")
-    return output_dir_of(run, cfg, cwd if isinstance(cwd, str) else None)
+    return output_dir_of(run, read_config_copy(run)[1], cwd if isinstance(cwd, str) else None)
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "plan.txt").is_file() and (path / "logs").is_dir()
+    return (path / PLAN_FILE).is_file() and (path / LOGS_DIR).is_dir()
 
 
 def list_runs(root: str | Path) -> list[RunInfo]:
@@ -184,7 +189,7 @@ def runs_table(infos: list[RunInfo]) -> str:
 
 def log_files(path: Path) -> list[Path]:
     """The node logs of a run, in name order."""
-    return sorted((path / "logs").glob("*.log"))
+    return sorted((path / LOGS_DIR).glob("*.log"))
 
 
 def pick_log(path: Path, node: str | None) -> list[Path]:

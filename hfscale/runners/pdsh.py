@@ -26,6 +26,7 @@ from ..envvars import host_env, host_secret
 from ..job import Job
 from ..launch_plan import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
+from ..rundir import LOGS_DIR
 from ..shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
                      render, words)
 from ..ssh import pdsh_argv
@@ -38,7 +39,6 @@ UNKNOWN_HOST_EXIT = 97
 ENV_FILE = "env.sh"
 NODES_FILE = "nodes.sh"
 HOSTS_FILE = "pdsh_hosts"
-LOGS_DIR = "logs"
 BEATS_DIR = "alive"
 HEARTBEAT_S = 10
 LOST_AFTER_S = 40  # four heartbeats missed: noticed 40-45 s after a node died
