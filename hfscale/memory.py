@@ -11,8 +11,10 @@ tensors autograd keeps per token). The CUDA context and NCCL's buffers are a sep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .model_shape import Shape
+if TYPE_CHECKING:  # check imports this module for bucket_bytes only
+    from .model_shape import Shape
 
 GiB = 2**30
 CONTEXT_BYTES = GiB  # CUDA context, cuBLAS workspaces and NCCL buffers of one process
@@ -118,18 +120,25 @@ def model_states(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:
     return out
 
 
+def bucket_bytes(stage: int, reduce: int, other: int, overlap: bool, elem: int, params: int | None = None) -> int:
+    """DeepSpeed's communication buffers on one GPU, its documented estimate: stages 1-2 (reduce +
+    allgather bucket) x element size, 4.5 times that with overlap_comm; stage 3 (reduce + prefetch
+    bucket) x element size. ``params``: the model's size, which caps each bucket (unknown to check)."""
+    cap = params if params is not None else max(reduce, other)
+    n = min(reduce, cap) + min(other, cap)
+    return int(n * elem * (4.5 if stage in (1, 2) and overlap else 1))
+
+
 def buckets(shape: Shape, s: Setting) -> tuple[int, str]:
-    """Communication buffers on one GPU (DeepSpeed's documented estimate; capped at the model)."""
-    P = shape.params()
+    """Communication buffers on one GPU (bucket_bytes, capped at the model)."""
     if s.engine != "deepspeed" or s.stage == 0:
         return 0, ""
+    other = s.allgather_bucket if s.stage in (1, 2) else s.prefetch_bucket
+    b = bucket_bytes(s.stage, s.reduce_bucket, other, s.overlap_comm, s.comm_bytes, shape.params())
     if s.stage in (1, 2):
-        factor = 4.5 if s.overlap_comm else 1
-        n = min(s.reduce_bucket, P) + min(s.allgather_bucket, P)
-        return int(n * s.comm_bytes * factor), (f"(reduce + allgather bucket, at most P each) x {s.comm_bytes} B"
-                                                 + (" x 4.5 (overlap_comm)" if s.overlap_comm else ""))
-    n = min(s.reduce_bucket, P) + min(s.prefetch_bucket, P)
-    return n * s.comm_bytes, f"(reduce + prefetch bucket) x {s.comm_bytes} B"
+        return b, (f"(reduce + allgather bucket, at most P each) x {s.comm_bytes} B"
+                   + (" x 4.5 (overlap_comm)" if s.overlap_comm else ""))
+    return b, f"(reduce + prefetch bucket) x {s.comm_bytes} B"
 
 
 def activations(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .job import Job
+from .memory import bucket_bytes
 from .trainer_args import trainer_args
 
 
@@ -100,12 +101,11 @@ def bucket_memory(job: Job) -> str | None:
         return None
     size, overlap = ds.comm_bytes(job.config.precision), ds.overlap()
     if ds.stage in (1, 2):
-        factor = 4.5 if overlap else 1
-        total = (ds.reduce_bucket_size + ds.allgather_bucket_size) * size * factor
+        total = bucket_bytes(ds.stage, ds.reduce_bucket_size, ds.allgather_bucket_size, overlap, size)
         how = (f"(reduce {_e(ds.reduce_bucket_size)} + allgather {_e(ds.allgather_bucket_size)} elements) x {size} B"
                + (" x 4.5 with overlap_comm" if overlap else ""))
         return f"~{_gib(total)} per GPU = {how}"
-    total = (ds.reduce_bucket_size + ds.stage3_prefetch_bucket_size) * size
+    total = bucket_bytes(ds.stage, ds.reduce_bucket_size, ds.stage3_prefetch_bucket_size, overlap, size)
     return (f"~{_gib(total)} per GPU = (reduce {_e(ds.reduce_bucket_size)} + prefetch "
             f"{_e(ds.stage3_prefetch_bucket_size)} elements) x {size} B; gathered parameters up to "
             f"{_gib(ds.stage3_max_live_parameters * size)} more (stage3_max_live_parameters)")
