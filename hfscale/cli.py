@@ -273,15 +273,8 @@ def plan_cmd(config_file: str, gpu_memory: str | None, seq_len: int | None, mode
     """Memory per GPU of CONFIG's job before a GPU is touched: model states by engine, activations,
     buckets; with a GPU memory, whether it fits and the cheapest change that does."""
     from . import sizing
-    from .config_base import size_bytes
 
     job = _load(config_file)
-    try:
-        if gpu_memory is not None:
-            size_bytes(gpu_memory)
-    except ValueError as e:
-        click.echo(f"error: --gpu-memory {e}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
     try:
         sz = sizing.sizing(job, model, seq_len, gpu_memory)
     except sizing.SizingError as e:

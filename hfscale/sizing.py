@@ -138,15 +138,19 @@ def setting_of(job: Job, seq_len: int) -> Setting:
 
 
 def sizing(job: Job, model: str | None = None, seq_len: int | None = None, gpu_memory: str | None = None) -> Sizing:
-    """Everything a plan needs, or SizingError naming what is missing."""
+    """Everything a plan needs, or SizingError naming what is missing or wrong."""
+    try:
+        given = size_bytes(gpu_memory) if gpu_memory is not None else None
+    except ValueError as e:
+        raise SizingError(f"--gpu-memory {e}") from None
     cfg, model_from = model_config(job, model)
     try:
         shape = shape_of(cfg)
     except ShapeError as e:
         raise SizingError(f"{model_from}: {e}") from None
     seq, seq_from = sequence_length(job, seq_len)
-    if gpu_memory is not None:
-        limit, limit_from = size_bytes(gpu_memory), "--gpu-memory"
+    if given is not None:
+        limit, limit_from = given, "--gpu-memory"
     elif job.config.cluster.gpu_memory is not None:
         limit, limit_from = size_bytes(job.config.cluster.gpu_memory), "cluster.gpu_memory"
     else:
@@ -198,5 +202,8 @@ def as_json(sz: Sizing, e: Estimate, v: Verdict | None, params_built: int | None
 
 
 def plan_memory(sz: Sizing) -> tuple[Estimate, Verdict | None]:
-    """The estimate, and the verdict when the GPU memory is known."""
-    return estimate(sz.shape, sz.setting), (judge(sz.shape, sz.setting, sz.limit) if sz.limit else None)
+    """The estimate, and the verdict when the GPU memory is known (it holds the estimate)."""
+    if not sz.limit:
+        return estimate(sz.shape, sz.setting), None
+    v = judge(sz.shape, sz.setting, sz.limit)
+    return v.current, v
