@@ -59,7 +59,7 @@ def levers(s: Setting) -> list[tuple[Lever, dict]]:
             out.append((Lever("ZeRO-2", 1, ("distributed.deepspeed.stage: 2",)), {"stage": 2}))
         if s.stage < 3:
             out.append((Lever("ZeRO-3", 3, ("distributed.deepspeed.stage: 3",)), {"stage": 3}))
-        if not s.offload_optimizer and s.stage > 0:
+        if not s.offload_optimizer:  # at stage 0 only with a higher stage (_valid)
             out.append((Lever("optimizer offload", 4, ("distributed.deepspeed.offload_optimizer.device: cpu",)),
                         {"offload_optimizer": True}))
         if not s.offload_params:
@@ -71,9 +71,9 @@ def levers(s: Setting) -> list[tuple[Lever, dict]]:
                         {"stage": 3}))
         if not s.offload_params:
             out.append((Lever("offload", 5, ("distributed.fsdp.offload_params: true",)), {"offload_params": True}))
-    else:
-        out.append((Lever("ZeRO-2", 1, ("distributed.backend: deepspeed", "distributed.deepspeed.stage: 2")),
-                    {"engine": "deepspeed", "stage": 2}))
+    else:  # DDP: DeepSpeed's levers from ZeRO-0, each also switching the backend
+        for lv, f in levers(replace(s, engine="deepspeed", stage=0, checkpointing=True)):
+            out.append((replace(lv, keys=("distributed.backend: deepspeed", *lv.keys)), {"engine": "deepspeed", **f}))
     if not s.checkpointing:
         key = "distributed.fsdp.activation_checkpointing: true" if s.engine == "fsdp" else \
             "training.gradient_checkpointing: true"
@@ -132,7 +132,7 @@ def judge(shape: Shape, s: Setting, limit: int) -> Verdict:
     if not found:
         return Verdict(limit, current, False, largest, (), None)
     _, _, combo, e = min(found, key=lambda f: (f[0], f[1]))
-    changes = [k for lv, _ in combo for k in lv.keys]
+    changes = list(dict.fromkeys(k for lv, _ in combo for k in lv.keys))  # the backend switch once
     if e.setting.micro_batch != s.micro_batch:
         changes.insert(0, f"batch.micro_batch_size: {e.setting.micro_batch} "
                           f"(gradient accumulation {e.setting.accumulation})")

@@ -302,3 +302,19 @@ def test_a_job_naming_no_model_is_sized_as_the_model_the_entry_point_builds():
     built, _ = build_model(ModelConfig(), seed=0, zero_init=False)
     assert shape_of(cfg).params() == sum(p.numel() for p in built.parameters())
     assert source == "the built-in entry point's default (a 2-layer GPT-2)"
+
+
+def test_ddp_and_zero_0_get_every_deepspeed_lever():
+    """A 7B job on 8 GPUs of 24 GiB: DDP was only ever offered ZeRO-2 ('no change fits'), and ZeRO-0
+    never optimizer offload. Now DDP gets DeepSpeed's levers with the backend switch (once), and on
+    one GPU both find ZeRO-2 with optimizer offload."""
+    shape = shape_of({"model_type": "llama"})
+    ddp = setting(engine="ddp", stage=0, micro_batch=1, accumulation=8, world=8, gpus_per_node=8, nodes=1)
+    v = judge(shape, ddp, 24 * GiB)
+    assert v.best is not None and v.best.gpu_total <= 24 * GiB and v.best.setting.engine == "deepspeed"
+    assert v.changes.count("distributed.backend: deepspeed") == 1 and "distributed.deepspeed.stage: 3" in v.changes
+    one = replace(ddp, world=1, gpus_per_node=1)
+    for s in (one, replace(one, engine="deepspeed")):
+        v = judge(shape, s, 24 * GiB)
+        assert v.best is not None and v.best.gpu_total <= 24 * GiB
+        assert {"distributed.deepspeed.stage: 2", "distributed.deepspeed.offload_optimizer.device: cpu"} <= set(v.changes)
