@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 from hfscale.preflight import MARK, evaluate, gpu_memory_hint, probes, render_table
 
@@ -121,3 +122,28 @@ def test_real_local_preflight_sees_a_busy_port(tmp_path):
 def test_preflight_refuses_scheduler_runners(repo_root):
     r = run_cli("preflight", str(repo_root / "examples" / "slurm" / "config.yaml"))
     assert r.returncode == 2 and "with runner slurm the scheduler picks the nodes" in r.stderr
+
+
+def test_real_local_preflight_reads_gpu_memory_through_nvidia_smi(tmp_path):
+    """No GPU here: a stand-in nvidia-smi on PATH answers exactly the two queries the probe makes
+    (anything else exits 1), so the query's fields and the smallest-GPU pipeline really run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(
+        '#!/bin/sh\n'
+        'if [ "$*" = "-L" ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)"; '
+        'echo "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-b)"; exit 0; fi\n'
+        'if [ "$*" = "--query-gpu=memory.total --format=csv,noheader,nounits" ]; then printf "81559\\n40960\\n"; exit 0; fi\n'
+        'exit 1\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    path = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    cfg = tmp_path / "local.yaml"
+    cfg.write_text("name: pf\ncluster: {nproc_per_node: 2, master_port: 29558}\nbatch: {micro_batch_size: 1}\n")
+    r = run_cli("preflight", str(cfg), env=path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    header, row = (line.split() for line in r.stdout.splitlines()[:2])
+    assert (row[header.index("gpus")], row[header.index("gpu_mib")]) == ("2", "40960")
+    assert "set cluster.gpu_memory: 40960MiB" in r.stdout + r.stderr
+    cfg.write_text(cfg.read_text().replace("master_port: 29558}", "master_port: 29558, gpu_memory: 80GB}"))
+    r = run_cli("preflight", str(cfg), env=path)
+    assert r.returncode != 0 and "its smallest GPU has 40960 MiB, less than cluster.gpu_memory 80GB" in r.stdout
