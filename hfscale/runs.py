@@ -309,22 +309,17 @@ def _run_stop(i: RunInfo, cmd, what: str, timeout: float) -> None:
 
 def follow_logs(run: Path, logs: list[Path], write, poll_s: float = 0.5) -> None:
     """Write what ``logs`` hold, then what is appended, until the run is no longer running."""
-    offsets = {p: 0 for p in logs}
-    prefix = len(logs) > 1
+    from .follow import LogTail
+
+    tail = LogTail({str(p): p for p in logs})
+    prefix = {str(p): f"[{p.stem}] " if len(logs) > 1 else "" for p in logs}
     while True:
         running = _state(read_state(run), {}) == "running"  # read first: what was written before it ended is drained below
-        for p in logs:
-            try:
-                with open(p, "rb") as f:
-                    f.seek(offsets[p])
-                    data = f.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1  # whole lines only; the rest next time
-            if end:
-                offsets[p] += end
-                for line in data[:end].decode("utf-8", "replace").splitlines():
-                    write(f"[{p.stem}] {line}" if prefix else line)
+        while batch := tail.lines():  # a long log comes in pieces of follow.READ_LIMIT
+            for name, line in batch:
+                write(prefix[name] + line)
         if not running:
+            for name, line in tail.rest():
+                write(prefix[name] + line)
             return
         time.sleep(poll_s)

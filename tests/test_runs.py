@@ -321,3 +321,24 @@ def test_a_runs_end_state_comes_from_what_ended_it_not_from_its_exit_code():
     assert state_of(143, signalled=True) == state_of(130, signalled=True) == "stopped"
     assert state_of(143) == state_of(130) == "failed"  # a node killed by someone else's TERM, a script's exit(130)
     assert state_of(HUNG, hung=True) == "hung" and state_of(HUNG) == "failed"  # a script may exit 4 itself
+
+
+def test_logs_follow_prints_every_line_then_ends_with_the_run(tmp_path):
+    """hfscale logs --follow on a run that ends: every line (a last one without its newline too),
+    each prefixed with its node when there are several logs, and it returns once the run ended."""
+    from hfscale.follow import READ_LIMIT
+    from hfscale.runs import follow_logs
+
+    run = tmp_path / "runs" / "x-1"
+    (run / "logs").mkdir(parents=True)
+    (run / "state.json").write_text(json.dumps({"state": "finished", "exit_code": 0}))
+    long = "y" * 1000
+    (run / "logs" / "node0.log").write_text("a\n" + (long + "\n") * (2 * READ_LIMIT // 1000) + "last without newline")
+    (run / "logs" / "node1.log").write_text("b\n")
+    seen: list[str] = []
+    follow_logs(run, sorted((run / "logs").glob("*.log")), seen.append, poll_s=0.01)
+    assert seen[0] == "[node0] a" and seen.count(f"[node0] {long}") == 2 * READ_LIMIT // 1000
+    assert "[node1] b" in seen and seen[-1] == "[node0] last without newline"
+    one: list[str] = []
+    follow_logs(run, [run / "logs" / "node1.log"], one.append)
+    assert one == ["b"]
