@@ -28,7 +28,7 @@ from .follow import Follower
 from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
 from .runners import RUNNERS
 from .console import HOST_PREFIX, Console, follow_progress, never_raises
-from .rundir import LOGS_DIR, move_aside, record_state, write_run_dir
+from .rundir import LOGS_DIR, move_aside, record_state, this_launcher, write_run_dir
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
 from .watchdog import Watchdog, judge
@@ -231,7 +231,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
                  "nothing was started")
             return exitcodes.BAD_INPUT
-        record_state(run_dir, state="running", job_id=plan.job_id, runner=plan.runner)
+        record_state(run_dir, **this_launcher(), state="running", job_id=plan.job_id, runner=plan.runner)
         rc = 0
         for step in plan.prepare:
             if (rc := _prepare(step, run_dir, echo)) or signalled:

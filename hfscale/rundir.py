@@ -88,11 +88,15 @@ def read_state(run_dir: str | Path) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
+def this_launcher() -> dict[str, object]:
+    """The state.json fields a launch starts with: the launching process, its host and directory."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "cwd": os.getcwd(), "started": time.time()}
+
+
 def record_state(run_dir: str | Path, **fields: object) -> None:
     """Merge ``fields`` into ``<run dir>/state.json`` (what ``hfscale runs``/``status``/``stop`` read):
-    at the start the launching process and host, at the end the state and exit code."""
-    doc = read_state(run_dir) or {"pid": os.getpid(), "host": socket.gethostname(), "cwd": os.getcwd(),
-                                  "started": time.time()}
+    at the start this_launcher() and the state, at the end the state and exit code."""
+    doc = read_state(run_dir)
     try:
         write_files(Path(run_dir), {STATE_FILE: json.dumps({**doc, **fields}, indent=1) + "\n"})
     except OSError:

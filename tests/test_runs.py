@@ -342,3 +342,15 @@ def test_logs_follow_prints_every_line_then_ends_with_the_run(tmp_path):
     one: list[str] = []
     follow_logs(run, [run / "logs" / "node1.log"], one.append)
     assert one == ["b"]
+
+
+def test_state_json_holds_a_launcher_only_when_a_launch_records_one(tmp_path):
+    """A stop on a run directory without state.json must not record the stopping process as its
+    launcher (which a later stop would then signal)."""
+    from hfscale.rundir import read_state, record_state, this_launcher
+
+    record_state(tmp_path, stop_requested=1.0)
+    assert read_state(tmp_path) == {"stop_requested": 1.0}
+    record_state(tmp_path, **this_launcher(), state="running")
+    doc = read_state(tmp_path)
+    assert doc["pid"] == os.getpid() and doc["state"] == "running" and doc["stop_requested"] == 1.0
