@@ -123,9 +123,9 @@ def model_states(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:
 def bucket_bytes(stage: int, reduce: int, other: int, overlap: bool, elem: int, params: int | None = None) -> int:
     """DeepSpeed's communication buffers on one GPU, its documented estimate: stages 1-2 (reduce +
     allgather bucket) x element size, 4.5 times that with overlap_comm; stage 3 (reduce + prefetch
-    bucket) x element size. ``params``: the model's size, which caps each bucket (unknown to check)."""
-    cap = params if params is not None else max(reduce, other)
-    n = min(reduce, cap) + min(other, cap)
+    bucket) x element size. The reduce bucket is allocated whole (stage_1_and_2: torch.empty(
+    reduce_bucket_size)); ``params``, the model's size (unknown to check), caps the other one."""
+    n = reduce + (min(other, params) if params is not None else other)
     return int(n * elem * (4.5 if stage in (1, 2) and overlap else 1))
 
 
@@ -136,7 +136,7 @@ def buckets(shape: Shape, s: Setting) -> tuple[int, str]:
     other = s.allgather_bucket if s.stage in (1, 2) else s.prefetch_bucket
     b = bucket_bytes(s.stage, s.reduce_bucket, other, s.overlap_comm, s.comm_bytes, shape.params())
     if s.stage in (1, 2):
-        return b, (f"(reduce + allgather bucket, at most P each) x {s.comm_bytes} B"
+        return b, (f"(reduce + allgather bucket, the latter at most P) x {s.comm_bytes} B"
                    + (" x 4.5 (overlap_comm)" if s.overlap_comm else ""))
     return b, f"(reduce + prefetch bucket) x {s.comm_bytes} B"
 

@@ -318,3 +318,18 @@ def test_ddp_and_zero_0_get_every_deepspeed_lever():
         v = judge(shape, s, 24 * GiB)
         assert v.best is not None and v.best.gpu_total <= 24 * GiB
         assert {"distributed.deepspeed.stage: 2", "distributed.deepspeed.offload_optimizer.device: cpu"} <= set(v.changes)
+
+
+def test_the_reduce_bucket_is_counted_whole_even_for_a_small_model():
+    """DeepSpeed allocates reduce_bucket_size elements whatever the model's size (stage_1_and_2:
+    torch.empty(int(self.reduce_bucket_size)), twice with overlap_comm); the allgather and prefetch
+    buckets hold at most the model. check (no model known) counts both whole, from the same formula."""
+    from hfscale.memory import bucket_bytes, buckets
+
+    shape = shape_of(CASES["llama-gqa"])
+    P = shape.params()  # 154,944, far below the 5e8-element buckets
+    b, _ = buckets(shape, setting(stage=2, overlap_comm=True))
+    assert b == int((500_000_000 + P) * 2 * 4.5)
+    b, _ = buckets(shape, setting(stage=3))
+    assert b == (500_000_000 + P) * 2
+    assert bucket_bytes(2, 500_000_000, 500_000_000, True, 2) == 9_000_000_000  # DeepSpeed's documented 9 GB
