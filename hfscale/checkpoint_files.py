@@ -14,16 +14,24 @@ scheduler (with DeepSpeed: the engine's shards, one per rank, and ``latest``), t
 - every file is whole: torch.save's zip archives end with their end-of-central-directory record,
   a safetensors file is exactly as long as its header says, an FSDP folder has its ``.metadata``.
 
-A few bytes are read per file; nothing is loaded and torch is not imported.
+A few bytes are read per file; nothing is loaded and torch is not imported. Files are read
+through hfscale.untrusted: a link, a FIFO or a device in a checkpoint is not followed or read, it
+makes the checkpoint incomplete.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .untrusted import (MiB, Missing, Unreadable, decode, open_regular, parse_json, read_bytes, real_dir, real_file,
+                        tag_name)
+
+if TYPE_CHECKING:
+    from .records import TrainerState
 
 TRAINER_STATE = "trainer_state.json"
 _RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
@@ -35,13 +43,9 @@ _ZIP_SUFFIXES = (".pt", ".pth", ".bin")
 
 def zip_whole(path: Path) -> bool:
     """True when the zip archive at ``path`` (torch.save's format) ends with its whole directory record."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            tail_len = min(size, 22 + 65535)  # the record (22 bytes) and at most a 64 KiB archive comment
-            f.seek(size - tail_len)
-            tail = f.read(tail_len)
-    except OSError:
+    try:  # the record (22 bytes) and at most a 64 KiB archive comment
+        tail = read_bytes(path, 22 + 65535, tail=True)
+    except Unreadable:
         return False
     at = tail.rfind(_EOCD)
     if at < 0 or len(tail) - at < 22:
@@ -53,25 +57,31 @@ def zip_whole(path: Path) -> bool:
 def safetensors_whole(path: Path) -> bool:
     """True when the safetensors file at ``path`` is as long as its header says."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return False
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100 * 2**20:
-                return False
-            header = json.loads(f.read(n))
+        fd, st = open_regular(path)
+    except Unreadable:
+        return False
+    try:
+        size = st.st_size
+        head = os.read(fd, 8)
+        if len(head) < 8:
+            return False
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * MiB:
+            return False
+        header = parse_json(os.read(fd, n), path)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
         return size == 8 + n + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
         return False
+    finally:
+        os.close(fd)
 
 
 def file_problem(path: Path, rel: str) -> str | None:
     """Why the file ``rel`` (at ``path``) is not whole, or None."""
-    if not path.is_file():
-        return f"{rel} is missing"
+    if not real_file(path):
+        return f"{rel} is missing" if not os.path.lexists(path) else \
+            f"{rel} is not a regular file (a link, FIFO or device)"
     if path.suffix == ".safetensors" and not safetensors_whole(path):
         return f"{rel} is cut short (shorter than its safetensors header says)"
     if path.suffix in _ZIP_SUFFIXES and not zip_whole(path):
@@ -83,15 +93,18 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
     """Check the DeepSpeed part of a Trainer checkpoint (``latest`` + ``global_step*/``), if any.
     ``world_size`` 0: expect the ranks the shards themselves show."""
     latest = ckpt / "latest"
-    step_dirs = [p for p in ckpt.glob("global_step*") if p.is_dir()]
-    if not latest.exists() and not step_dirs:
+    step_dirs = [p for p in ckpt.glob("global_step*") if real_dir(p)]
+    if not os.path.lexists(latest) and not step_dirs:
         return None  # not a DeepSpeed checkpoint
-    if not latest.is_file():
+    try:
+        tag = _read_tag(latest)
+    except Missing:
         return "DeepSpeed file 'latest' is missing"
-    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    except Unreadable as e:
+        return f"DeepSpeed file 'latest': {e.reason}"
     tag_dir = ckpt / tag
-    if not tag or "/" in tag or not tag_dir.is_dir():
-        return f"DeepSpeed tag folder {tag!r} named in 'latest' is missing"
+    if not tag_name(tag) or not real_dir(tag_dir):
+        return f"DeepSpeed tag folder {tag[:80]!r} named in 'latest' is missing"
     groups: dict[tuple[str, int], set[int]] = {}
     mp_model: set[int] = set()
     for p in tag_dir.iterdir():
@@ -116,20 +129,27 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
     return None
 
 
+TAG_CAP = 256  # DeepSpeed's 'latest' names one folder
+
+
+def _read_tag(path: Path) -> str:
+    return decode(read_bytes(path, TAG_CAP), path).strip()
+
+
 def deepspeed_tag(ckpt: str | os.PathLike[str]) -> str | None:
     """The DeepSpeed tag (``global_stepN``) a Trainer checkpoint's ``latest`` names, or None."""
     try:
-        text = (Path(ckpt) / "latest").read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
+        text = _read_tag(Path(ckpt) / "latest")
+    except Unreadable:
         return None
-    return text if text and "/" not in text and (Path(ckpt) / text).is_dir() else None
+    return text if tag_name(text) and real_dir(Path(ckpt) / text) else None
 
 
 def deepspeed_ranks(ckpt: Path) -> int | None:
     """The data-parallel ranks that wrote a DeepSpeed checkpoint (None: not one)."""
     tag = deepspeed_tag(ckpt)
     tag_dir = ckpt / tag if tag else next(
-        (p for p in sorted(ckpt.glob("global_step*")) if p.is_dir() and not p.name.endswith("_universal")), None)
+        (p for p in sorted(ckpt.glob("global_step*")) if real_dir(p) and not p.name.endswith("_universal")), None)
     if tag_dir is None:
         return None
     ranks = {int(m.group(1)) for p in tag_dir.iterdir() if (m := _SHARD_RE.match(p.name)) and m.group(3) == "optim"}
@@ -140,13 +160,16 @@ def _model_problem(ckpt: Path, deepspeed: bool) -> str | None:
     names = {p.name for p in ckpt.iterdir()}
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if index in names:
+            from .records import INDEX_CAP, WeightIndex
+            from .untrusted import read_record
+
             try:
-                shards = sorted(set(json.loads((ckpt / index).read_text(encoding="utf-8"))["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                return f"unreadable {index}: {e}"
+                shards = sorted(set(read_record(ckpt / index, WeightIndex, INDEX_CAP).weight_map.values()))
+            except Unreadable as e:
+                return f"unreadable {index}: {e.reason}"
             for shard in shards:
-                if "/" in shard or (why := file_problem(ckpt / shard, shard)):
-                    return why or f"{index} names a file outside the checkpoint: {shard!r}"
+                if not tag_name(shard) or (why := file_problem(ckpt / shard, shard)):
+                    return why or f"{index} names a file outside the checkpoint: {shard[:80]!r}"
             return None
     for single in ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin"):
         if single in names:
@@ -159,8 +182,9 @@ def _model_problem(ckpt: Path, deepspeed: bool) -> str | None:
 
 def _fsdp_problem(ckpt: Path, name: str) -> str | None:
     path = ckpt / name
-    if path.is_dir():
-        return None if (path / ".metadata").is_file() else f"{name}/.metadata is missing (the sharded save did not finish)"
+    if real_dir(path):
+        why = f"{name}/.metadata is missing (the sharded save did not finish)"
+        return None if real_file(path / ".metadata") else why
     return file_problem(path, name)
 
 
@@ -171,12 +195,12 @@ def _optimizer_problem(ckpt: Path, deepspeed: bool, ranks: int) -> str | None:
             return why
         tag = deepspeed_tag(ckpt)  # deepspeed_problem found it valid
         for p in sorted((ckpt / str(tag)).iterdir()):
-            why = file_problem(p, f"{tag}/{p.name}") if p.is_file() else None
+            why = file_problem(p, f"{tag}/{p.name}") if not real_dir(p) else None
             if why:
                 return why
         return None
     names = {p.name for p in ckpt.iterdir()}
-    fsdp = sorted(n for n in names if n.startswith("optimizer_") and (ckpt / n).is_dir())
+    fsdp = sorted(n for n in names if n.startswith("optimizer_") and real_dir(ckpt / n))
     if fsdp:
         why = _fsdp_problem(ckpt, fsdp[0])
     elif "optimizer.bin" in names:
@@ -213,22 +237,29 @@ def writer_ranks(ckpt: Path) -> tuple[int, str | None]:
     return n, None
 
 
+def read_trainer_state(path: Path) -> "TrainerState":
+    """A ``trainer_state.json``, typed (hfscale.records.TrainerState); raises Unreadable."""
+    from .records import TRAINER_STATE_CAP, TrainerState
+    from .untrusted import read_record
+
+    return read_record(path, TrainerState, TRAINER_STATE_CAP)
+
+
 def content_problem(ckpt: Path, step: int | None) -> str | None:
     """Why the checkpoint folder ``ckpt`` (of ``step``, from its name) is not complete by its files, or None."""
     try:
-        state = json.loads((ckpt / TRAINER_STATE).read_text(encoding="utf-8"))
-        saved_step = state["global_step"]
-    except FileNotFoundError:
+        saved_step = read_trainer_state(ckpt / TRAINER_STATE).global_step
+    except Missing:
         return f"{TRAINER_STATE} is missing (rank 0 writes it last: the save did not finish)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {TRAINER_STATE}: {e}"
+    except Unreadable as e:
+        return f"unreadable {TRAINER_STATE}: {e.reason}"
     if step is not None and saved_step != step:
         return f"{TRAINER_STATE} says step {saved_step}, the folder name says {step}"
     try:
         ranks, why = writer_ranks(ckpt)
         if why:
             return why
-        deepspeed = (ckpt / "latest").exists() or any(p.is_dir() for p in ckpt.glob("global_step*"))
+        deepspeed = os.path.lexists(ckpt / "latest") or any(real_dir(p) for p in ckpt.glob("global_step*"))
         ds_ranks = deepspeed_ranks(ckpt) if deepspeed else None
         if ds_ranks is not None and ds_ranks != ranks:
             return f"DeepSpeed shards of {ds_ranks} ranks but RNG states of {ranks}: a rank did not finish saving"

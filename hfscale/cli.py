@@ -207,9 +207,14 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
         return
     from .console import Console
     from .execute import execute
+    from .output_lock import Refused
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
-    rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
+    try:
+        rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
+    except Refused as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
     if plan.mode == "submit":
         what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
         click.echo(f"hfscale: job {plan.job_id} {what}; run directory {plan.run_dir}", err=True)

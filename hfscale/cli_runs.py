@@ -35,13 +35,17 @@ def status_cmd(run: str, runs_dir: str) -> None:
     """A run's state, rank 0's numbers, each rank's step, and the last lines of each node log."""
     from . import runs
     from .execute import run_probe
+    from .run_stop import scheduler_command
 
     try:
         info = runs.run_info(runs.find_run(run, runs_dir))
     except runs.RunError as e:
         _run_error(e)
     queried = None
-    cmd = runs.scheduler_command(info, "state") if info.state == "submitted" else None
+    try:
+        cmd = scheduler_command(info, "state") if info.state == "submitted" else None
+    except runs.RunError as e:
+        cmd, queried = None, f"not asked: {e}"
     if cmd is not None:
         rc, out, err = run_probe(cmd, timeout=20)
         queried = out.strip() or ("not in the queue (ended)" if rc == 0 else f"unknown: {(err or out).strip()[:200]}")
@@ -56,6 +60,7 @@ def status_cmd(run: str, runs_dir: str) -> None:
 def logs_cmd(run: str, node: str | None, follow: bool, runs_dir: str) -> None:
     """Print a run's node logs (every line the nodes wrote)."""
     from . import runs
+    from .untrusted import printable
 
     try:
         path = runs.find_run(run, runs_dir)
@@ -65,12 +70,18 @@ def logs_cmd(run: str, node: str | None, follow: bool, runs_dir: str) -> None:
     if follow:
         runs.follow_logs(path, logs, click.echo)
         return
+    out = click.get_binary_stream("stdout")
+    problems = []
     for log in logs:
         if len(logs) > 1:
-            click.echo(f"--- {log}")
-        with open(log, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                click.echo(line, nl=False)
+            click.echo(f"--- {printable(str(log))}")
+        why = runs.print_log(log, out.write)
+        out.flush()
+        if why is not None:
+            click.echo(f"hfscale: {why}; skipped", err=True)
+            problems.append(why)
+    if problems and len(problems) == len(logs):
+        sys.exit(EXIT_BAD_INPUT)
 
 
 @click.command("stop")
@@ -80,9 +91,10 @@ def stop_cmd(run: str, runs_dir: str) -> None:
     """Stop a run on every host: its launcher stops the nodes (TERM, then KILL after a grace
     period); a Slurm job is cancelled (scancel), a Kubernetes job deleted."""
     from . import runs
+    from .run_stop import stop
 
     try:
-        sys.exit(runs.stop(runs.run_info(runs.find_run(run, runs_dir)), click.echo))
+        sys.exit(stop(runs.run_info(runs.find_run(run, runs_dir)), click.echo))
     except runs.RunError as e:
         _run_error(e)
 

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .progress import read_metrics
+from .records import Rank0Metrics
+from .rundir import read_metrics
+from .untrusted import Unreadable
 
 PROGRESS_POLL_S = 1.0
 PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is printed this often
@@ -134,21 +136,21 @@ def _count(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
 
 
-def progress_text(m: dict, rate: float | None = None) -> str | None:
+def progress_text(m: Rank0Metrics, rate: float | None = None) -> str | None:
     """``step 120/300 (40%) | loss 4.1230 | 18.2k tokens/s | ETA 1m05s`` from rank 0's numbers
     (``rate``: steps per second seen here, for an ETA the run did not report)."""
-    step, total = m.get("step"), m.get("max_steps")
-    if not isinstance(step, int):
+    step, total = m.step, m.max_steps
+    if step is None:
         return None
-    parts = [f"step {step}/{total} ({100 * step // total}%)" if isinstance(total, int) and total > 0 else f"step {step}"]
-    if isinstance(m.get("loss"), (int, float)):
-        parts.append(f"loss {m['loss']:.4f}")
-    if isinstance(m.get("tokens_per_s"), (int, float)):
-        parts.append(f"{_count(m['tokens_per_s'])} tokens/s")
-    eta = m.get("eta_s")
-    if not isinstance(eta, (int, float)) and rate and isinstance(total, int) and total > step:
+    parts = [f"step {step}/{total} ({100 * step // total}%)" if total else f"step {step}"]
+    if m.loss is not None:
+        parts.append(f"loss {m.loss:.4f}")
+    if m.tokens_per_s is not None:
+        parts.append(f"{_count(m.tokens_per_s)} tokens/s")
+    eta = m.eta_s
+    if eta is None and rate and total is not None and total > step:
         eta = (total - step) / rate
-    if isinstance(eta, (int, float)):
+    if eta is not None and 0 <= eta < 1e9:
         parts.append(f"ETA {_duration(eta)}")
     return "hfscale: " + " | ".join(parts)
 
@@ -160,15 +162,18 @@ def follow_progress(run_dir: str | Path, done: threading.Event, show: Callable[[
     last_text, last_shown, first = None, 0.0, None
     while True:
         ending = done.wait(PROGRESS_POLL_S)
-        m = read_metrics(run_dir)
-        step = m.get("step")
-        if isinstance(step, int):
+        try:
+            m = read_metrics(run_dir)
+        except Unreadable:
+            m = Rank0Metrics()  # damaged or replaced by something else: no line from it
+        step = m.step
+        if step is not None:
             now = time.monotonic()
             if first is None:
                 first = (now, step)
             rate = (step - first[1]) / (now - first[0]) if now > first[0] and step > first[1] else None
             text = progress_text(m, rate)
-            final = ending or (isinstance(m.get("max_steps"), int) and step >= m["max_steps"])
+            final = ending or (m.max_steps is not None and step >= m.max_steps)
             if text is not None and text != last_text and (
                     tty or final or last_text is None or now - last_shown >= PROGRESS_EVERY_S):
                 show(text)

@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from . import exitcodes
+from .console import HOST_PREFIX, Console, follow_progress, never_raises
+from .disk_full import Signs, told
 from .exitcodes import signal_name
 from .files import write_files
-from .follow import Follower
-from .launch_plan import EXIT_MARK, Follow, LaunchPlan, Watch
-from .runners import RUNNERS
-from .console import HOST_PREFIX, Console, follow_progress, never_raises
+from .follow import follow_detached
+from .launch_plan import EXIT_MARK, LaunchPlan, Watch
+from .output_lock import hold
 from .rundir import LOGS_DIR, move_aside, record_state, this_launcher, write_run_dir
+from .runners import RUNNERS
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
 from .watchdog import Watchdog, judge
@@ -39,8 +41,8 @@ _PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
                          r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
 SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
+CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the stop runs again this often
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-FOLLOW_POLL_S = 1.0  # a detached job's logs are read this often
 WATCH_POLL_S = 5.0  # the ranks' progress is read this often (more often for a timeout under 20 s)
 DUMP_TIMEOUT_S = 30  # py-spy per rank, all ranks of a node at once; this bounds nodes that do not answer
 
@@ -66,6 +68,7 @@ class _Run:
         self._stopping = False
         self._stopper: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
+        self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.disk_full)
         self.following = False  # main started a detached job and ended: its process group is gone
         self.ended = threading.Event()  # the job is over: the watchdog stops watching
 
@@ -83,6 +86,7 @@ class _Run:
             self.logs[host].write(line + "\n")
             self.logs[host].flush()
         self.echo(line)
+        self.disk.see(host or (m["host"] if m else self.plan.runner), line)
         done, ended = _EXIT.match(line), _PDSH_ENDED.match(line)
         if done:
             self.exited.add(done["host"])
@@ -135,29 +139,41 @@ class _Run:
             stopper.join(CLEANUP_TIMEOUT_S + STOP_GRACE_S + 5)
 
     def _cleanup(self) -> None:
-        c = self.plan.cleanup
-        if c is not None:
+        """Write the stop marker (a node line that starts from now on exits at once), run the
+        cleanup on every node, and run it again while ``main`` still waits for a node: a line that
+        started meanwhile (a slow ssh, a loaded host) is stopped too. Then end what is left of main."""
+        c, marker = self.plan.cleanup, self.plan.stop_marker
+        if marker is not None:
             try:
-                # its own session: a second Ctrl-C in the terminal must not cut the stop short
-                subprocess.run(c.real_argv(), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=CLEANUP_TIMEOUT_S,
-                               start_new_session=True)
-            except subprocess.TimeoutExpired:
-                self.echo(f"hfscale: the cleanup did not finish in {CLEANUP_TIMEOUT_S} s")
+                Path(marker).touch()
             except OSError as e:
-                self.echo(f"hfscale: cannot run the cleanup: {e.strerror or e}")
-        proc = self.proc
-        if proc is None or self.following:
-            return
-        if c is None:
+                self.echo(f"hfscale: cannot write the stop marker {marker}: {e.strerror or e}")
+        proc, deadline = self.proc, time.monotonic() + STOP_GRACE_S + 2
+        if c is None and proc is not None and not self.following:
             _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_GRACE_S + 2)
-        except subprocess.TimeoutExpired:
-            pass
+        while True:
+            if c is not None:
+                self._run_cleanup(c)
+            if proc is None or self.following:
+                return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, min(CLEANUP_AGAIN_S, deadline - time.monotonic())))
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                break
         # whatever is left of main's group (ssh to a host that stopped answering, the children of a
         # killed pdsh) would hold its output open
         _signal_group(proc, signal.SIGKILL)
+
+    def _run_cleanup(self, c: Command) -> None:
+        try:
+            # its own session: a second Ctrl-C in the terminal must not cut the stop short
+            subprocess.run(c.real_argv(), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=CLEANUP_TIMEOUT_S,
+                           start_new_session=True)
+        except subprocess.TimeoutExpired:
+            self.echo(f"hfscale: the cleanup did not finish in {CLEANUP_TIMEOUT_S} s")
+        except OSError as e:
+            self.echo(f"hfscale: cannot run the cleanup: {e.strerror or e}")
 
     def close(self) -> None:
         self.ended.set()
@@ -221,8 +237,11 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
         if run is not None and run.proc is not None:  # else _stream stops it once main exists
             run.stop()
 
+    held = hold(plan, echo)  # before anything: --restart's moves would take a running job's checkpoints
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
+        for line in plan.told:
+            echo(f"hfscale: {line}")
         if not move_aside(plan.moves, echo):
             return 1
         try:
@@ -253,12 +272,17 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
                 if shower is not None and console is not None:
                     shower.join(5)  # its last line, before the launch's own
                     console.close()
+        if rc != 0 and run is not None and not signalled:
+            for line in told(run.disk, plan.output_dir):
+                echo(line)
         record_state(run_dir, exit_code=rc, ended=time.time(), state=exitcodes.state_of(
             rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
         return rc
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if held is not None:
+            held.release()
 
 
 def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
@@ -279,38 +303,6 @@ def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
     else:
         echo(f"hfscale: done in {time.monotonic() - t0:.1f} s")
     return rc
-
-
-def _follow(run: _Run, follow: Follow) -> None:
-    """Relay a detached job's output and exit lines from the run directory until every host has
-    exited, one failed or went silent, or a signal came."""
-    run.following = True
-    follower = Follower(follow, time.monotonic())
-    next_check = time.monotonic() + follow.beat_s / 2
-    everyone = set(follow.hosts)
-    while True:
-        for host, line in follower.lines():
-            run.route(f"{host}: {line}")
-        if run.failure is not None or run.signalled is not None:
-            break
-        if run.exited >= everyone:
-            return
-        now = time.monotonic()
-        if now >= next_check:
-            next_check = now + follow.beat_s / 2
-            lost = follower.silent(now, run.exited)
-            if lost:
-                host, more = lost[0], (f" (and {len(lost) - 1} more host(s))" if len(lost) > 1 else "")
-                what = (f"lost {host}: no heartbeat for {follow.lost_after_s} s" if follower.ever_beat(host) else
-                        f"no heartbeat from {host} in {follow.lost_after_s} s: its line did not start, or it does not "
-                        f"see the run directory {run.plan.run_dir} (it must be on a filesystem every node shares)")
-                run.fail(host, exitcodes.UNREACHABLE, what + more)
-                break
-        time.sleep(FOLLOW_POLL_S)
-    # once the stop is done, relay what the other nodes wrote meanwhile (their ends)
-    run.finish()
-    for host, line in follower.lines():
-        run.route(f"{host}: {line}")
 
 
 def _stream(run: _Run) -> int:
@@ -338,7 +330,8 @@ def _stream(run: _Run) -> int:
         # what main started may outlive it (a killed srun's step inside an allocation): stop it
         run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
     if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
-        _follow(run, run.plan.follow)
+        run.following = True  # main only started the nodes: its process group is gone
+        follow_detached(run, run.plan.follow)
     run.finish()
     if run.signalled is not None:
         return 128 + run.signalled
@@ -379,15 +372,18 @@ def _watch(run: _Run, watch: Watch) -> None:
 
 
 def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:
-    """Run one probe command; (exit code, stdout, stderr); 124 on timeout."""
+    """Run one probe command (its ``stdin`` fed to it); (exit code, stdout, stderr); 124 on timeout."""
+    feed = {"input": cmd.stdin.real} if cmd.stdin is not None else {"stdin": subprocess.DEVNULL}
     try:
-        r = subprocess.run(cmd.real_argv(), env=_env(cmd), cwd=cmd.cwd, stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, errors="replace", timeout=timeout)
+        r = subprocess.run(cmd.real_argv(), env=_env(cmd), cwd=cmd.cwd, capture_output=True, text=True,
+                           errors="replace", timeout=timeout, **feed)
         return r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired:
         return 124, "", f"timed out after {timeout:g} s"
     except FileNotFoundError as e:
         return 127, "", f"{e.filename}: not found"
+    except OSError as e:
+        return 126, "", f"{cmd.real_argv()[0]}: {e.strerror or e}"
 
 
 def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, tuple[int, str, str]]:

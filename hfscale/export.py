@@ -20,12 +20,21 @@ checkpoint, then in its output_dir, or given with ``config=`` (a model folder or
 Everything is written into a temporary folder beside ``out`` and renamed at the end, so ``out``
 never holds half an export. Peak memory: about twice the model in fp32, on the CPU. Training-side
 module: torch, transformers and DeepSpeed are imported inside the functions that need them.
+
+A checkpoint is hostile input (anyone who could write it chooses what is read): tensors are read
+with ``torch.load(weights_only=True)`` only (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` while DeepSpeed's
+reader runs, with the few DeepSpeed classes its files hold allow-listed), or from safetensors; no
+link is followed out of the checkpoint (a tokenizer file that is one is left out, and said); a
+FIFO or device is never opened. One reader cannot work that way: torch.distributed.checkpoint
+unpickles its ``.metadata`` with plain pickle, so an FSDP checkpoint is exported only when that
+file and its folders belong to you and no one else can write them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -35,6 +44,7 @@ from pathlib import Path
 
 from .checkpoint_files import TRAINER_STATE, deepspeed_tag
 from .resume import CHECKPOINT_RE, checkpoint_problem, checkpoints, scan_output
+from .untrusted import MiB, Unreadable, printable, read_bytes, read_json, read_trusted, real_dir, real_file
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_0" (save_fsdp_model, model 0)
 DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens it to "model.<name>"
@@ -44,6 +54,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
 KINDS = ("zero1", "zero2", "zero3", "fsdp2", "whole")
+# the DeepSpeed classes pickled into ZeRO checkpoints (plain data: enums, a config-free loss scaler);
+# found by reading ZeRO-1/2/3 checkpoints with weights_only=True, which names each refused global
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                     "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.utils.tensor_fragment.fragment_address")
+CONFIG_CAP = 16 * MiB  # a model's config.json
+TOKENIZER_CAP = 256 * MiB  # tokenizer.json of a large vocabulary is tens of MB
+DCP_METADATA_CAP = 1 << 30
 
 __all__ = ["ExportError", "ExportResult", "export_model"]
 
@@ -62,10 +81,12 @@ class ExportResult:
     parameters: int  # parameters of the exported model (tied ones once)
     out: str
     files: tuple[str, ...]  # written into ``out``, relative names
+    left_out: tuple[str, ...] = ()  # files not copied, and why (a link out of the checkpoint)
 
     def summary(self) -> str:
+        left = f"; left out: {'; '.join(self.left_out)}" if self.left_out else ""
         return (f"exported {self.checkpoint} ({self.kind}; weights: {self.weights}) to {self.out}: "
-                f"{self.parameters:,} parameters, {', '.join(self.files)}")
+                f"{self.parameters:,} parameters, {', '.join(self.files)}{left}")
 
 
 def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str], *, force: bool = False,
@@ -82,26 +103,34 @@ def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
     _check_out(out, ckpt, force)
     kind, weights = checkpoint_kind(ckpt)
     config_dir = _config_dir(ckpt, kind, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    except OSError as e:
+        raise ExportError(f"{printable(str(out))}: cannot be created ({e.strerror or e}); nothing was written") from None
     try:
         parameters = _write_model(ckpt, kind, config_dir, staging)
-        for name in _tokenizer_files(ckpt) or _tokenizer_files(config_dir):
-            if not (staging / name.name).exists():
-                shutil.copy2(name, staging / name.name)
+        left_out: list[str] = []
+        tokenizer = _tokenizer_files(ckpt, left_out) or _tokenizer_files(config_dir, left_out)
+        for name, data in tokenizer:
+            if not (staging / name).exists():
+                (staging / name).write_bytes(data)
         files = tuple(sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()))
         _replace(staging, out)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ExportError(f"{printable(str(out))}: cannot write the export ({e.strerror or e})") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return ExportResult(str(ckpt), kind, weights, parameters, str(out), files)
+    return ExportResult(str(ckpt), kind, weights, parameters, str(out), files, tuple(left_out))
 
 
 def find_checkpoint(source: str | os.PathLike[str]) -> Path:
     """The complete checkpoint folder ``source`` names, or the newest complete one in it."""
     src = Path(source)
     if not src.exists():
-        raise ExportError(f"{src}: no such file or directory")
+        raise ExportError(f"{printable(str(src))}: no such file or directory")
     if not src.is_dir():
         raise ExportError(f"{src}: not a directory (expected a checkpoint-N folder or an output_dir holding them)")
     found = checkpoints(src)
@@ -144,17 +173,26 @@ def _zero_stage(tag_dir: Path) -> int | None:
     files = sorted(tag_dir.glob("mp_rank_*_model_states.pt")) + sorted(tag_dir.glob("*zero_pp_rank_0_*model_states.pt"))
     if not files:
         return None
+    if not real_file(files[0]):
+        raise ExportError(f"{printable(str(files[0]))}: not a regular file (a link, FIFO or device)")
     try:  # mmap: a ZeRO-1/2 model-states file holds the whole module; only its small dicts are read
-        # weights_only=False: DeepSpeed pickles its config objects; the checkpoint is the user's own
-        state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-        return int(state["ds_config"]["zero_optimization"]["stage"])
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as e:
-        raise ExportError(f"{files[0]}: cannot read the DeepSpeed config it holds: {e}") from e
+        with tensors_only():
+            state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+        stage = state["ds_config"]["zero_optimization"]["stage"]
+        if not isinstance(stage, int) or isinstance(stage, bool):
+            raise TypeError(f"the stage is {type(stage).__name__}, not a number")
+        return stage
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, AttributeError, pickle.UnpicklingError) as e:
+        raise ExportError(f"{printable(str(files[0]))}: cannot read the DeepSpeed config it holds: "
+                          f"{printable(str(e))}") from None
 
 
 def _check_out(out: Path, ckpt: Path, force: bool) -> None:
-    src = ckpt.resolve()
-    real = out.resolve()
+    try:
+        src = ckpt.resolve()
+        real = out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise ExportError(f"{printable(str(out))}: cannot be used ({e})") from None
     if real == src or real in src.parents or src in real.parents:
         raise ExportError(f"{out}: the export would overwrite or sit inside the checkpoint {ckpt}; "
                           "choose a folder outside it")
@@ -173,15 +211,25 @@ def _config_dir(ckpt: Path, kind: str, config: str | os.PathLike[str] | None) ->
             raise ExportError(f"{path}: no config.json there (config= names a model folder or its config.json)")
         return folder
     for folder in (ckpt, ckpt.parent):
-        if (folder / "config.json").is_file():
+        if real_file(folder / "config.json"):  # not a link out of the checkpoint, a FIFO or a device
             return folder
     note = " (the Trainer writes none into a sharded FSDP checkpoint)" if kind == "fsdp2" else ""
     raise ExportError(f"{ckpt}: no config.json in it or in {ckpt.parent}{note}; give the model's folder "
                       "or config.json with config=")
 
 
-def _tokenizer_files(folder: Path) -> list[Path]:
-    return [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
+def _tokenizer_files(folder: Path, left_out: list[str]) -> list[tuple[str, bytes]]:
+    """(name, bytes) of the tokenizer files in ``folder``: regular files only (a link is not followed
+    out of the checkpoint: its name goes to ``left_out``)."""
+    found = []
+    for n in TOKENIZER_FILES:
+        if not os.path.lexists(folder / n):
+            continue
+        try:
+            found.append((n, read_bytes(folder / n, TOKENIZER_CAP, folder)))
+        except Unreadable as e:
+            left_out.append(f"{n} ({e.reason})")
+    return found
 
 
 def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
@@ -189,10 +237,17 @@ def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    for name in ("config.json", "generation_config.json"):  # checked before transformers reads them
+        if os.path.lexists(config_dir / name):
+            try:
+                read_json(config_dir / name, CONFIG_CAP, config_dir)
+            except Unreadable as e:
+                raise ExportError(f"{e}; the model's {name} cannot be used") from None
     try:
         config = AutoConfig.from_pretrained(config_dir)
         if kind == "whole":
-            model, info = AutoModelForCausalLM.from_pretrained(ckpt, config=config, output_loading_info=True)
+            with tensors_only():
+                model, info = AutoModelForCausalLM.from_pretrained(ckpt, config=config, output_loading_info=True)
             bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
             if bad:
                 raise ExportError(f"{ckpt}: the weights do not fit the model of {config_dir / 'config.json'}: {bad}")
@@ -203,22 +258,61 @@ def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
                 _load_dcp(model, ckpt / FSDP_MODEL_DIR, config_dir)
             else:
                 _load_zero(model, ckpt, config_dir)
-        if (config_dir / "generation_config.json").is_file():
+        if real_file(config_dir / "generation_config.json"):
             model.generation_config = GenerationConfig.from_pretrained(config_dir)
         model.save_pretrained(staging, safe_serialization=True)
     except ExportError:
         raise
     except ImportError as e:
         raise ExportError(f"{ckpt}: exporting a {kind} checkpoint needs {e.name or 'a missing module'}: {e}") from e
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError) as e:
-        raise ExportError(f"{ckpt}: cannot export its {kind} weights: {type(e).__name__}: {e}") from e
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError,
+            pickle.UnpicklingError) as e:
+        raise ExportError(f"{printable(str(ckpt))}: cannot export its {kind} weights: {type(e).__name__}: "
+                          f"{printable(str(e), 600)}") from None
     return sum(p.numel() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def tensors_only():
+    """Every ``torch.load`` inside (DeepSpeed's readers pass ``weights_only=False``) reads tensors
+    and plain containers only: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, with the DeepSpeed classes its
+    checkpoints hold allow-listed (hfscale.export.DEEPSPEED_GLOBALS). A pickle that would run code
+    fails with torch's UnpicklingError (a RuntimeError) instead."""
+    import torch
+
+    saved = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    try:
+        with torch.serialization.safe_globals(_deepspeed_globals()):
+            yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _deepspeed_globals() -> list:
+    """The classes of DEEPSPEED_GLOBALS that the installed DeepSpeed has."""
+    import importlib
+
+    found = []
+    for dotted in DEEPSPEED_GLOBALS:
+        module, _, name = dotted.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
 
 
 def _load_zero(model, ckpt: Path, config: Path) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints its progress; stdout is the caller's
+    # DeepSpeed prints its progress (stdout is the caller's); its torch.load calls read tensors only
+    with contextlib.redirect_stdout(sys.stderr), tensors_only():
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=deepspeed_tag(ckpt))
     names = _match_keys(model, {k: tuple(v.shape) for k, v in state.items()}, ckpt, config)
     # not strict: a tied twin that DeepSpeed did not save is missing, and _match_keys allowed only those
@@ -229,6 +323,16 @@ def _load_dcp(model, folder: Path, config: Path) -> None:
     """Read accelerate's sharded FSDP save (a DCP folder of ``{"model": state_dict}``) into ``model``."""
     import torch.distributed.checkpoint as dcp
 
+    # torch.distributed.checkpoint unpickles .metadata with plain pickle (it cannot read tensors only):
+    # exported only when no one but you could have written it, and its shards are regular files
+    try:
+        read_trusted(folder / ".metadata", folder.parent, DCP_METADATA_CAP)
+    except Unreadable as e:
+        raise ExportError(f"{e}. DCP's reader unpickles this file, so hfscale reads it only from a checkpoint "
+                          "you alone could have written") from None
+    odd = [p.name for p in folder.iterdir() if not real_file(p)]
+    if odd:
+        raise ExportError(f"{printable(str(folder))}: {printable(odd[0])} is not a regular file (a link, FIFO or device)")
     reader = dcp.FileSystemReader(str(folder))
     saved = {k[len(DCP_PREFIX):]: tuple(getattr(m, "size", ())) for k, m in
              reader.read_metadata().state_dict_metadata.items() if k.startswith(DCP_PREFIX)}
@@ -236,7 +340,7 @@ def _load_dcp(model, folder: Path, config: Path) -> None:
         raise ExportError(f"{folder}: no model entries (accelerate's sharded save names them {DCP_PREFIX}<parameter>)")
     names = _match_keys(model, saved, folder, config)
     own = model.state_dict()  # tensors sharing the parameters' storage: DCP reads into them in place
-    with warnings.catch_warnings():  # one process reading all shards is the intent here, not a mistake
+    with warnings.catch_warnings(), tensors_only():  # one process reading all shards is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": {k: own[names[k]] for k in saved}}, storage_reader=reader, no_dist=True)
 

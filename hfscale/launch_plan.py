@@ -16,6 +16,7 @@ RunnerName = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # stream: run ``main`` and relay its output per node; submit: ``main`` hands the job to a scheduler
 # and returns; done: nothing to train (the newest checkpoint is at max_steps), nothing is started
 Mode = Literal["stream", "submit", "done"]
+LOCK_FILE = "hfscale-lock.json"  # hfscale.output_lock
 EXIT_MARK = "HFSCALE_EXIT"  # every node's last line: "HFSCALE_EXIT rc=<launcher exit code>"
 NOTHING_TO_TRAIN = "nothing to train"
 
@@ -91,12 +92,24 @@ class LaunchPlan:
     watch: Watch | None = None
     dump: Command | None = None  # writes every rank's stack into watch.stacks_dir, on every node
     prepare: tuple[Command, ...] = ()  # run here, in order, after the run directory is made and before main
+    # training.output_dir as this host sees it (None: not visible here); a streamed launch holds its
+    # lock (hfscale.output_lock) from before anything starts to its end
+    output_dir: str | None = None
+    stop_marker: str | None = None  # written before the cleanup runs: a node line that starts later exits at once
+    told: tuple[str, ...] = ()  # lines the launch shows on the terminal before it starts (what resuming skipped)
 
     @property
     def line_hosts(self) -> frozenset[str]:
         """The host names that may prefix the lines of ``main``'s output ("host: ", pdsh's and the
         follower's): anything else before a colon (``ValueError: ...``) is the line's own text."""
         return frozenset(self.logs) | frozenset(self.follow.hosts if self.follow else ())
+
+    @property
+    def lock(self) -> str | None:
+        """The output_dir lock this launch takes (hfscale.output_lock), or None."""
+        if self.output_dir is None or self.mode != "stream":
+            return None
+        return posixpath.join(self.output_dir, LOCK_FILE)
 
     def where(self) -> str:
         """Where the job runs, for one line of output."""
@@ -107,6 +120,10 @@ class LaunchPlan:
         """The plan as text, secrets as ``***``: moves, files, per-node commands, the process
         hfscale starts, cleanup, notes."""
         out = [f"# hfscale launch plan: job {self.job_id}, runner {self.runner}", f"run directory: {self.run_dir}"]
+        if self.lock is not None:
+            out.append(f"lock: {self.lock} (one launch per training.output_dir: refused while a running job holds it)")
+        if self.told:
+            out += [f"resume: {t}" for t in self.told]
         if self.moves:
             out.append("first, move:")
             out += [f"  {a} -> {b}" for a, b in self.moves]
@@ -139,6 +156,9 @@ class LaunchPlan:
             if self.dump is not None:
                 out.append(f"  {self.dump.shell()}")
         if self.cleanup is not None:
-            out += ["on failure or Ctrl-C:", f"  {self.cleanup.shell()}"]
+            out.append("on failure or Ctrl-C:")
+            if self.stop_marker is not None:
+                out.append(f"  touch {self.stop_marker}  (a node whose line starts after this exits at once)")
+            out.append(f"  {self.cleanup.shell()}")
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out) + "\n"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -13,6 +12,7 @@ from .errors import ConfigError, Problem
 from .hostfile import parse_hostfile
 from .job import Job, resolve
 from .schema_errors import problems_from_validation
+from .untrusted import Missing, Unreadable, read_text
 from .yamlsource import CONTROL, dotted, parse
 
 
@@ -21,33 +21,14 @@ MAX_FILE = 1 << 20  # a config or host file is text people write: 1 MiB is far b
 
 def _read(path: Path) -> tuple[str | None, str | None]:
     """(text, None) or (None, why it cannot be read). Only regular files up to ``MAX_FILE``: a FIFO
-    would hang the read, a device (/dev/zero) never end it."""
+    would hang the read, a device (/dev/zero) never end it (hfscale.untrusted; a link the user
+    named is followed)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait for a writer
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
-        if isinstance(e, FileNotFoundError):
-            return None, f"no such file: {path}"
-        if isinstance(e, IsADirectoryError):
-            return None, f"{path} is a directory, not a file"
-        return None, f"cannot read {path}: {getattr(e, 'strerror', None) or e}"
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            return None, f"{path} is a directory, not a file"
-        if not stat.S_ISREG(st.st_mode):
-            return None, f"{path} is not a regular file (a pipe, socket or device)"
-        if st.st_size > MAX_FILE:
-            return None, f"{path} is {st.st_size:,} bytes (at most {MAX_FILE:,})"
-        data = os.read(fd, MAX_FILE + 1)  # /proc files say size 0 and are read like any other
-        if len(data) > MAX_FILE:
-            return None, f"{path} is over {MAX_FILE:,} bytes"
-        return data.decode("utf-8"), None
-    except UnicodeDecodeError:
-        return None, f"{path} is not UTF-8 text"
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror or e}"
-    finally:
-        os.close(fd)
+        return read_text(path, MAX_FILE, follow_links=True), None
+    except Missing:
+        return None, f"no such file: {path}"
+    except Unreadable as e:
+        return None, str(e)
 
 
 def _name_problem(path: str) -> str | None:

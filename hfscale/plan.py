@@ -17,7 +17,7 @@ from .envvars import MASK, deepspeed_env_file, host_secret, masked
 from .errors import ConfigError, Problem
 from .job import Job
 from .launch_plan import NOTHING_TO_TRAIN, LaunchPlan, Watch
-from .launcher import CONFIG_COPY, LaunchContext, rank_env, watched
+from .launcher import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
 from .progress import PROGRESS_DIR, STACKS_DIR
 from .reshard import conversion
 from .resume import decide
@@ -135,4 +135,19 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     common = Common(run_dir, rank_dir, r.workdir or ctx.cwd, r.python or ctx.python, env, tuple(files.items()),
                     tuple(notes), moves, done, watch)
     plan = runner.plan(job, ctx, common)
-    return replace(plan, prepare=prepare) if prepare else plan
+    where = output_dir_to_scan(job)
+    output_dir = posixpath.normpath(posixpath.join(ctx.cwd, where)) if where is not None else None
+    return replace(plan, prepare=prepare, output_dir=output_dir, told=_skipped(ctx))
+
+
+def _skipped(ctx: LaunchContext) -> tuple[str, ...]:
+    """What resuming skipped, one line per checkpoint, newest first: "checkpoint-40 skipped:
+    rng_state_1.pth is missing ...; resuming from checkpoint-35" (shown by --dry-run and on the
+    terminal)."""
+    scan = ctx.output
+    if scan is None or ctx.restart or not scan.skipped:
+        return ()
+    lines = [f"{name} skipped: {why}" for name, why in scan.skipped]
+    end = f"resuming from {posixpath.basename(scan.resume)}" if scan.resume else "no complete checkpoint"
+    lines[-1] += f"; {end}"
+    return tuple(lines)

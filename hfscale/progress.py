@@ -24,6 +24,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -80,15 +81,6 @@ def report(**values: object) -> None:
 
 def _plain(v: object) -> bool:
     return v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and v == v and abs(v) != float("inf"))
-
-
-def read_metrics(run_dir: str | Path) -> dict:
-    """What rank 0 last reported ({} when nothing yet, or the file is being replaced)."""
-    try:
-        doc = json.loads((Path(run_dir) / PROGRESS_DIR / METRICS_FILE).read_text())
-        return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _replace(path: Path, text: str) -> None:
@@ -180,11 +172,24 @@ class Progress:
     beat: int = 0
 
 
+PROGRESS_CAP = 4096  # a rank's progress file is one short line
+_RANK_FILE = re.compile(r"^rank-([0-9]{1,7})$")
+_LINE = re.compile(r"^([0-9]{1,15}) ([0-9]{1,7}) ([A-Za-z0-9_.:-]{1,255})(?: ([0-9]{1,15}))?$")
+
+
 def read_progress(path: Path) -> Progress | None:
-    """A rank's progress file, or None when it is missing or half-written."""
-    try:
-        fields = path.read_text().split()
-        beat = int(fields[3]) if len(fields) > 3 else 0
-        return Progress(int(path.name.removeprefix("rank-")), int(fields[0]), int(fields[1]), fields[2], beat)
-    except (OSError, ValueError, IndexError):
+    """A rank's progress file, or None when it is missing, half-written or not one (a FIFO, a link,
+    a huge file, other text: hfscale.untrusted reads it)."""
+    from .untrusted import Unreadable, read_bytes
+
+    name = _RANK_FILE.match(path.name)
+    if name is None:
         return None
+    try:
+        text = read_bytes(path, PROGRESS_CAP).decode("ascii").strip()
+    except (Unreadable, UnicodeDecodeError):
+        return None
+    m = _LINE.match(text)
+    if m is None:
+        return None
+    return Progress(int(name.group(1)), int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4) or 0))

@@ -14,124 +14,22 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import math
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .files import write_files
-from .resume import checkpoints
-from .rundir import CONFIG_COPY, PLAN_FILE, STATE_FILE
-from .runs import RunError, output_dir_of, read_config_copy
+from .rundir import CONFIG_COPY, PLAN_FILE
+from .run_history import (MAX_RANK_LINES, METRICS_FILE, PER_RANK, TRAINER_STATE, ReportError, RunData, rank_stats,
+                          read_run)
 
 __all__ = ["ReportError", "RunData", "read_run", "render_html", "write_report"]
 
-METRICS_FILE = "hfscale_metrics.jsonl"  # hfscale.callbacks.collectives.METRICS_FILE (that module imports torch)
-TRAINER_STATE = "trainer_state.json"
 MAX_STRAGGLER_ROWS = 50
-MAX_RANK_LINES = 16  # beyond this many ranks the memory plot shows min / median / max instead
+MAX_TABLE_RANKS = 4096  # rows of the per-rank straggler table
 CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
-
-
-class ReportError(ValueError):
-    """The path is not a run directory (or the report cannot be written); the message says why."""
-
-
-@dataclass
-class RunData:
-    """What the report shows, read from a run directory and its training output_dir."""
-
-    run_dir: Path
-    name: str
-    config_text: str
-    plan_text: str
-    output_dir: Path
-    history: list[dict[str, Any]] = field(default_factory=list)  # log_history entries, by step
-    metrics: list[dict[str, Any]] = field(default_factory=list)  # "metrics" events, file order
-    stragglers: list[dict[str, Any]] = field(default_factory=list)  # "straggler" events, file order
-    state: dict[str, Any] = field(default_factory=dict)  # state.json (hfscale.rundir.record_state)
-    notes: list[str] = field(default_factory=list)  # oddities found while reading, shown on the page
-
-
-def _read_json_lines(path: Path, notes: list[str]) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    records, bad = [], 0
-    for line in lines:
-        try:
-            r = json.loads(line)  # NaN/Infinity accepted: step_time_s is NaN for an empty window
-        except ValueError:
-            bad += line.strip() != ""
-            continue
-        if isinstance(r, dict):
-            records.append(r)
-    if bad:  # a killed job can leave half a line at the end
-        notes.append(f"{path}: {bad} unreadable line(s) skipped")
-    return records
-
-
-def _log_history(output_dir: Path, notes: list[str]) -> list[dict[str, Any]]:
-    """log_history of the newest readable checkpoint and of output_dir's own trainer_state.json,
-    merged by step (the newer state wins): each holds the whole history up to its step."""
-    states = []
-    for c in reversed(checkpoints(output_dir)):
-        state = _read_state(c.path / TRAINER_STATE, notes)
-        if state is not None:
-            states.append(state)
-            break
-    root = _read_state(output_dir / TRAINER_STATE, notes)
-    if root is not None:
-        states.append(root)
-    by_step: dict[int, dict[str, Any]] = {}
-    for state in sorted(states, key=lambda s: _num(s.get("global_step")) or 0):
-        for e in state.get("log_history") or []:
-            if isinstance(e, dict) and isinstance(e.get("step"), int) and "loss" in e:  # training-loss entries
-                by_step[e["step"]] = e
-    return [by_step[k] for k in sorted(by_step)]
-
-
-def _read_state(path: Path, notes: list[str]) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        notes.append(f"{path}: unreadable ({e}), skipped")
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def read_run(run_dir: str | Path) -> RunData:
-    """Everything the report shows. Raises ReportError when ``run_dir`` is not a run directory."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ReportError(f"{run_dir}: no such run directory (hfscale launch makes them under runner.run_dir)")
-    missing = [n for n in (PLAN_FILE, CONFIG_COPY) if not (run_dir / n).is_file()]
-    if missing:
-        raise ReportError(f"{run_dir} is not an hfscale run directory: {' and '.join(missing)} missing "
-                          "(hfscale launch writes both)")
-    try:
-        config_text, cfg = read_config_copy(run_dir)
-        plan_text = (run_dir / PLAN_FILE).read_text(encoding="utf-8")
-    except RunError as e:
-        raise ReportError(str(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ReportError(f"{run_dir / PLAN_FILE}: cannot read it: {e}") from None
-    notes: list[str] = []
-    state = _read_state(run_dir / STATE_FILE, notes) or {}
-    cwd = state.get("cwd") if isinstance(state.get("cwd"), str) else None
-    data = RunData(run_dir, str(cfg.get("name") or run_dir.name), config_text, plan_text,
-                   output_dir_of(run_dir, cfg, cwd), state=state, notes=notes)
-    data.history = _log_history(data.output_dir, data.notes)
-    events = _read_json_lines(data.output_dir / METRICS_FILE, data.notes)
-    data.metrics = [r for r in events if r.get("event") == "metrics" and isinstance(r.get("step"), int)]
-    data.stragglers = [r for r in events if r.get("event") == "straggler" and isinstance(r.get("step"), int)]
-    return data
 
 
 # ---- plots ------------------------------------------------------------------------------------
@@ -152,7 +50,8 @@ def _relaunched(prev: dict[str, Any], r: dict[str, Any]) -> bool:
         return True
     if r["step"] <= prev["step"] or r.get("world_size") != prev.get("world_size"):
         return True
-    pairs = zip(prev.get("mem_peak_mb_per_rank") or [], r.get("mem_peak_mb_per_rank") or [])
+    pairs = zip(prev.get("mem_peak_mb_per_rank") or prev.get("mem_peak_mb_stats") or [],
+                r.get("mem_peak_mb_per_rank") or r.get("mem_peak_mb_stats") or [])
     return any(b < a for a, b in ((_num(a), _num(b)) for a, b in pairs) if a is not None and b is not None)
 
 
@@ -174,16 +73,17 @@ def _memory_series(metrics: list[dict[str, Any]]) -> list[Series]:
             return _num(mem[r]) if r < len(mem) else None
         return value
 
-    world = max((len(r.get("mem_peak_mb_per_rank") or []) for r in metrics), default=0)
+    world = max((len(r.get("mem_peak_mb_per_rank") or []) if "mem_peak_mb_stats" not in r else MAX_RANK_LINES + 1
+                 for r in metrics), default=0)
     if world <= MAX_RANK_LINES:
         return [s for r in range(world) for s in _series(metrics, rank_value(r), f"rank {r}")]
 
-    def stat(at: float):  # at: 0 min, 0.5 median, 1 max
+    def stat(at: int):  # at: 0 min, 1 median, 2 max (_compact keeps these beyond MAX_RANK_LINES ranks)
         def value(rec):
-            vals = sorted(v for v in map(_num, rec.get("mem_peak_mb_per_rank") or []) if v is not None)
-            return vals[round(at * (len(vals) - 1))] if vals else None
+            st = rec.get("mem_peak_mb_stats") or rank_stats(rec.get("mem_peak_mb_per_rank") or [])
+            return _num(st[at]) if st else None
         return value
-    return [s for label, at in (("max", 1), ("median", 0.5), ("min", 0)) for s in _series(metrics, stat(at), label)]
+    return [s for label, at in (("max", 2), ("median", 1), ("min", 0)) for s in _series(metrics, stat(at), label)]
 
 
 def _svg(series: list[Series], title: str, ylabel: str, uid: str) -> str:
@@ -278,10 +178,13 @@ def _stragglers(d: RunData) -> str:
     if not s:
         return _note(f"no straggler reports in {d.output_dir / METRICS_FILE} (hfscale's StragglerCallback writes them)")
     last = s[-1]
-    fwd, wall, hosts = (last.get(k) or [] for k in ("forward_s_per_rank", "step_time_s_per_rank", "hosts"))
+    fwd, wall, hosts = (last.get(k) or [] for k in PER_RANK)
+    shown_ranks = range(min(len(fwd), MAX_TABLE_RANKS))
     per_rank = _table(["rank", "host", "forward s / step", "wall s / step"],
                       [[r, hosts[r] if r < len(hosts) else "?", _f(fwd[r]), _f(wall[r] if r < len(wall) else None)]
-                       for r in range(len(fwd))], [r == last.get("slowest_rank") for r in range(len(fwd))])
+                       for r in shown_ranks], [r == last.get("slowest_rank") for r in shown_ranks])
+    if len(fwd) > MAX_TABLE_RANKS:
+        per_rank += f"<p>(the first {MAX_TABLE_RANKS} of {len(fwd)} ranks)</p>"
     shown = s[-MAX_STRAGGLER_ROWS:]
     older = f" (the last {len(shown)} of {len(s)})" if len(s) > len(shown) else ""
     flagged = sum(bool(r.get("straggler")) for r in s)
@@ -326,12 +229,12 @@ def _other_launch(r: dict[str, Any], job: Any, t0: float | None, t1: float | Non
 def _summary(d: RunData) -> str:
     st, last = d.state, d.metrics[-1] if d.metrics else {}
     steps = [e["step"] for e in d.history] + [r["step"] for r in d.metrics]
-    t0, t1 = _num(st.get("started")), _num(st.get("ended"))
-    others = sum(1 for r in d.metrics if _other_launch(r, st.get("job_id"), t0, t1))
+    t0, t1 = st.started, st.ended
+    others = sum(1 for r in d.metrics if _other_launch(r, st.job_id, t0, t1))
     reports = f"{len(d.metrics)}, {others} of them by other launches in this output_dir" if others else len(d.metrics)
     items = [("run directory", d.run_dir), ("training output_dir", d.output_dir),
-             ("state", st.get("state")), ("exit code", st.get("exit_code")), ("host", st.get("host")),
-             ("started", _when(st.get("started"))), ("ended", _when(st.get("ended"))),
+             ("state", st.state), ("exit code", st.exit_code), ("host", st.host),
+             ("started", _when(st.started)), ("ended", _when(st.ended)),
              ("last step recorded", max(steps) if steps else None), ("world size", last.get("world_size")),
              ("metric reports", reports or None)]
     return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in items if v is not None) + "</dl>"

@@ -13,8 +13,9 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path
 
-from .checkpoint_files import deepspeed_tag
+from .checkpoint_files import TAG_CAP, deepspeed_tag
 from .shell import Command
+from .untrusted import Unreadable, decode, read_bytes, real_dir, tag_name
 
 LATEST_UNIVERSAL = "latest_universal"
 SUFFIX = "_universal"
@@ -24,11 +25,11 @@ def universal_ready(ckpt: str | Path) -> bool:
     """Whether ``ckpt`` holds a finished universal conversion of its DeepSpeed state (written last:
     ``latest_universal`` naming a folder with the per-parameter states)."""
     try:
-        name = (Path(ckpt) / LATEST_UNIVERSAL).read_text(encoding="utf-8").strip()
-    except OSError:
+        name = decode(read_bytes(Path(ckpt) / LATEST_UNIVERSAL, TAG_CAP), LATEST_UNIVERSAL).strip()
+    except Unreadable:
         return False
     folder = Path(ckpt) / name
-    return bool(name) and "/" not in name and (folder / "zero").is_dir() and any(folder.glob("*model_states.pt"))
+    return tag_name(name) and real_dir(folder / "zero") and any(folder.glob("*model_states.pt"))
 
 
 def conversion(ckpt: str, python: str) -> Command | None:

@@ -23,17 +23,20 @@ This module is plain Python (no torch), so launchers and tools can import it che
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
+import stat
 import time
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks
+from .checkpoint_files import TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks, read_trainer_state
 from .reshard import universal_ready
+from .untrusted import Unreadable, read_record
 
 MARKER = "hfscale_complete.json"
 MARKER_FORMAT = 1
@@ -71,7 +74,7 @@ def checkpoints(output_dir: str | os.PathLike[str]) -> list[Checkpoint]:
     out = []
     for e in entries:
         m = CHECKPOINT_RE.match(e.name)
-        if m and e.is_dir():
+        if m and e.is_dir(follow_symlinks=False):  # a link to a folder elsewhere is not a checkpoint here
             out.append(Checkpoint(int(m.group(1)), root / e.name))
     return sorted(out, key=lambda c: c.step)
 
@@ -134,43 +137,43 @@ def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = No
     ``world_size``: the processes of the job that would resume; a DeepSpeed ZeRO checkpoint saved
     by another number of processes loads into it only once converted to a universal checkpoint
     (hfscale.reshard); ``reshard``: the caller will convert it."""
+    from .records import MARKER_CAP, CompleteMarker
+
     ckpt = Path(ckpt)
     m = CHECKPOINT_RE.match(ckpt.name)
     marker = ckpt / MARKER
-    if not marker.is_file():
+    if not os.path.lexists(marker):
         why = content_problem(ckpt, int(m.group(1)) if m else None)
         if why is not None:
             return f"no {MARKER}, and by its own files: {why}"
         return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size, reshard)
     try:
-        doc = json.loads(marker.read_text(encoding="utf-8"))
-        files = doc["files"]
-        step = int(doc["global_step"])
-        saved_world = int(doc.get("world_size") or 0)
-        if not isinstance(files, dict):
-            raise TypeError("files is not a mapping")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MARKER}: {e}"
+        doc = read_record(marker, CompleteMarker, MARKER_CAP)
+    except Unreadable as e:
+        return f"unreadable {MARKER}: {e.reason}"
+    step, files, saved_world = doc.global_step, doc.files, doc.world_size
     if m and int(m.group(1)) != step:
         return f"{MARKER} is for step {step}, the folder name says {m.group(1)}"
     for rel, size in files.items():
         p = Path(rel)
-        if p.is_absolute() or ".." in p.parts:
-            return f"{MARKER} lists a path outside the checkpoint: {rel!r}"
+        if p.is_absolute() or ".." in p.parts or not rel.isprintable():
+            return f"{MARKER} lists a path outside the checkpoint: {rel[:120]!r}"
         try:
-            actual = (ckpt / p).stat().st_size
-        except OSError:
+            st = os.lstat(ckpt / p)
+        except (OSError, ValueError):
             return f"{rel} is missing"
-        if actual != size:
-            return f"{rel} has {actual} bytes, {size} when saved"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{rel} is not a regular file (a link, FIFO or device)"
+        if st.st_size != size:
+            return f"{rel} has {st.st_size} bytes, {size} when saved"
     if TRAINER_STATE not in files:
         return f"{TRAINER_STATE} is not part of the checkpoint"
     try:
-        state = json.loads((ckpt / TRAINER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return f"unreadable {TRAINER_STATE}: {e}"
-    if state.get("global_step") != step:
-        return f"{TRAINER_STATE} says step {state.get('global_step')}, {MARKER} says {step}"
+        state = read_trainer_state(ckpt / TRAINER_STATE)
+    except Unreadable as e:
+        return f"unreadable {TRAINER_STATE}: {e.reason}"
+    if state.global_step != step:
+        return f"{TRAINER_STATE} says step {state.global_step}, {MARKER} says {step}"
     why = deepspeed_problem(ckpt, saved_world)
     if why is not None:
         return why
@@ -261,13 +264,20 @@ class OutputScan:
 def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
     """The facts of ``ckpt``'s trainer_state.json (None when unreadable)."""
     try:
-        doc = json.loads((Path(ckpt) / TRAINER_STATE).read_text(encoding="utf-8"))
-        lrs = [(int(e["step"]), float(e["learning_rate"])) for e in doc.get("log_history", [])
-               if isinstance(e, dict) and "learning_rate" in e and "step" in e]
-        return SavedState(int(doc["global_step"]), int(doc.get("max_steps", 0)), float(doc.get("num_train_epochs", 0)),
-                          lrs[-1] if lrs else None)
-    except (OSError, ValueError, KeyError, TypeError):
+        doc = read_trainer_state(Path(ckpt) / TRAINER_STATE)
+    except Unreadable:
         return None
+    lrs = [(e["step"], float(e["learning_rate"])) for e in doc.log_history
+           if isinstance(e, dict) and _count(e.get("step")) and _finite(e.get("learning_rate"))]
+    return SavedState(doc.global_step, doc.max_steps or 0, doc.num_train_epochs or 0.0, lrs[-1] if lrs else None)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 10 ** 15
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool = False) -> OutputScan:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import stat
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .files import write_files
 from .launch_plan import LaunchPlan
+from .pid_identity import ProcessIdentity, this_process
 from .shell import Command
+from .untrusted import Missing, Unreadable, as_record, parse_json, read_record, read_trusted
+
+if TYPE_CHECKING:
+    from .records import LauncherState, Rank0Metrics
 
 PLAN_FILE = "plan.txt"  # the plan as --dry-run prints it
 CONFIG_COPY = "config.yaml"  # the resolved config the ranks read ($HFSCALE_CONFIG)
@@ -21,6 +24,7 @@ LOGS_DIR = "logs"  # one log per node (and prepare.log)
 CLEANUP_FILE = "cleanup.json"  # the plan's cleanup, for ``hfscale stop`` of a run whose launcher died
 HANG_REPORT = "hang-report.txt"  # the hang watchdog's report
 SLURM_JOB_ID_FILE = "slurm_job_id"  # the id sbatch answered
+STOP_MARKER = "stopping"  # written when the launch stops the job: node lines that start later exit at once
 
 
 def write_run_dir(plan: LaunchPlan, record: str) -> Path:
@@ -43,23 +47,16 @@ def write_run_dir(plan: LaunchPlan, record: str) -> Path:
     return run_dir
 
 
-def read_cleanup(run_dir: str | Path) -> Command | None:
-    """The cleanup ``write_run_dir`` recorded (None: none recorded, not readable as one, or a file
-    this user did not write alone: it is run as a command)."""
-    path = Path(run_dir) / CLEANUP_FILE
-    try:
-        st = path.lstat()
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            return None
-        doc = json.loads(path.read_text())
-        argv, env, cwd = doc["argv"], doc["env"], doc["cwd"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv) and isinstance(env, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
-            and (cwd is None or isinstance(cwd, str))):
-        return None
-    return Command(tuple(argv), tuple(env.items()), cwd)
+def read_cleanup(run_dir: str | Path) -> Command:
+    """The cleanup ``write_run_dir`` recorded. It is run as a command, so only a file this user
+    alone could have written counts (hfscale.untrusted.read_trusted, up to the runs directory).
+    Raises Unreadable (Missing, Untrusted) naming the file and the reason."""
+    from .records import CLEANUP_CAP, CleanupRecord
+
+    run_dir = Path(run_dir)
+    path = run_dir / CLEANUP_FILE
+    doc = as_record(parse_json(read_trusted(path, run_dir.parent, CLEANUP_CAP), path), CleanupRecord, path)
+    return Command(tuple(doc.argv), tuple(doc.env.items()), doc.cwd)
 
 
 def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) -> bool:
@@ -79,25 +76,56 @@ def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) 
 STATE_FILE = "state.json"
 
 
-def read_state(run_dir: str | Path) -> dict:
-    """``<run dir>/state.json`` ({} when missing or unreadable)."""
+def read_state(run_dir: str | Path) -> "LauncherState":
+    """``<run dir>/state.json`` (empty when missing); raises Unreadable when it is not a regular
+    file, too big, not JSON, or holds a value of the wrong type or range."""
+    from .records import STATE_CAP, LauncherState
+
     try:
-        doc = json.loads((Path(run_dir) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        return read_record(Path(run_dir) / STATE_FILE, LauncherState, STATE_CAP, run_dir)
+    except Missing:
+        return LauncherState()
+
+
+def read_metrics(run_dir: str | Path) -> "Rank0Metrics":
+    """Rank 0's latest numbers, ``<run dir>/progress/metrics.json`` (hfscale.progress.report; empty
+    when none yet); raises Unreadable for a file that is not such a record."""
+    from .progress import METRICS_FILE, PROGRESS_DIR
+    from .records import METRICS_CAP, Rank0Metrics
+
+    try:
+        return read_record(Path(run_dir) / PROGRESS_DIR / METRICS_FILE, Rank0Metrics, METRICS_CAP, run_dir)
+    except Missing:
+        return Rank0Metrics()
 
 
 def this_launcher() -> dict[str, object]:
-    """The state.json fields a launch starts with: the launching process, its host and directory."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "cwd": os.getcwd(), "started": time.time()}
+    """The state.json fields a launch starts with: the launching process (its identity: a pid alone
+    is not proof, hfscale.pid_identity), its host and directory."""
+    me = this_process()
+    return {"pid": me.pid, "proc_start": me.start, "boot_id": me.boot_id, "host": me.host, "cwd": os.getcwd(),
+            "started": time.time()}
+
+
+def launcher_of(state: "LauncherState") -> ProcessIdentity | None:
+    """The recorded launcher's identity (None: none recorded, or without its start time: unprovable)."""
+    if state.pid is None or state.host is None or not state.proc_start:
+        return None
+    return ProcessIdentity(state.pid, state.proc_start, state.boot_id, state.host)
 
 
 def record_state(run_dir: str | Path, **fields: object) -> None:
     """Merge ``fields`` into ``<run dir>/state.json`` (what ``hfscale runs``/``status``/``stop`` read):
-    at the start this_launcher() and the state, at the end the state and exit code."""
-    doc = read_state(run_dir)
+    at the start this_launcher() and the state, at the end the state and exit code. A state.json
+    that cannot be read is replaced."""
+    from .records import LauncherState
+
     try:
-        write_files(Path(run_dir), {STATE_FILE: json.dumps({**doc, **fields}, indent=1) + "\n"})
+        doc = read_state(run_dir).model_dump(exclude_none=True)
+    except Unreadable:
+        doc = {}
+    merged = LauncherState.model_validate({**doc, **fields}).model_dump(exclude_none=True)
+    try:
+        write_files(Path(run_dir), {STATE_FILE: json.dumps(merged, indent=1) + "\n"})
     except OSError:
         pass  # the run goes on; hfscale runs then shows it without a state

@@ -1,26 +1,32 @@
 """The runs in a runs directory, as ``hfscale runs``/``status``/``logs``/``stop`` show them (files
 only: the run directory's state.json, rank 0's progress/metrics.json, the ranks' progress files,
-the logs; stopping and scheduler queries go through hfscale.execute).
+the logs; ``hfscale stop`` and the scheduler commands: hfscale.run_stop).
 
 A run's state: ``running`` while the launching hfscale process lives (checked when it runs on
-this host), ``died`` when it is gone without a word (killed -9, a lost login node), ``submitted``
-for scheduler jobs, else what its exit code says (hfscale.exitcodes.state_of) or ``preempted``
-when rank 0 reported a preemption save.
+this host: the process recorded, by pid and start time, hfscale.pid_identity), ``died`` when it
+is gone without a word (killed -9, a lost login node), ``submitted`` for scheduler jobs, else what
+its exit code says (hfscale.exitcodes.state_of) or ``preempted`` when rank 0 reported a
+preemption save; ``unreadable`` when state.json cannot be read (the reason is shown).
+
+Everything is read through hfscale.untrusted and hfscale.records: the files of a run directory
+may have been written by anything.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .progress import PROGRESS_DIR, read_metrics, read_progress
-from .rundir import (CLEANUP_FILE, CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, read_cleanup,
-                     read_state, record_state)
+from .pid_identity import ProcessIdentity, liveness
+from .progress import PROGRESS_DIR, Progress, read_progress
+from .records import LauncherState, Rank0Metrics
+from .rundir import (CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
+                     read_metrics, read_state)
+from .untrusted import Unreadable, decode, open_regular, printable, read_bytes, read_text, read_trusted
 
 
 class RunError(ValueError):
@@ -29,7 +35,8 @@ class RunError(ValueError):
 
 @dataclass(frozen=True)
 class RunInfo:
-    """One run directory, read."""
+    """One run directory, read. ``problem``: why its state.json cannot be read (state
+    ``unreadable``); ``notes``: files skipped while reading it, and why."""
 
     path: Path
     job_id: str
@@ -44,51 +51,89 @@ class RunInfo:
     pid: int | None
     host: str | None
     slurm_job: str | None = None
+    launcher: ProcessIdentity | None = None
+    problem: str | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return self.path.name
 
 
-def launcher_alive(pid: object, host: object) -> bool | None:
-    """Whether the launching hfscale process still runs (None: it runs on another host)."""
-    if not isinstance(pid, int) or host != socket.gethostname():
-        return None
+def unreadable(path: Path, why: str) -> RunInfo:
+    return RunInfo(path, "", "", "unreadable", None, None, None, None, None, None, None, None, problem=why)
+
+
+def rank_progress(path: Path) -> tuple[list[Progress], int]:
+    """(the ranks' progress files that read as such, how many ``rank-*`` files did not)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        entries = [e.name for e in os.scandir(path / PROGRESS_DIR) if e.name.startswith("rank-")]
     except OSError:
-        return False
-    return b"hfscale" in cmdline  # a recycled pid belongs to something else
+        return [], 0
+    found = [p for name in entries if (p := read_progress(path / PROGRESS_DIR / name)) is not None]
+    return found, len(entries) - len(found)
 
 
 def run_info(path: str | Path) -> RunInfo:
-    """What ``path`` (a run directory) says about its run."""
+    """What ``path`` (a run directory) says about its run. Never raises for what its files hold: a
+    state.json that cannot be read makes the state ``unreadable`` (the reason in ``problem``),
+    other files that cannot be read are left out and named in ``notes``."""
     path = Path(path)
-    doc, m = read_state(path), read_metrics(path)
-    step = m.get("step") if isinstance(m.get("step"), int) else None
-    if step is None:  # rank 0 reported no step (a plain loop without progress.report): the ranks' files
-        steps = [p.step for f in (path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f)) is not None]
-        step = max(steps) if steps else None
-    state = _state(doc, m)
     try:
-        slurm = (path / SLURM_JOB_ID_FILE).read_text().strip() or None
-    except OSError:
-        slurm = None
-    loss = m.get("loss")
-    return RunInfo(path, str(doc.get("job_id", "")), str(doc.get("runner", "")), state, step,
-                   m.get("max_steps") if isinstance(m.get("max_steps"), int) else None,
-                   float(loss) if isinstance(loss, (int, float)) else None,
-                   doc.get("started"), doc.get("ended"), doc.get("exit_code"), doc.get("pid"), doc.get("host"), slurm)
+        doc = read_state(path)
+    except Unreadable as e:
+        return unreadable(path, e.reason if e.path == str(path / STATE_FILE) else str(e))
+    notes = []
+    try:
+        m = read_metrics(path)
+    except Unreadable as e:
+        m = Rank0Metrics()
+        notes.append(f"{e}; skipped")
+    step = m.step
+    if step is None:  # rank 0 reported no step (a plain loop without progress.report): the ranks' files
+        ranks, bad = rank_progress(path)
+        step = max((p.step for p in ranks), default=None)
+        if bad:
+            notes.append(f"{path / PROGRESS_DIR}: {bad} unreadable progress file(s) skipped")
+    slurm = None
+    if doc.runner == "slurm" or (path / SLURM_JOB_ID_FILE).exists():
+        try:
+            slurm = slurm_job_id(path)
+        except Unreadable as e:
+            notes.append(f"{e}; skipped")
+    return RunInfo(path, doc.job_id or "", doc.runner or "", _state(doc, m), step, m.max_steps, m.loss,
+                   doc.started, doc.ended, doc.exit_code, doc.pid, doc.host, slurm, launcher_of(doc),
+                   notes=tuple(notes))
 
 
-def _state(doc: dict, metrics: dict) -> str:
-    """The run's state from its state.json (``doc``) and rank 0's metrics."""
-    state = doc.get("state", "unknown")
-    if state == "running" and launcher_alive(doc.get("pid"), doc.get("host")) is False:
-        state = "died"
-    if metrics.get("preempted") and state in ("finished", "stopped", "failed") and not doc.get("stop_requested"):
+def _state(doc: LauncherState, metrics: Rank0Metrics) -> str:
+    """The run's state from its state.json and rank 0's metrics. A run recorded as running whose
+    launcher runs on this host but cannot be proven to be the process recorded (gone, its pid
+    reused, no start time recorded) has ``died``."""
+    state = doc.state or "unknown"
+    if state == "running":
+        who = launcher_of(doc)
+        if (who is None and (doc.host is None or doc.host == socket.gethostname())) or \
+                (who is not None and liveness(who) == "gone"):
+            state = "died"
+    if metrics.preempted and state in ("finished", "stopped", "failed") and doc.stop_requested is None:
         state = "preempted"
     return state
+
+
+def slurm_job_id(run: Path, trusted: bool = False) -> str:
+    """The Slurm job id ``sbatch`` answered, from ``<run>/slurm_job_id``: digits, or
+    ``digits_digits`` for an array task, and nothing else (a value such as ``--me`` would be read
+    by scancel as an option). ``trusted``: the id will be handed to the scheduler, so the file
+    must pass hfscale.untrusted.read_trusted. Raises Unreadable."""
+    from .records import ID_CAP, SLURM_JOB_ID
+
+    path = run / SLURM_JOB_ID_FILE
+    data = read_trusted(path, run.parent, ID_CAP) if trusted else read_bytes(path, ID_CAP, run)
+    text = decode(data, path).strip()
+    if not SLURM_JOB_ID.match(text):
+        raise Unreadable(path, f"{text!r:.40} is not a Slurm job id (digits, or digits_digits for an array task)")
+    return text
 
 
 def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
@@ -107,13 +152,20 @@ def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = N
     launch directory (hfscale.launcher.output_dir_to_scan): ``launch_cwd`` where state.json
     recorded it, else inferred from the run directory's path, else this process's. The first
     candidate that exists wins, else the most likely one."""
-    out = str((cfg.get("training") or {}).get("output_dir") or "output")
-    runner = cfg.get("runner") or {}
-    workdir = str(runner.get("workdir") or "")
+    def section(name: str) -> dict[str, Any]:
+        v = cfg.get(name)
+        return v if isinstance(v, dict) else {}
+
+    def setting(v: object, default: str) -> str:
+        return v if isinstance(v, str) and v else default
+
+    out = setting(section("training").get("output_dir"), "output")
+    runner = section("runner")
+    workdir = setting(runner.get("workdir"), "")
     rel = os.path.join(workdir, out)
     if os.path.isabs(rel):
         return Path(rel)
-    bases = [Path(launch_cwd) if launch_cwd else None, _launch_cwd(run_dir, str(runner.get("run_dir") or "runs")),
+    bases = [Path(launch_cwd) if launch_cwd else None, _launch_cwd(run_dir, setting(runner.get("run_dir"), "runs")),
              Path.cwd()]
     candidates = [b / rel for b in bases if b is not None]
     return next((c for c in candidates if c.is_dir()), candidates[0])
@@ -121,55 +173,85 @@ def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = N
 
 def read_config_copy(run: Path) -> tuple[str, dict[str, Any]]:
     """(text, mapping) of run directory ``run``'s resolved config copy; RunError when unusable."""
-    import yaml
+    from .records import TEXT_CAP
+    from .yamlsource import parse
 
     try:
-        text = (run / CONFIG_COPY).read_text(encoding="utf-8")
-        cfg = yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise RunError(f"{run / CONFIG_COPY}: cannot read the run's config ({e})") from None
-    if not isinstance(cfg, dict):
-        raise RunError(f"{run / CONFIG_COPY}: not a YAML mapping, not the config copy hfscale launch writes")
-    return text, cfg
+        text = read_text(run / CONFIG_COPY, TEXT_CAP, run)
+    except Unreadable as e:
+        raise RunError(f"{e} (the run's config copy)") from None
+    doc, problems = parse(text)
+    if doc is None or problems:
+        why = problems[0].message if problems else "not a mapping"
+        what = "not a YAML mapping" if "top level must be a mapping" in why else f"cannot read the run's config ({why})"
+        raise RunError(f"{printable(str(run / CONFIG_COPY))}: {what}, not the config copy hfscale launch writes")
+    return text, doc.data
 
 
 def run_output_dir(run: Path) -> Path:
     """The training.output_dir of run directory ``run`` (its config copy and state.json)."""
-    cwd = read_state(run).get("cwd")
-    return output_dir_of(run, read_config_copy(run)[1], cwd if isinstance(cwd, str) else None)
+    try:
+        cwd = read_state(run).cwd
+    except Unreadable:
+        cwd = None
+    return output_dir_of(run, read_config_copy(run)[1], cwd)
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / PLAN_FILE).is_file() and (path / LOGS_DIR).is_dir()
+    """Whether ``path`` is a folder hfscale launch made (its plan and logs/ are there); links are
+    not followed."""
+    try:
+        return (os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(path / PLAN_FILE)
+                and os.path.isdir(path / LOGS_DIR))
+    except (OSError, ValueError):
+        return False
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    try:
+        with os.scandir(root) as it:
+            names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError as e:
+        raise RunError(f"{printable(str(root))}: cannot list it ({e.strerror or e})") from None
+    return [root / n for n in names if is_run_dir(root / n)]
 
 
 def list_runs(root: str | Path) -> list[RunInfo]:
-    """The runs under ``root``, oldest first."""
+    """The runs under ``root``, oldest first; one whose state.json cannot be read is listed as
+    ``unreadable`` with the reason (it never hides the others)."""
     root = Path(root)
     if not root.is_dir():
-        raise RunError(f"{root} is not a directory of runs (runner.run_dir; default: runs)")
-    infos = [run_info(p) for p in root.iterdir() if p.is_dir() and is_run_dir(p)]
-    return sorted(infos, key=lambda i: (i.started or 0, i.name))
+        raise RunError(f"{printable(str(root))} is not a directory of runs (runner.run_dir; default: runs)")
+    infos = [run_info(p) for p in _run_dirs(root)]
+    return sorted(infos, key=lambda i: (i.started or 0.0, i.name))
 
 
 def find_run(ref: str, root: str | Path = "runs") -> Path:
-    """A run directory: ``ref`` itself, or the one run under ``root`` whose name or job id is or
-    ends with ``ref``."""
+    """A run directory: ``ref`` itself, or the one run under ``root`` whose name is ``ref`` or ends
+    with ``-<ref>`` (a job id, or its tail: ``3820dc``). An empty reference (an unset variable in a
+    script) and one that matches several runs are refused, naming the matches."""
+    if not ref.strip():
+        raise RunError("an empty run reference names no run (an unset variable?); give a run directory, "
+                       "its name or its job id")
     if is_run_dir(Path(ref)):
         return Path(ref)
     root = Path(root)
     if not root.is_dir():
-        raise RunError(f"no run directory {ref!r}, and no runs directory {root}")
-    found = [p for p in root.iterdir() if p.is_dir() and is_run_dir(p) and (p.name == ref or p.name.endswith(ref))]
+        raise RunError(f"no run directory {printable(ref)!r}, and no runs directory {printable(str(root))}")
+    runs = _run_dirs(root)
+    found = [p for p in runs if p.name == ref] or [p for p in runs if p.name.endswith("-" + ref)]
     if len(found) == 1:
         return found[0]
     if not found:
-        raise RunError(f"no run {ref!r} in {root} (hfscale runs {root} lists them)")
-    raise RunError(f"{ref!r} matches {len(found)} runs in {root}: {', '.join(sorted(p.name for p in found))}")
+        raise RunError(f"no run {printable(ref)!r} in {printable(str(root))} (hfscale runs {root} lists them)")
+    names = sorted(printable(p.name) for p in found)
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    raise RunError(f"{printable(ref)!r} matches {len(found)} runs in {printable(str(root))}: "
+                   f"{', '.join(names[:20])}{more}; give more of the name or job id")
 
 
-def _when(t: object) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "-"
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t is not None else "-"
 
 
 def _steps(i: RunInfo) -> str:
@@ -179,17 +261,24 @@ def _steps(i: RunInfo) -> str:
 
 
 def runs_table(infos: list[RunInfo]) -> str:
-    """One line per run: name, runner, state, steps, last loss, started."""
+    """One line per run: name, runner, state, steps, last loss, started (``unreadable: <reason>``
+    in place of a state that cannot be read)."""
     rows = [["run", "runner", "state", "steps", "loss", "started"]]
-    rows += [[i.name, i.runner or "-", i.state, _steps(i), f"{i.loss:.4f}" if i.loss is not None else "-",
-              _when(i.started)] for i in infos]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for i in infos:
+        state = f"unreadable: {printable(i.problem or '', 200)}" if i.state == "unreadable" else i.state
+        rows.append([printable(i.name, 120), i.runner or "-", state, _steps(i),
+                     f"{i.loss:.4f}" if i.loss is not None else "-", _when(i.started)])
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)] + [0]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows) + "\n"
 
 
 def log_files(path: Path) -> list[Path]:
     """The node logs of a run, in name order."""
-    return sorted((path / LOGS_DIR).glob("*.log"))
+    try:
+        with os.scandir(path / LOGS_DIR) as it:
+            return sorted(path / LOGS_DIR / e.name for e in it if e.name.endswith(".log"))
+    except OSError:
+        return []
 
 
 def pick_log(path: Path, node: str | None) -> list[Path]:
@@ -202,119 +291,80 @@ def pick_log(path: Path, node: str | None) -> list[Path]:
         return [logs[names.index(node)]]
     if node.isdigit() and int(node) < len(logs):
         return [logs[int(node)]]
-    raise RunError(f"no log of node {node!r} in {path / 'logs'}; there are: {', '.join(names) or 'none'}")
+    shown = ", ".join(printable(n, 80) for n in names[:50]) or "none"
+    raise RunError(f"no log of node {printable(node)!r} in {printable(str(path / LOGS_DIR))}; there are: {shown}")
+
+
+def print_log(path: Path, write: Callable[[bytes], object]) -> str | None:
+    """Write the node log ``path`` to ``write`` in pieces (a log of any size, in constant memory);
+    why it cannot be read (not a regular file, a link), or None."""
+    try:
+        fd, _ = open_regular(path, path.parent)
+    except Unreadable as e:
+        return str(e)
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            write(chunk)
+    except OSError as e:
+        return f"{printable(str(path))}: {e.strerror or e}"
+    finally:
+        os.close(fd)
+    return None
 
 
 def _tail(path: Path, lines: int) -> list[str]:
+    from .records import LOG_TAIL
+
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            return f.read().decode("utf-8", "replace").splitlines()[-lines:]
-    except OSError:
-        return []
+        data = read_bytes(path, LOG_TAIL, path.parent, tail=True)
+    except Unreadable as e:
+        return [f"({e})"]
+    return data.decode("utf-8", "replace").splitlines()[-lines:]
 
 
 def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
     """``hfscale status``: the run, rank 0's numbers, each rank's step, a hang report, log tails."""
-    m = read_metrics(i.path)
-    lines = [f"run          {i.name} ({i.path})", f"state        {i.state}"
-             + (f" (exit code {i.exit_code})" if i.exit_code is not None else "")
-             + (f"; Slurm job {i.slurm_job}: {scheduler_state}" if i.slurm_job and scheduler_state else
-                f"; Slurm job {i.slurm_job}" if i.slurm_job else ""),
+    if i.state == "unreadable":
+        return (f"run          {printable(i.name)} ({printable(str(i.path))})\n"
+                f"state        unreadable: {printable(i.problem or '')}\n")
+    try:
+        m = read_metrics(i.path)
+    except Unreadable:
+        m = Rank0Metrics()  # named in i.notes
+    slurm = (f"; Slurm job {i.slurm_job}: {printable(scheduler_state)}" if i.slurm_job and scheduler_state else
+             f"; Slurm job {i.slurm_job}" if i.slurm_job else "")
+    lines = [f"run          {printable(i.name)} ({printable(str(i.path))})", f"state        {i.state}"
+             + (f" (exit code {i.exit_code})" if i.exit_code is not None else "") + slurm,
              f"runner       {i.runner or '-'}; launched by pid {i.pid} on {i.host}",
              f"started      {_when(i.started)}" + (f"; ended {_when(i.ended)}" if i.ended else ""),
              f"step         {_steps(i)}" + (f"; loss {i.loss:.4f}" if i.loss is not None else "")
-             + (f"; {m['tokens_per_s']:.0f} tokens/s" if isinstance(m.get("tokens_per_s"), (int, float)) else "")]
-    ranks = sorted((p for f in (i.path / PROGRESS_DIR).glob("rank-*") if (p := read_progress(f))), key=lambda p: p.rank)
+             + (f"; {m.tokens_per_s:.0f} tokens/s" if m.tokens_per_s is not None else "")]
+    ranks, _ = rank_progress(i.path)
+    ranks.sort(key=lambda p: p.rank)
     if ranks:
         lo, hi = min(p.step for p in ranks), max(p.step for p in ranks)
         behind = [f"rank {p.rank} ({p.host})" for p in ranks if p.step == lo < hi]
         lines.append(f"ranks        {len(ranks)} reporting; steps {lo}..{hi}"
                      + (f"; behind: {', '.join(behind[:8])}" if behind else ""))
     if (i.path / HANG_REPORT).is_file():
-        lines.append(f"hang report  {i.path / HANG_REPORT}")
+        lines.append(f"hang report  {printable(str(i.path / HANG_REPORT))}")
+    lines += [f"skipped      {printable(n, 500)}" for n in i.notes]
     for log in log_files(i.path):
-        lines += ["", f"--- {log} (last lines)", *_tail(log, 5)]
+        lines += ["", f"--- {printable(str(log))} (last lines)", *_tail(log, 5)]
     return "\n".join(lines) + "\n"
 
 
-STOP_WAIT_S = 120  # the launcher's stop: TERM, a grace period, KILL, on every node
-
-
-def scheduler_command(i: RunInfo, action: str):
-    """The scheduler command that stops (``stop``) or asks about (``state``) a submitted run."""
-    from .runners.kubernetes import MANIFESTS
-    from .shell import Command
-
-    if i.slurm_job:
-        return Command(("scancel", i.slurm_job)) if action == "stop" else \
-            Command(("squeue", "-h", "-j", i.slurm_job, "-o", "%T"))
-    if i.runner == "kubernetes" and action == "stop":
-        return Command(("kubectl", "delete", "--ignore-not-found", "-f", str(i.path / MANIFESTS)))
-    return None
-
-
-def stop(i: RunInfo, say) -> int:
-    """Stop run ``i`` on every host: its launcher gets SIGTERM (it runs the cleanup everywhere)
-    and is waited for; a submitted run is cancelled through its scheduler; a run whose launcher
-    died gets the cleanup that launcher recorded. The exit code."""
-    if i.state == "submitted":
-        cmd = scheduler_command(i, "stop")
-        if cmd is None:
-            raise RunError(f"{i.name}: submitted to {i.runner or 'a scheduler'}; hfscale does not know how to cancel it")
-        _run_stop(i, cmd, cmd.shell(), 60)
-        say(f"hfscale: {cmd.shell()}: done; {i.name} stopped")
-        return 0
-    if i.state == "died":
-        cmd = read_cleanup(i.path)
-        if cmd is None:
-            raise RunError(f"{i.name}: its launcher (pid {i.pid}) died and {i.path / CLEANUP_FILE} is missing, "
-                           "unreadable or writable by others; stop its processes by hand")
-        what = f"the recorded cleanup ({os.path.basename(cmd.argv[0])})"
-        say(f"hfscale: {i.name}: its launcher (pid {i.pid}) died; running {what} on every host")
-        _run_stop(i, cmd, what, STOP_WAIT_S)
-        say(f"hfscale: {i.name} stopped")
-        return 0
-    if i.state != "running":
-        raise RunError(f"{i.name} is not running (state {i.state})")
-    alive = launcher_alive(i.pid, i.host)
-    if alive is None:
-        raise RunError(f"{i.name} was launched on {i.host} (pid {i.pid}): run hfscale stop there")
-    assert isinstance(i.pid, int)
-    say(f"hfscale: stopping {i.name}: SIGTERM to its launcher (pid {i.pid}), which stops every node")
-    record_state(i.path, stop_requested=time.time())  # the ranks' preemption save then reads as stopped
-    os.kill(i.pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_WAIT_S
-    while time.monotonic() < deadline:
-        doc = read_state(i.path)
-        if doc.get("state") != "running" or launcher_alive(i.pid, i.host) is False:
-            say(f"hfscale: {i.name} {doc.get('state', 'ended')} (exit code {doc.get('exit_code')})")
-            return 0
-        time.sleep(0.5)
-    raise RunError(f"{i.name}: the launcher (pid {i.pid}) did not end within {STOP_WAIT_S} s")
-
-
-def _run_stop(i: RunInfo, cmd, what: str, timeout: float) -> None:
-    """Run the command that stops ``i`` (a scheduler's cancel, or the cleanup a launcher that died
-    recorded: it stops the job's processes on every host), then record the run as stopped."""
-    from .execute import run_probe
-
-    record_state(i.path, stop_requested=time.time())
-    rc, out, err = run_probe(cmd, timeout=timeout)
-    if rc != 0:
-        raise RunError(f"{i.name}: {what} failed (exit code {rc}): {(err or out).strip()[:300]}")
-    record_state(i.path, state="stopped", ended=time.time())
-
-
-def follow_logs(run: Path, logs: list[Path], write, poll_s: float = 0.5) -> None:
+def follow_logs(run: Path, logs: list[Path], write: Callable[[str], object], poll_s: float = 0.5) -> None:
     """Write what ``logs`` hold, then what is appended, until the run is no longer running."""
     from .follow import LogTail
 
     tail = LogTail({str(p): p for p in logs})
-    prefix = {str(p): f"[{p.stem}] " if len(logs) > 1 else "" for p in logs}
+    prefix = {str(p): f"[{printable(p.stem, 80)}] " if len(logs) > 1 else "" for p in logs}
     while True:
-        running = _state(read_state(run), {}) == "running"  # read first: what was written before it ended is drained below
+        try:  # read first: what was written before it ended is drained below
+            running = _state(read_state(run), Rank0Metrics()) == "running"
+        except Unreadable:
+            running = False
         while batch := tail.lines():  # a long log comes in pieces of follow.READ_LIMIT
             for name, line in batch:
                 write(prefix[name] + line)

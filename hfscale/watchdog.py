@@ -18,7 +18,6 @@ Reads files only; hfscale.execute runs the stack dump and stops the job.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 
 from .launch_plan import Watch
 from .progress import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
+from .records import FLIGHT_CAP, TEXT_CAP
+from .untrusted import Unreadable, read_bytes, read_json
 
 _PYSPY = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 _FAULT = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
@@ -172,9 +173,9 @@ def read_stacks(stacks_dir: str) -> dict[int, str]:
         m = re.match(r"^rank-(\d+)(\.txt|" + re.escape(FAULTHANDLER_SUFFIX) + ")$", e.name)
         if not m:
             continue
-        try:
-            text = e.read_text(errors="replace")
-        except OSError:
+        try:  # faulthandler appends each dump: the newest is at the end
+            text = read_bytes(e, TEXT_CAP, folder, tail=True).decode("utf-8", "replace")
+        except Unreadable:
             continue
         rank = int(m[1])
         if text.strip() and (m[2] == ".txt" or rank not in out):
@@ -190,17 +191,21 @@ def read_flight(flight_dir: str) -> dict[int, tuple[int, str, str]]:
         files = sorted(Path(flight_dir).glob("rank-*.json"))
     except OSError:
         return out
+    def seq(e: dict) -> int:
+        n = e.get("collective_seq_id")
+        return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
     for f in files:
         try:
-            dumps = json.loads(f.read_text())
-            entries = [e for d in dumps for e in d.get("entries", []) if isinstance(e, dict)]
+            dumps = read_json(f, FLIGHT_CAP, flight_dir)
             rank = int(f.stem.removeprefix("rank-"))
-        except (OSError, ValueError, AttributeError, TypeError):
+        except (Unreadable, ValueError):
             continue
+        groups = [d.get("entries") for d in dumps if isinstance(d, dict)] if isinstance(dumps, list) else []
+        entries = [e for g in groups if isinstance(g, list) for e in g if isinstance(e, dict)]
         if entries:
-            last = max(entries, key=lambda e: e.get("collective_seq_id") or 0)
-            out[rank] = (int(last.get("collective_seq_id") or 0), str(last.get("profiling_name", "?")),
-                         str(last.get("state", "?")))
+            last = max(entries, key=seq)
+            out[rank] = (seq(last), str(last.get("profiling_name", "?"))[:80], str(last.get("state", "?"))[:40])
     return out
 
 

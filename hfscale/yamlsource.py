@@ -247,3 +247,32 @@ def parse(text: str) -> tuple[Document | None, list[Problem]]:
     problems: list[Problem] = []
     _line_map(root, (), lines, problems)
     return Document(data, lines, _value_problems(data, lines)), problems
+
+
+def dump_all(docs: list[Any]) -> str:
+    """Documents as multi-document YAML (``---`` between them)."""
+    return "---\n".join(dump(d) for d in docs)
+
+
+def parse_all(text: str) -> list[Any]:
+    """Every document of a multi-document YAML text (``---`` between them), each as bounded as
+    :func:`parse` makes one (size once aliases are expanded, depth, no recursive alias, number
+    size). Raises ValueError with the reason."""
+    loader = _Loader(text)
+    try:
+        docs = []
+        while loader.check_node():
+            node = loader.get_node()
+            if node is None:
+                continue
+            too_big = _bounds(node)
+            if too_big is not None:
+                raise ValueError(too_big.message)
+            docs.append(loader.construct_document(node))
+        return docs
+    except yaml.YAMLError as e:
+        raise ValueError(f"invalid YAML: {e}"[:300]) from None
+    except (RecursionError, OverflowError) as e:
+        raise ValueError(f"invalid YAML: {e}"[:300]) from None
+    finally:
+        loader.dispose()

@@ -117,7 +117,9 @@ def test_pdsh_plan_exact():
     plan = build_plan(job_of(PDSH), CTX)
     launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
                 "--machine_rank \"$HFSCALE_NODE_RANK\" train.py --name 'x; rm -rf /'")
-    node = (f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
+    # a line that starts after a stop (a slow ssh) finds the stop marker and starts nothing
+    node = (f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node started'; exit 143; }}; "
+            f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
             '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
     # the node's shell starts with the job id in its environment: the stop finds it (and runner.setup)
     script = "exec env HFSCALE_JOB_ID=20261122-120000-abcdef bash -c " + shlex.quote(node)
@@ -144,11 +146,13 @@ def test_more_hosts_than_fanout_launch_detached_exact():
     plan = build_plan(job_of(PDSH.replace("connect_timeout: 7}", "connect_timeout: 7, fanout: 1}")), CTX)
     node = shlex.split(attached.main.real_argv()[-1])[-1]  # bash -c's script in the attached line
     node = node.replace("; rc=$?;", "; rc=$?; kill $hb 2>/dev/null;")  # ... which also ends the heartbeat
+    check, node = node.split("; }; ", 1)  # the stop marker is looked at first, before the heartbeat starts
+    check += "; };"
     beat = ("( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; do n=$((n+1)); "
             f"echo $n > {RUN}/alive/\"$HFSCALE_HOST\"; sleep 10 & s=$!; wait $s; done ) </dev/null >/dev/null "
             "2>&1 & hb=$!;")
     script = ("export HFSCALE_HOST=%h; env HFSCALE_JOB_ID=20261122-120000-abcdef setsid bash -c "
-              + shlex.quote(beat + " " + node) + f' </dev/null >> {RUN}/logs/"$HFSCALE_HOST".log 2>&1 &')
+              + shlex.quote(check + " " + beat + " " + node) + f' </dev/null >> {RUN}/logs/"$HFSCALE_HOST".log 2>&1 &')
     assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "1", "-w",
                                             f"^{RUN}/pdsh_hosts", "-l", "alice", script)
     assert plan.logs == () and attached.logs == ("node0", "node1") and attached.follow is None

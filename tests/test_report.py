@@ -189,7 +189,8 @@ def test_relaunches_sharing_the_output_dir_are_plotted_as_launches(tmp_path):
 
 
 def test_the_output_dir_is_found_as_the_ranks_saw_it(tmp_path, monkeypatch):
-    from hfscale.report import _memory_series, output_dir_of
+    from hfscale.report import _memory_series
+    from hfscale.runs import output_dir_of
 
     run = tmp_path / "launch" / "var" / "runs" / "j-1"
 

@@ -17,7 +17,7 @@ import yaml
 from conftest import ROOT, job_pids
 from hfscale.console import Console, progress_text
 from hfscale.rundir import read_cleanup
-from hfscale.runs import RunInfo, run_info, scheduler_command
+from hfscale.runs import RunInfo, run_info
 
 WARN = ("/usr/lib/python3/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` "
         "is deprecated.")
@@ -84,10 +84,12 @@ def test_a_traceback_ends_at_its_exception_line_with_or_without_prefixes():
 
 
 def test_the_progress_line():
-    m = {"step": 120, "max_steps": 300, "loss": 4.12301, "tokens_per_s": 18234.0, "eta_s": 65.2}
+    from hfscale.records import Rank0Metrics as M
+
+    m = M(step=120, max_steps=300, loss=4.12301, tokens_per_s=18234.0, eta_s=65.2)
     assert progress_text(m) == "hfscale: step 120/300 (40%) | loss 4.1230 | 18.2k tokens/s | ETA 1m05s"
-    assert progress_text({"step": 5, "max_steps": 10}, rate=0.5) == "hfscale: step 5/10 (50%) | ETA 0m10s"
-    assert progress_text({"loss": 1.0}) is None
+    assert progress_text(M(step=5, max_steps=10), rate=0.5) == "hfscale: step 5/10 (50%) | ETA 0m10s"
+    assert progress_text(M(loss=1.0)) is None
     out = io.StringIO()
     c = Console("normal", out, tty=True)
     c.progress("hfscale: step 1/2 (50%)")
@@ -99,13 +101,35 @@ def test_the_progress_line():
 
 
 def test_scheduler_commands_for_stop_and_status(tmp_path):
-    def info(runner: str, slurm: str | None) -> RunInfo:
-        return RunInfo(tmp_path, "id", runner, "submitted", None, None, None, None, None, None, None, None, slurm)
+    """What reaches scancel/squeue/kubectl comes from files only this user could write, checked by
+    shape; the Kubernetes stop gets the objects' kinds, names and namespaces on stdin."""
+    from hfscale.run_stop import scheduler_command
+    from hfscale.runs import RunError
 
-    assert scheduler_command(info("slurm", "4242"), "stop").real_argv() == ["scancel", "4242"]
-    assert scheduler_command(info("slurm", "4242"), "state").real_argv() == ["squeue", "-h", "-j", "4242", "-o", "%T"]
-    assert scheduler_command(info("kubernetes", None), "stop").real_argv() == [
-        "kubectl", "delete", "--ignore-not-found", "-f", str(tmp_path / "pytorchjob.yaml")]
+    run = tmp_path / "runs" / "x-1"
+    run.mkdir(parents=True, mode=0o700)
+    os.chmod(tmp_path / "runs", 0o700)
+
+    def info(runner: str, slurm: str | None) -> RunInfo:
+        return RunInfo(run, "20261125-000636-3820dc", runner, "submitted", None, None, None, None, None, None, None,
+                       None, slurm)
+
+    (run / "slurm_job_id").write_text("4242\n")
+    assert scheduler_command(info("slurm", "4242"), "stop").real_argv() == ["scancel", "--", "4242"]
+    assert scheduler_command(info("slurm", "4242"), "state").real_argv() == ["squeue", "-h", "--jobs=4242", "-o", "%T"]
+    (run / "slurm_job_id").write_text("--me\n")
+    with pytest.raises(RunError, match="'--me' is not a Slurm job id"):
+        scheduler_command(info("slurm", "4242"), "stop")
+    manifest = ("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: hfscale-3820dc\n  namespace: ml\n  labels:\n"
+                "    hfscale.job: 20261125-000636-3820dc\ndata:\n  a: '***'\n")
+    (run / "pytorchjob.yaml").write_text(manifest)
+    cmd = scheduler_command(info("kubernetes", None), "stop")
+    assert cmd.real_argv() == ["kubectl", "delete", "--ignore-not-found", "-f", "-"]
+    assert yaml.safe_load(cmd.stdin.real) == {"apiVersion": "v1", "kind": "ConfigMap",
+                                              "metadata": {"name": "hfscale-3820dc", "namespace": "ml"}}
+    (run / "pytorchjob.yaml").chmod(0o666)
+    with pytest.raises(RunError, match="pytorchjob.yaml: the file is writable by group and others"):
+        scheduler_command(info("kubernetes", None), "stop")
 
 
 def _job(tmp: Path, name: str, steps: int, port: int, extra_env: dict | None = None, python: str | None = None) -> Path:
@@ -242,12 +266,15 @@ def test_a_launcher_gone_without_a_word_is_died(tmp_path):
     (run / "state.json").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "state": "running",
                                                 "started": time.time()}))
     assert run_info(run).state == "died"
+    from hfscale.untrusted import Unreadable
+
     for bad in ('{"argv": ["pdsh"]', '{"argv": "pdsh -w h kill", "env": {}, "cwd": null}',
                 '{"argv": ["pdsh"], "env": {"A": 1}, "cwd": null}'):  # cut short; argv a string; a number in env
         (run / "cleanup.json").write_text(bad)
-        assert read_cleanup(run) is None, bad
+        with pytest.raises(Unreadable):
+            read_cleanup(run)
     r = hfscale("stop", str(run))
-    assert r.returncode == 2 and "cleanup.json is missing, unreadable or writable by others" in r.stderr, r.stderr
+    assert r.returncode == 2 and "its recorded cleanup cannot be used" in r.stderr and "env.A" in r.stderr, r.stderr
     (run / "state.json").write_text(json.dumps({"pid": os.getpid(), "host": "elsewhere", "state": "running"}))
     assert run_info(run).state == "running"  # another host's process cannot be checked from here
     r = hfscale("stop", str(run))
@@ -275,7 +302,8 @@ def test_stop_of_a_died_run_runs_its_recorded_cleanup(tmp_path):
         assert oct((run / "cleanup.json").stat().st_mode & 0o777) == "0o600"
         assert read_cleanup(run) is not None
         (run / "cleanup.json").chmod(0o622)  # a file others could have written is not run
-        assert read_cleanup(run) is None
+        with pytest.raises(Exception, match="writable by group and others"):
+            read_cleanup(run)
         (run / "cleanup.json").chmod(0o600)
         launcher.kill()
         launcher.wait(timeout=10)
@@ -349,8 +377,9 @@ def test_state_json_holds_a_launcher_only_when_a_launch_records_one(tmp_path):
     launcher (which a later stop would then signal)."""
     from hfscale.rundir import read_state, record_state, this_launcher
 
-    record_state(tmp_path, stop_requested=1.0)
-    assert read_state(tmp_path) == {"stop_requested": 1.0}
+    record_state(tmp_path, stop_requested=1.7e9)
+    assert read_state(tmp_path).model_dump(exclude_none=True) == {"stop_requested": 1.7e9}
     record_state(tmp_path, **this_launcher(), state="running")
     doc = read_state(tmp_path)
-    assert doc["pid"] == os.getpid() and doc["state"] == "running" and doc["stop_requested"] == 1.0
+    assert doc.pid == os.getpid() and doc.state == "running" and doc.stop_requested == 1.7e9
+    assert doc.proc_start and doc.boot_id  # the launcher's identity: a pid alone proves nothing

@@ -71,9 +71,19 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def append_jsonl(path: str, record: dict[str, Any]) -> None:
+    """Append ``record`` as one line. A file whose last line was torn (a job killed mid-append) gets
+    a newline first, so this record starts a line of its own instead of being glued to the torn
+    one (readers skip and count the torn line: hfscale.untrusted.read_json_lines)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    with open(path, "ab") as f:
+        if f.tell() > 0:
+            with open(path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                torn = r.read(1) != b"\n"
+            if torn:
+                line = "\n" + line
+        f.write(line.encode("utf-8"))
 
 
 def count_params(model: Any) -> int:

@@ -14,7 +14,7 @@ import posixpath
 from ..job import Job
 from ..launch_plan import LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext
-from ..render_kubernetes import CONFIG_DIR, kubernetes_manifests, launcher_command, render_manifests
+from ..render_kubernetes import API_VERSION, CONFIG_DIR, LABEL, kubernetes_manifests, launcher_command, render_manifests
 from ..shell import Command, Text, words
 from .common import Common
 
@@ -52,3 +52,36 @@ def unavailable(plan: LaunchPlan) -> tuple[str, int]:
 def submitted(plan: LaunchPlan, stdout: str) -> tuple[dict[str, str], str]:
     """(files to record, what to say) after kubectl applied the manifests."""
     return {}, f"hfscale: applied; follow it with: kubectl get pytorchjob -l hfscale.job={plan.job_id}"
+
+
+# what an hfscale launch creates: a stop deletes only these kinds
+DELETABLE = {("v1", "ConfigMap"), ("v1", "Secret"), (API_VERSION, "PyTorchJob")}
+
+
+def deletion(text: str, job_id: str) -> str:
+    """From a run's recorded ``pytorchjob.yaml``: a manifest for ``kubectl delete -f -`` holding only
+    each object's kind, name and namespace, each checked (a kind hfscale creates, RFC 1123 names,
+    the job's label), so nothing else in the file reaches kubectl. Raises ValueError naming what is
+    wrong."""
+    from ..records import RFC1123_LABEL, RFC1123_NAME
+    from ..yamlsource import dump_all, parse_all
+
+    out = []
+    for n, doc in enumerate(parse_all(text), 1):
+        meta = doc.get("metadata") if isinstance(doc, dict) else None
+        if not isinstance(meta, dict):
+            raise ValueError(f"document {n} is not a Kubernetes object")
+        kind, api, name, ns = doc.get("kind"), doc.get("apiVersion"), meta.get("name"), meta.get("namespace")
+        labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+        if (api, kind) not in DELETABLE:
+            raise ValueError(f"document {n}: {api!s:.60}/{kind!s:.60} is not a kind hfscale creates")
+        if not isinstance(name, str) or not RFC1123_NAME.match(name):
+            raise ValueError(f"document {n}: the name {name!r:.80} is not an RFC 1123 name")
+        if not isinstance(ns, str) or not RFC1123_LABEL.match(ns):
+            raise ValueError(f"document {n}: the namespace {ns!r:.80} is not an RFC 1123 label")
+        if labels.get(LABEL) != job_id:
+            raise ValueError(f"document {n}: {kind} {name} is not labelled {LABEL}={job_id}")
+        out.append({"apiVersion": api, "kind": kind, "metadata": {"name": name, "namespace": ns}})
+    if not out:
+        raise ValueError("no Kubernetes objects in it")
+    return dump_all(out)

@@ -26,7 +26,7 @@ from ..envvars import host_env, host_secret
 from ..job import Job
 from ..launch_plan import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
-from ..rundir import LOGS_DIR
+from ..rundir import LOGS_DIR, STOP_MARKER
 from ..shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
                      render, words)
 from ..ssh import pdsh_argv
@@ -36,6 +36,7 @@ from .stopping import JOB_ID_VAR, dump_script, stop_script
 RANK_VAR = "HFSCALE_NODE_RANK"
 HOST_VAR = "HFSCALE_HOST"
 UNKNOWN_HOST_EXIT = 97
+STOPPED_EXIT = 143  # a node whose line started after the stop: as if it had been stopped
 ENV_FILE = "env.sh"
 NODES_FILE = "nodes.sh"
 HOSTS_FILE = "pdsh_hosts"
@@ -82,18 +83,22 @@ def prelude(job: Job, c: Common) -> Line:
                     Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
 
 
-def node_script(before: Line, launcher: list[Word], first: Line = Line(()), on_exit: str = "") -> Line:
-    """``[first] before && launcher; rc=$?; [on_exit]echo "HFSCALE_EXIT rc=$rc"; exit $rc``: what
-    a node's shell runs, ending with the exit line hfscale watches for."""
+def node_script(before: Line, launcher: list[Word], marker: str, first: Line = Line(()), on_exit: str = "") -> Line:
+    """``[ ! -e marker ] || exit 143; [first] before && launcher; rc=$?; [on_exit]echo "HFSCALE_EXIT
+    rc=$rc"; exit $rc``: what a node's shell runs, ending with the exit line hfscale watches for.
+    The stop writes ``marker`` (on the shared file system) before it stops the job's processes, so
+    a line that starts after the stop (a slow ssh, a loaded host) starts nothing."""
+    check = Line.of(Sh("[ ! -e"), marker, Sh(f"] || {{ echo 'hfscale: the job was stopped before this node started'; "
+                                             f"exit {STOPPED_EXIT}; }};"))
     tail = Sh(f'; rc=$?; {on_exit}echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
-    return Line.of(first, and_then(before, words(launcher)), tail)
+    return Line.of(check, first, and_then(before, words(launcher)), tail)
 
 
-def fan_out(job_id: str, before: Line, launcher: list[Word]) -> Line:
+def fan_out(job_id: str, before: Line, launcher: list[Word], marker: str) -> Line:
     """The one line pdsh sends to every host: a shell started with the job id in its environment
     (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) runs ``before``
     and the launcher, and ends by printing the launcher's exit code."""
-    node = node_script(before, launcher)
+    node = node_script(before, launcher, marker)
     return Line((Sh("exec env"), Assign(JOB_ID_VAR, job_id), Sh("bash -c"), Script(node)), pdsh=True)
 
 
@@ -108,7 +113,8 @@ def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> L
     beat = Line.of(Sh("( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
                       "do n=$((n+1)); echo $n >"), beat_file,
                    Sh(f"; sleep {HEARTBEAT_S} & s=$!; wait $s; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
-    node = node_script(before, launcher, first=beat, on_exit="kill $hb 2>/dev/null; ")
+    node = node_script(before, launcher, posixpath.join(run_dir, STOP_MARKER), first=beat,
+                       on_exit="kill $hb 2>/dev/null; ")
     # ";" not "&&": "a && b &" would background a subshell holding the ssh session's output open
     return Line((Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh("; env", glue=True), Assign(JOB_ID_VAR, job_id),
                  Sh("setsid bash -c"), Script(node), Sh("</dev/null >>"), log_file, Sh("2>&1 &")), pdsh=True)
@@ -122,7 +128,8 @@ def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Lin
     fanout = job.config.runner.fanout
     if len(hosts) <= fanout:
         argv, env = pdsh_argv(job, listing, len(hosts))
-        return Command((*argv, fan_out(job_id, before, launcher)), env), hosts, None
+        marker = posixpath.join(c.run_dir, STOP_MARKER)
+        return Command((*argv, fan_out(job_id, before, launcher, marker)), env), hosts, None
     argv, env = pdsh_argv(job, listing, fanout)
     follow = Follow(hosts, posixpath.join(c.run_dir, LOGS_DIR), posixpath.join(c.run_dir, BEATS_DIR), HEARTBEAT_S,
                     LOST_AFTER_S)
@@ -152,4 +159,4 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                   for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main, cleanup,
                       c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
-                      follow=follow, watch=c.watch, dump=dump)
+                      follow=follow, watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER))

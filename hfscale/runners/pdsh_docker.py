@@ -16,6 +16,7 @@ from ..envvars import RDMA_PRESETS
 from ..job import Job
 from ..launch_plan import LaunchPlan, NodeLaunch
 from ..launcher import LaunchContext, default_rendezvous, launcher_argv
+from ..rundir import STOP_MARKER
 from ..shell import Cat, Command, Line, Sh, Var, Word, words
 from ..ssh import pdsh_argv
 from . import pdsh
@@ -83,4 +84,5 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
                       cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
-                      private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump)
+                      private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump,
+                      stop_marker=posixpath.join(c.run_dir, STOP_MARKER))

@@ -1,0 +1,85 @@
+"""Which process a pid read from a file is: a pid alone is not proof (the kernel reuses pids).
+
+A process is identified by its host, the boot it runs in (``/proc/sys/kernel/random/boot_id``),
+its pid and its start time (``/proc/<pid>/stat`` field 22, clock ticks after boot): no two
+processes of one boot share a pid and a start time. hfscale records this identity when it
+starts something it may later signal (the launcher in ``state.json``, the holder of an
+output_dir lock) and signals a pid only through :func:`signal_recorded`, which checks the
+identity on a pidfd: the check and the signal reach the same process even if it exits and its
+pid is reused in between. Files only (``/proc``); Linux.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+Liveness = Literal["alive", "gone", "elsewhere"]  # elsewhere: on another host, not checkable from here
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    pid: int
+    start: int  # /proc/<pid>/stat field 22
+    boot_id: str | None
+    host: str
+
+
+def boot_id() -> str | None:
+    try:
+        with open(BOOT_ID_FILE, encoding="ascii") as f:
+            return f.read(64).strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (None: no such process, or not readable)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read(4096)
+        # the command name (field 2) is in parentheses and may hold spaces and ')': split after the last
+        fields = data[data.rindex(b")") + 2:].split()
+        return int(fields[19])  # fields[0] is field 3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def this_process() -> ProcessIdentity:
+    pid = os.getpid()
+    return ProcessIdentity(pid, start_time(pid) or 0, boot_id(), socket.gethostname())
+
+
+def liveness(recorded: ProcessIdentity) -> Liveness:
+    """Whether the process ``recorded`` still runs: alive only when this host, this boot and the
+    start time at that pid all match."""
+    if recorded.host != socket.gethostname():
+        return "elsewhere"
+    if recorded.boot_id is not None and recorded.boot_id != boot_id():
+        return "gone"  # the host rebooted since
+    return "alive" if recorded.start and start_time(recorded.pid) == recorded.start else "gone"
+
+
+def signal_recorded(recorded: ProcessIdentity, sig: int = signal.SIGTERM) -> bool:
+    """Send ``sig`` to the process ``recorded`` if it is still that process; False when it is not
+    (gone, another process at its pid, another host), and nothing was sent."""
+    if liveness(recorded) != "alive":
+        return False
+    try:
+        fd = os.pidfd_open(recorded.pid)  # pins the process now at that pid
+    except (OSError, AttributeError):
+        return False
+    try:
+        # checked after the pidfd exists: if this is still the recorded process, the pidfd is it
+        if liveness(recorded) != "alive":
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
