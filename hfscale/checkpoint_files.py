@@ -245,16 +245,24 @@ def read_trainer_state(path: Path) -> "TrainerState":
     return read_record(path, TrainerState, TRAINER_STATE_CAP)
 
 
+def saved_step(path: Path) -> int:
+    """The ``global_step`` of a ``trainer_state.json`` (its log_history is not built); raises Unreadable."""
+    from .records import TRAINER_STATE_CAP, TrainerStep
+    from .untrusted import read_record
+
+    return read_record(path, TrainerStep, TRAINER_STATE_CAP).global_step
+
+
 def content_problem(ckpt: Path, step: int | None) -> str | None:
     """Why the checkpoint folder ``ckpt`` (of ``step``, from its name) is not complete by its files, or None."""
     try:
-        saved_step = read_trainer_state(ckpt / TRAINER_STATE).global_step
+        step_saved = saved_step(ckpt / TRAINER_STATE)
     except Missing:
         return f"{TRAINER_STATE} is missing (rank 0 writes it last: the save did not finish)"
     except Unreadable as e:
         return f"unreadable {TRAINER_STATE}: {e.reason}"
-    if step is not None and saved_step != step:
-        return f"{TRAINER_STATE} says step {saved_step}, the folder name says {step}"
+    if step is not None and step_saved != step:
+        return f"{TRAINER_STATE} says step {step_saved}, the folder name says {step}"
     try:
         ranks, why = writer_ranks(ckpt)
         if why:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import shutil
 import sys
 import tempfile
@@ -44,7 +45,7 @@ from pathlib import Path
 
 from .checkpoint_files import TRAINER_STATE, deepspeed_tag
 from .resume import CHECKPOINT_RE, checkpoint_problem, checkpoints, scan_output
-from .untrusted import MiB, Unreadable, printable, read_bytes, read_json, read_trusted, real_dir, real_file
+from .untrusted import MiB, Unreadable, open_regular, printable, read_json, read_trusted, real_dir, real_file
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_0" (save_fsdp_model, model 0)
 DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens it to "model.<name>"
@@ -61,7 +62,6 @@ DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                      "deepspeed.runtime.zero.config.ZeroStageEnum",
                      "deepspeed.utils.tensor_fragment.fragment_address")
 CONFIG_CAP = 16 * MiB  # a model's config.json
-TOKENIZER_CAP = 256 * MiB  # tokenizer.json of a large vocabulary is tens of MB
 DCP_METADATA_CAP = 1 << 30
 
 __all__ = ["ExportError", "ExportResult", "export_model"]
@@ -111,10 +111,8 @@ def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
     try:
         parameters = _write_model(ckpt, kind, config_dir, staging)
         left_out: list[str] = []
-        tokenizer = _tokenizer_files(ckpt, left_out) or _tokenizer_files(config_dir, left_out)
-        for name, data in tokenizer:
-            if not (staging / name).exists():
-                (staging / name).write_bytes(data)
+        if not _tokenizer_files(ckpt, staging, left_out):  # the checkpoint's, else the config folder's
+            _tokenizer_files(config_dir, staging, left_out)
         files = tuple(sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()))
         _replace(staging, out)
     except OSError as e:
@@ -182,7 +180,9 @@ def _zero_stage(tag_dir: Path) -> int | None:
         if not isinstance(stage, int) or isinstance(stage, bool):
             raise TypeError(f"the stage is {type(stage).__name__}, not a number")
         return stage
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError, AttributeError, pickle.UnpicklingError) as e:
+    except pickle.UnpicklingError as e:
+        raise ExportError(f"{printable(str(files[0]))}: {refusal(e)}") from None
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ExportError(f"{printable(str(files[0]))}: cannot read the DeepSpeed config it holds: "
                           f"{printable(str(e))}") from None
 
@@ -218,17 +218,22 @@ def _config_dir(ckpt: Path, kind: str, config: str | os.PathLike[str] | None) ->
                       "or config.json with config=")
 
 
-def _tokenizer_files(folder: Path, left_out: list[str]) -> list[tuple[str, bytes]]:
-    """(name, bytes) of the tokenizer files in ``folder``: regular files only (a link is not followed
-    out of the checkpoint: its name goes to ``left_out``)."""
+def _tokenizer_files(folder: Path, staging: Path, left_out: list[str]) -> list[str]:
+    """Copy the tokenizer files of ``folder`` into ``staging`` (those not there yet); their names.
+    Regular files only, copied in pieces: a link is not followed out of the checkpoint (its name
+    and why go to ``left_out``), a FIFO or device is never read."""
     found = []
     for n in TOKENIZER_FILES:
-        if not os.path.lexists(folder / n):
+        if not os.path.lexists(folder / n) or os.path.lexists(staging / n):
             continue
         try:
-            found.append((n, read_bytes(folder / n, TOKENIZER_CAP, folder)))
+            fd, _ = open_regular(folder / n, folder)
         except Unreadable as e:
             left_out.append(f"{n} ({e.reason})")
+            continue
+        with os.fdopen(fd, "rb") as src, open(staging / n, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        found.append(n)
     return found
 
 
@@ -265,11 +270,20 @@ def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
         raise
     except ImportError as e:
         raise ExportError(f"{ckpt}: exporting a {kind} checkpoint needs {e.name or 'a missing module'}: {e}") from e
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError,
-            pickle.UnpicklingError) as e:
+    except pickle.UnpicklingError as e:
+        raise ExportError(f"{printable(str(ckpt))}: {refusal(e)}") from None
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise ExportError(f"{printable(str(ckpt))}: cannot export its {kind} weights: {type(e).__name__}: "
                           f"{printable(str(e), 600)}") from None
     return sum(p.numel() for p in model.parameters())
+
+
+def refusal(e: Exception) -> str:
+    """What torch's weights-only unpickler refused, in one line."""
+    m = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
+    what = f"a pickled {m.group(1)}" if m else "a pickled object that is not a tensor"
+    return (f"refused: it holds {what}; hfscale export reads tensors only (torch.load weights_only), so a "
+            "checkpoint that would run code when loaded is never loaded")
 
 
 @contextlib.contextmanager

@@ -38,13 +38,16 @@ def boot_id() -> str | None:
 
 
 def start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (None: no such process, or not readable)."""
+    """Field 22 of ``/proc/<pid>/stat`` (None: no such process, one that has exited and is not yet
+    reaped (a zombie), or not readable)."""
     try:
         with open(f"/proc/{int(pid)}/stat", "rb") as f:
             data = f.read(4096)
         # the command name (field 2) is in parentheses and may hold spaces and ')': split after the last
         fields = data[data.rindex(b")") + 2:].split()
-        return int(fields[19])  # fields[0] is field 3
+        if fields[0] in (b"Z", b"X"):  # field 3, the state: it has ended
+            return None
+        return int(fields[19])  # field 22
     except (OSError, ValueError, IndexError):
         return None
 

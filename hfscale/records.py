@@ -74,7 +74,9 @@ JobId = Annotated[str, Field(pattern=JOB_ID.pattern)]
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, allow_inf_nan=True)
+    # hide_input_in_errors: an error never echoes the file (50 MB of it, or a secret); pydantic would
+    # also copy a large input to build that message
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True)
 
 
 class LauncherState(Record):
@@ -119,7 +121,7 @@ class MetricsLine(Record):
     """One line of ``<output_dir>/hfscale_metrics.jsonl`` (hfscale.callbacks: MetricsCallback,
     StragglerCallback). NaN and infinities read as None; lists of ranks at most a million long."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True)
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True)
 
     event: Literal["metrics", "straggler"]
     step: Count
@@ -152,10 +154,16 @@ class TrainerState(Record):
     log_history: Annotated[list[Any], Field(max_length=10_000_000)] = []
 
 
+class TrainerStep(Record):
+    """The step a ``trainer_state.json`` was saved at: all the checkpoint checks read of it."""
+
+    global_step: Count
+
+
 class LogEntry(Record):
     """One entry of a Trainer's ``log_history`` (the report plots these)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True)
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True)
 
     step: Count
     loss: Number = None

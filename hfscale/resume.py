@@ -34,7 +34,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks, read_trainer_state
+from .checkpoint_files import (TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks, read_trainer_state,
+                               saved_step)
 from .reshard import universal_ready
 from .untrusted import Unreadable, read_record
 
@@ -169,11 +170,11 @@ def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = No
     if TRAINER_STATE not in files:
         return f"{TRAINER_STATE} is not part of the checkpoint"
     try:
-        state = read_trainer_state(ckpt / TRAINER_STATE)
+        state_step = saved_step(ckpt / TRAINER_STATE)
     except Unreadable as e:
         return f"unreadable {TRAINER_STATE}: {e.reason}"
-    if state.global_step != step:
-        return f"{TRAINER_STATE} says step {state.global_step}, {MARKER} says {step}"
+    if state_step != step:
+        return f"{TRAINER_STATE} says step {state_step}, {MARKER} says {step}"
     why = deepspeed_problem(ckpt, saved_world)
     if why is not None:
         return why

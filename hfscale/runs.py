@@ -201,7 +201,7 @@ def is_run_dir(path: Path) -> bool:
     """Whether ``path`` is a folder hfscale launch made (its plan and logs/ are there); links are
     not followed."""
     try:
-        return (os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(path / PLAN_FILE)
+        return (os.path.isdir(path) and not os.path.islink(path) and os.path.lexists(path / PLAN_FILE)
                 and os.path.isdir(path / LOGS_DIR))
     except (OSError, ValueError):
         return False

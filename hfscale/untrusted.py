@@ -130,16 +130,16 @@ def _read_fd(fd: int, path: Path, st: os.stat_result, cap: int, tail: bool) -> b
     try:
         if tail and st.st_size > cap:
             os.lseek(fd, st.st_size - cap, os.SEEK_SET)
-        chunks, size = [], 0
-        while size <= cap:
-            chunk = os.read(fd, min(cap + 1 - size, 4 * MiB))
-            if not chunk:
+        # one read of the size fstat gave (one buffer: pieces joined would need the memory twice),
+        # then what the file grew by meanwhile, up to one byte over the cap
+        data = os.read(fd, min(st.st_size, cap) + 1)
+        while len(data) <= cap:
+            more = os.read(fd, cap + 1 - len(data))
+            if not more:
                 break
-            chunks.append(chunk)
-            size += len(chunk)
+            data += more
     except OSError as e:
         raise Unreadable(path, e.strerror or str(e)) from None
-    data = b"".join(chunks)
     if len(data) > cap:  # it grew while being read
         if not tail:
             raise Unreadable(path, f"is over the {cap:,}-byte limit for this file")
@@ -232,8 +232,15 @@ def as_record(doc: Any, model: type[M], path: str | os.PathLike[str]) -> M:
 
 def read_record(path: str | os.PathLike[str], model: type[M], cap: int,
                 root: str | os.PathLike[str] | None = None) -> M:
-    """A JSON file validated by the pydantic ``model``."""
-    return as_record(read_json(path, cap, root), model, path)
+    """A JSON file validated by the pydantic ``model``, parsed from its bytes by pydantic (what the
+    model ignores is never built into Python objects; nesting is bounded by pydantic's parser)."""
+    from pydantic import ValidationError
+
+    data = read_bytes(path, cap, root)
+    try:
+        return model.model_validate_json(data)  # type: ignore[attr-defined,no-any-return]
+    except ValidationError as e:
+        raise Unreadable(path, validation_reason(e)) from None
 
 
 @dataclass(frozen=True)

@@ -200,8 +200,29 @@ def _value_problems(data: Any, lines: dict[Path, int]) -> list[Problem]:
     return sorted(out, key=lambda p: (p.line is None, p.line or 0))
 
 
+def _nesting(text: str, loader_cls: type) -> Problem | None:
+    """Why ``text`` nests collections deeper than MAX_DEPTH, from the parser's events alone: libyaml
+    builds nodes recursively, in C, so 100,000 ``[`` would overflow the stack (a crash, not an
+    error) before _bounds could look at the tree. The event parser itself keeps its own stack."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=loader_cls):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    return Problem("", f"nested more than {MAX_DEPTH} levels deep", event.start_mark.line + 1)
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        return None  # composing reports it, with its line
+    return None
+
+
 def _compose(text: str, loader_cls: type) -> tuple[yaml.Node | None, Any]:
     """(root node, data) of ``text``; raises PyYAML's errors and ``_TooBig``."""
+    too_deep = _nesting(text, loader_cls)
+    if too_deep is not None:
+        raise _TooBig(too_deep)
     loader = loader_cls(text)  # reads the stream: bad characters raise here already
     try:
         root = loader.get_single_node()
@@ -258,6 +279,9 @@ def parse_all(text: str) -> list[Any]:
     """Every document of a multi-document YAML text (``---`` between them), each as bounded as
     :func:`parse` makes one (size once aliases are expanded, depth, no recursive alias, number
     size). Raises ValueError with the reason."""
+    too_deep = _nesting(text, _Loader)
+    if too_deep is not None:
+        raise ValueError(too_deep.message)
     loader = _Loader(text)
     try:
         docs = []
