@@ -237,9 +237,12 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
         if run is not None and run.proc is not None:  # else _stream stops it once main exists
             run.stop()
 
-    held = hold(plan, echo)  # before anything: --restart's moves would take a running job's checkpoints
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    held = None
     try:
+        held = hold(plan, echo)  # before anything: --restart's moves would take a running job's checkpoints
+        if signalled:
+            return 128 + signalled[0]
         for line in plan.told:
             echo(f"hfscale: {line}")
         if not move_aside(plan.moves, echo):

@@ -298,3 +298,26 @@ def test_inside_an_allocation_nothing_outlives_the_launch(slurm2, tmp_path, how)
         granted = re.search(r"Granted job allocation (\d+)", "".join(seen))
         if granted:
             slurm2.run("scancel", granted.group(1), check=False)
+
+
+def test_status_asks_squeue_and_stop_cancels_the_submitted_job(slurm2, tmp_path):
+    """hfscale status/stop of a submitted Slurm job hand the scheduler the recorded id only as an id
+    (squeue --jobs=N, scancel -- N), read from a file only this user could have written."""
+    sub = submit(slurm2, tmp_path, port=29729)
+    env = slurm2.env()
+    try:
+        s = subprocess.run([sys.executable, "-m", "hfscale", "status", sub.run_dir.name, "--runs-dir",
+                            str(sub.run_dir.parent)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert s.returncode == 0, s.stderr
+        assert re.search(rf"state        submitted \(exit code 0\); Slurm job {sub.job}: (PENDING|CONFIGURING|RUNNING)",
+                         s.stdout), s.stdout
+        r = subprocess.run([sys.executable, "-m", "hfscale", "stop", sub.run_dir.name,
+                            "--runs-dir", str(sub.run_dir.parent)], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"hfscale: scancel -- {sub.job}: done;" in r.stdout
+        info = slurm2.wait(sub.job, timeout=120)
+        assert info["JobState"] == "CANCELLED", info
+        assert slurm2.job_processes(timeout=30) == {}
+    finally:
+        slurm2.run("scancel", sub.job, check=False)
