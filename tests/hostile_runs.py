@@ -118,7 +118,8 @@ def _big(p: Path, good: bytes) -> None:
 VARIANTS = {
     "fifo": _fifo, "devzero": _devzero, "link_out": None, "dir_0777": _dir_0777, "other_uid": _other_uid,
     "deep_json": _write(b"[" * 100_000), "wrong_types": _write(json.dumps(WRONG).encode()),
-    "nan": _write(_numbers("NaN").encode()), "inf": _write(_numbers("-Infinity").encode()),
+    "nan": _write(_numbers("NaN").encode()), "inf": _write(_numbers("Infinity").encode()),
+    "-inf": _write(_numbers("-Infinity").encode()),
     "1e20": _write(_numbers("1e20").encode()), "big_int": _write(_numbers("1" + "0" * 5000).encode()),
     "50mb": _big, "bad_utf8": _write(b'{"state": "\xff\xfe running"}\n\xc3\x28'), "empty": _write(b""),
     "half": None,

@@ -250,3 +250,59 @@ def test_runs_lists_5000_runs_when_one_is_bad(tmp_path):
     assert "unreadable: is not a regular file (a FIFO)" in next(row for row in rows if row.startswith("r0042-"))
     print(f"hfscale runs over 5,000 runs: {took:.2f} s")
     assert took < 10
+
+
+@pytest.mark.parametrize("variant", sorted(corpus.VARIANTS))
+def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
+    """The files a running launch reads (the output_dir lock, the ranks' progress, stack dumps and
+    flight recorder dumps, the nodes' heartbeats and logs) in every hostile form: no hang, no
+    exception, nothing followed."""
+    if os.geteuid() != 0 and variant in ("devzero", "other_uid"):
+        pytest.skip("needs root (mknod, chown); CI is root")
+    from hfscale import output_lock
+    from hfscale.follow import Follower, LogTail
+    from hfscale.launch_plan import Follow, Watch
+    from hfscale.watchdog import Watchdog, read_flight, read_stacks
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    for d in ("progress", "stacks", "flight", "alive", "logs"):
+        (run / d).mkdir(parents=True)
+    out.mkdir()
+    good = {out / "hfscale-lock.json": json.dumps({"job_id": corpus.JOB, "host": "elsewhere", "pid": 5,
+                                                   "proc_start": 1, "run_dir": "/r", "started": time.time()}),
+            run / "progress" / "rank-0": "4 123 node0 9\n", run / "stacks" / "rank-0.txt": "Thread 1\n",
+            run / "flight" / "rank-0.json": json.dumps([{"entries": [{"collective_seq_id": 3}]}]),
+            run / "alive" / "node0": "7\n", run / "logs" / "node0.log": "a line\n"}
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    for path, text in good.items():
+        path.write_text(text)
+        if variant == "link_out":
+            corpus._link_out(path, text.encode(), secrets)
+        elif variant == "half":
+            path.write_text(text[: len(text) // 2])
+        else:
+            corpus.VARIANTS[variant](path, text.encode())
+    t0 = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, 10)
+    try:
+        try:
+            taken = output_lock.acquire(out, "20261125-000009-dddddd", str(run), stale_s=60)
+            output_lock.release(taken)
+        except output_lock.LockHeld as e:
+            assert "in use by job" in str(e) or "cannot be read" in str(e)
+        dog = Watchdog(Watch(str(run / "progress"), str(run / "stacks"), str(run / "r.txt"), 5, None, 1), 0.0)
+        dog.poll(1.0)
+        from hfscale.records import TEXT_CAP
+
+        stacks = read_stacks(str(run / "stacks"))  # a stack is text: whatever it holds, at most its newest 4 MiB
+        assert set(stacks) <= {0} and all(len(v) <= TEXT_CAP for v in stacks.values())
+        assert read_flight(str(run / "flight")) in ({}, {0: (3, "?", "?")})
+        follow = Follower(Follow(("node0",), str(run / "logs"), str(run / "alive"), 10, 40), 0.0)
+        follow.lines()
+        follow.silent(100.0, set())
+        LogTail({"x": run / "logs" / "node0.log"}).lines()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    assert time.monotonic() - t0 < 10
+    assert not any(corpus.SECRET in str(v) for v in (read_stacks(str(run / "stacks")), read_flight(str(run / "flight"))))
