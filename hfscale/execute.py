@@ -140,15 +140,17 @@ class _Run:
 
     def _cleanup(self) -> None:
         """Write the stop marker (a node line that starts from now on exits at once), run the
-        cleanup on every node, and run it again while ``main`` still waits for a node: a line that
-        started meanwhile (a slow ssh, a loaded host) is stopped too. Then end what is left of main."""
+        cleanup on every node, and, for plans whose node lines start remotely (they have a stop
+        marker), run it again while ``main`` still waits for a node: a line that started meanwhile
+        (a slow ssh, a loaded host) is stopped too. Then end what is left of main."""
         c, marker = self.plan.cleanup, self.plan.stop_marker
-        if marker is not None:
-            try:
+        try:
+            if marker is not None:
                 Path(marker).touch()
-            except OSError as e:
-                self.echo(f"hfscale: cannot write the stop marker {marker}: {e.strerror or e}")
+        except OSError as e:
+            self.echo(f"hfscale: cannot write the stop marker {marker}: {e.strerror or e}")
         proc, deadline = self.proc, time.monotonic() + STOP_GRACE_S + 2
+        again = CLEANUP_AGAIN_S if marker is not None else STOP_GRACE_S + 2  # remote lines can start late
         if c is None and proc is not None and not self.following:
             _signal_group(proc, signal.SIGTERM)
         while True:
@@ -157,7 +159,7 @@ class _Run:
             if proc is None or self.following:
                 return
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, min(CLEANUP_AGAIN_S, deadline - time.monotonic())))
+                proc.wait(timeout=max(0.1, min(again, deadline - time.monotonic())))
             if proc.poll() is not None or time.monotonic() >= deadline:
                 break
         # whatever is left of main's group (ssh to a host that stopped answering, the children of a
@@ -188,8 +190,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
     """Hand the job to its scheduler (sbatch, kubectl apply); record and print what it answered."""
-    runner = RUNNERS[plan.runner]
-    m = plan.main
+    runner, m = RUNNERS[plan.runner], plan.main
     missing = shutil.which(m.real_argv()[0], path=_env(m).get("PATH")) is None
     probe = runner.probe(plan)
     if not missing and probe is not None:

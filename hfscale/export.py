@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import re
 import shutil
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from pathlib import Path
 
 from .checkpoint_files import TRAINER_STATE, deepspeed_tag
 from .resume import CHECKPOINT_RE, checkpoint_problem, checkpoints, scan_output
+from .tensors_only import refusal, tensors_only
 from .untrusted import MiB, Unreadable, open_regular, printable, read_json, read_trusted, real_dir, real_file
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_0" (save_fsdp_model, model 0)
@@ -55,12 +55,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
 KINDS = ("zero1", "zero2", "zero3", "fsdp2", "whole")
-# the DeepSpeed classes pickled into ZeRO checkpoints (plain data: enums, a config-free loss scaler);
-# found by reading ZeRO-1/2/3 checkpoints with weights_only=True, which names each refused global
-DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                     "deepspeed.runtime.zero.config.ZeroStageEnum",
-                     "deepspeed.utils.tensor_fragment.fragment_address")
 CONFIG_CAP = 16 * MiB  # a model's config.json
 DCP_METADATA_CAP = 1 << 30
 
@@ -276,50 +270,6 @@ def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
         raise ExportError(f"{printable(str(ckpt))}: cannot export its {kind} weights: {type(e).__name__}: "
                           f"{printable(str(e), 600)}") from None
     return sum(p.numel() for p in model.parameters())
-
-
-def refusal(e: Exception) -> str:
-    """What torch's weights-only unpickler refused, in one line."""
-    m = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", str(e))
-    what = f"a pickled {m.group(1)}" if m else "a pickled object that is not a tensor"
-    return (f"refused: it holds {what}; hfscale export reads tensors only (torch.load weights_only), so a "
-            "checkpoint that would run code when loaded is never loaded")
-
-
-@contextlib.contextmanager
-def tensors_only():
-    """Every ``torch.load`` inside (DeepSpeed's readers pass ``weights_only=False``) reads tensors
-    and plain containers only: ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, with the DeepSpeed classes its
-    checkpoints hold allow-listed (hfscale.export.DEEPSPEED_GLOBALS). A pickle that would run code
-    fails with torch's UnpicklingError (a RuntimeError) instead."""
-    import torch
-
-    saved = {k: os.environ.get(k) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    try:
-        with torch.serialization.safe_globals(_deepspeed_globals()):
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _deepspeed_globals() -> list:
-    """The classes of DEEPSPEED_GLOBALS that the installed DeepSpeed has."""
-    import importlib
-
-    found = []
-    for dotted in DEEPSPEED_GLOBALS:
-        module, _, name = dotted.rpartition(".")
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return found
 
 
 def _load_zero(model, ckpt: Path, config: Path) -> None:

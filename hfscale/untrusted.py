@@ -103,7 +103,7 @@ def open_regular(path: str | os.PathLike[str], root: str | os.PathLike[str] | No
     p = Path(path)
     _inside(p, root)
     try:
-        fd = os.open(p, _FLAGS & ~(0 if not follow_links else os.O_NOFOLLOW))
+        fd = os.open(p, _FLAGS & ~os.O_NOFOLLOW if follow_links else _FLAGS)
     except FileNotFoundError:
         raise Missing(p, "is missing") from None
     except ValueError:  # a NUL byte in the name
@@ -328,8 +328,8 @@ def read_trusted(path: str | os.PathLike[str], root: str | os.PathLike[str], cap
         why = _owner_problem(st, "the file")
         folder = here
         while why is None:
-            try:
-                dst = os.lstat(folder)
+            try:  # the root is the folder the user named (a link there is theirs); below it, no link
+                dst = os.stat(folder) if folder == base else os.lstat(folder)
             except OSError as e:
                 why = f"its folder {folder}: {e.strerror or e}"
                 break
