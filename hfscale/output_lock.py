@@ -63,7 +63,8 @@ class Taken:
             return None
         h = self.took_over
         return (f"hfscale: took over the lock of {self.path} from job {h.job_id} (launched on {h.host}, "
-                f"pid {h.pid}): {self.why}; if that job's nodes still run, stop them: hfscale stop {h.job_id}")
+                f"pid {h.pid}): {self.why}; if that job's nodes still run, stop them: hfscale stop "
+                f"{printable(h.run_dir)}")
 
 
 def _parse(raw: bytes, path: Path) -> "OutputLock":
@@ -180,7 +181,7 @@ def _held_message(lock: Path, held: "OutputLock | None", reason: str, how: str) 
                 f"and was {how}; nothing was started. If no launch uses this output_dir, remove that file")
     return (f"training.output_dir {where} is in use by job {held.job_id} (host {held.host}, pid {held.pid}, "
             f"run directory {printable(held.run_dir)}; lock {how}); nothing was started. Stop it first "
-            f"(hfscale stop {held.job_id}), wait for it to end, or set another training.output_dir")
+            f"(hfscale stop {printable(held.run_dir)}), wait for it to end, or set another training.output_dir")
 
 
 def _ours(path: Path, job_id: str) -> bool:

@@ -76,7 +76,8 @@ JobId = Annotated[str, Field(pattern=JOB_ID.pattern)]
 class Record(BaseModel):
     # hide_input_in_errors: an error never echoes the file (50 MB of it, or a secret); pydantic would
     # also copy a large input to build that message
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True,
+                              defer_build=True)
 
 
 class LauncherState(Record):
@@ -121,7 +122,8 @@ class MetricsLine(Record):
     """One line of ``<output_dir>/hfscale_metrics.jsonl`` (hfscale.callbacks: MetricsCallback,
     StragglerCallback). NaN and infinities read as None; lists of ranks at most a million long."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True)
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True,
+                              defer_build=True)
 
     event: Literal["metrics", "straggler"]
     step: Count
@@ -163,7 +165,8 @@ class TrainerStep(Record):
 class LogEntry(Record):
     """One entry of a Trainer's ``log_history`` (the report plots these)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True)
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True,
+                              defer_build=True)
 
     step: Count
     loss: Number = None

@@ -124,7 +124,10 @@ def record_state(run_dir: str | Path, **fields: object) -> None:
         doc = read_state(run_dir).model_dump(exclude_none=True)
     except Unreadable:
         doc = {}
-    merged = LauncherState.model_validate({**doc, **fields}).model_dump(exclude_none=True)
+    try:
+        merged = LauncherState.model_validate({**doc, **fields}).model_dump(exclude_none=True)
+    except ValueError:  # a value out of its record's range: written as it is, readers say it is unreadable
+        merged = {**doc, **fields}
     try:
         write_files(Path(run_dir), {STATE_FILE: json.dumps(merged, indent=1) + "\n"})
     except OSError:

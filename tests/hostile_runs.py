@@ -313,41 +313,35 @@ class _Evil:
 def _pickle_cases(root: Path, template: Path, markers: Path) -> list[dict]:
     """Checkpoints whose pickles run a command when loaded unsafely: a DeepSpeed ZeRO-shaped one, a
     pytorch_model.bin, and an FSDP (DCP) folder owned by another uid."""
-    import torch
-
-    cases = []
-    c = _case(root, "checkpoint--zero_pickle", "finished", template, markers)
-    ckpt = Path(c["out"]) / "checkpoint-4"
-    tag = ckpt / "global_step4"
-    tag.mkdir()
-    (ckpt / "latest").write_text("global_step4")
-    evil = _Evil(str(markers / "zero_pickle"))
-    torch.save({"ds_config": {"zero_optimization": {"stage": evil}}, "module": {}}, tag / "mp_rank_00_model_states.pt")
-    torch.save({"optimizer_state_dict": evil}, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    (ckpt / "hfscale_complete.json").unlink()
-    c.update(file="checkpoint/global_step4", variant="pickle_runs_code", commands=["export"])
-    cases.append(c)
-    c = _case(root, "checkpoint--bin_pickle", "finished", template, markers)
-    ckpt = Path(c["out"]) / "checkpoint-4"
-    (ckpt / "model.safetensors").unlink()
-    torch.save({"lm_head.weight": _Evil(str(markers / "bin_pickle"))}, ckpt / "pytorch_model.bin")
-    (ckpt / "hfscale_complete.json").unlink()
-    c.update(file="checkpoint/pytorch_model.bin", variant="pickle_runs_code", commands=["export"])
-    cases.append(c)
-    c = _case(root, "checkpoint--dcp_other_uid", "finished", template, markers)
-    ckpt = Path(c["out"]) / "checkpoint-4"
-    (ckpt / "model.safetensors").unlink()
-    dcp = ckpt / "pytorch_model_fsdp_0"
-    dcp.mkdir()
     import pickle
 
-    (dcp / ".metadata").write_bytes(pickle.dumps(_Evil(str(markers / "dcp_pickle"))))
-    (dcp / "__0_0.distcp").write_bytes(b"\0" * 16)
-    os.chown(dcp / ".metadata", OTHER_UID, OTHER_UID)
-    (ckpt / "hfscale_complete.json").unlink()
-    c.update(file="checkpoint/pytorch_model_fsdp_0/.metadata", variant="pickle_other_uid", commands=["export"])
-    cases.append(c)
-    return cases
+    import torch
+
+    def unmarked(name: str, file: str, variant: str) -> tuple[dict, Path]:
+        """A case whose checkpoint is judged by its own files (no marker), and that checkpoint."""
+        c = _case(root, f"checkpoint--{name}", "finished", template, markers)
+        c.update(file=file, variant=variant, commands=["export"])
+        ckpt = Path(c["out"]) / "checkpoint-4"
+        (ckpt / "hfscale_complete.json").unlink()
+        return c, ckpt
+
+    zero, ckpt = unmarked("zero_pickle", "checkpoint/global_step4", "pickle_runs_code")
+    (ckpt / "global_step4").mkdir()
+    (ckpt / "latest").write_text("global_step4")
+    evil = _Evil(str(markers / "zero_pickle"))
+    torch.save({"ds_config": {"zero_optimization": {"stage": evil}}, "module": {}},
+               ckpt / "global_step4" / "mp_rank_00_model_states.pt")
+    torch.save({"optimizer_state_dict": evil}, ckpt / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    whole, ckpt = unmarked("bin_pickle", "checkpoint/pytorch_model.bin", "pickle_runs_code")
+    (ckpt / "model.safetensors").unlink()
+    torch.save({"lm_head.weight": _Evil(str(markers / "bin_pickle"))}, ckpt / "pytorch_model.bin")
+    dcp, ckpt = unmarked("dcp_other_uid", "checkpoint/pytorch_model_fsdp_0/.metadata", "pickle_other_uid")
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "pytorch_model_fsdp_0").mkdir()
+    (ckpt / "pytorch_model_fsdp_0" / ".metadata").write_bytes(pickle.dumps(_Evil(str(markers / "dcp_pickle"))))
+    (ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"\0" * 16)
+    os.chown(ckpt / "pytorch_model_fsdp_0" / ".metadata", OTHER_UID, OTHER_UID)
+    return [zero, whole, dcp]
 
 
 # ---- the harness ------------------------------------------------------------------------------

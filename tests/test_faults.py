@@ -95,7 +95,7 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
             line = third.stdout.readline()
         assert (f"hfscale: took over the lock of {lock} from job {held['job_id']} (launched on "
                 f"{socket.gethostname()}, pid {first.pid}): its launcher is gone") in line
-        assert f"stop them: hfscale stop {held['job_id']}" in line
+        assert f"stop them: hfscale stop {held['run_dir']}" in line
         now = json.loads(lock.read_text())
         jobs.append(now["job_id"])
         assert now["job_id"] != held["job_id"] and now["pid"] == third.pid
