@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     from .records import TrainerState
 
 TRAINER_STATE = "trainer_state.json"
-_RNG_RE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
-_SHARD_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
-_MP_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+# rank numbers of at most 6 digits: a crafted name cannot make a check count to 10**12
+_RNG_RE = re.compile(r"^rng_state(?:_([0-9]{1,6}))?\.pth$")
+_SHARD_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_([0-9]{1,6})_mp_rank_([0-9]{1,6})_(optim|model)_states\.pt$")
+_MP_MODEL_RE = re.compile(r"^mp_rank_([0-9]{1,6})_model_states\.pt$")
 _EOCD = b"PK\x05\x06"
 _ZIP_SUFFIXES = (".pt", ".pth", ".bin")
 
@@ -71,7 +72,7 @@ def safetensors_whole(path: Path) -> bool:
         header = parse_json(os.read(fd, n), path)
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
         return size == 8 + n + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError, struct.error):
         return False
     finally:
         os.close(fd)
@@ -89,6 +90,19 @@ def file_problem(path: Path, rel: str) -> str | None:
     return None
 
 
+def _missing(ranks: set[int], n: int, first: int = 5) -> list[int]:
+    """The first ``first`` of 0..n-1 not in ``ranks`` (without building the whole range)."""
+    if len(ranks) >= n and max(ranks, default=-1) < n:
+        return []
+    out = []
+    for r in range(n):
+        if r not in ranks:
+            out.append(r)
+            if len(out) == first:
+                break
+    return out
+
+
 def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
     """Check the DeepSpeed part of a Trainer checkpoint (``latest`` + ``global_step*/``), if any.
     ``world_size`` 0: expect the ranks the shards themselves show."""
@@ -97,7 +111,7 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
     if not os.path.lexists(latest) and not step_dirs:
         return None  # not a DeepSpeed checkpoint
     try:
-        tag = _read_tag(latest)
+        tag = read_tag(latest)
     except Missing:
         return "DeepSpeed file 'latest' is missing"
     except Unreadable as e:
@@ -121,8 +135,7 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
     mp_ranks = {mp for _, mp in groups} | mp_model
     dp = world_size // max(1, len(mp_ranks)) if world_size else 0
     for (kind, mp), ranks in sorted(groups.items()):
-        expected = set(range(dp)) if dp else set(range(max(ranks) + 1))
-        missing = sorted(expected - ranks)
+        missing = _missing(ranks, dp or max(ranks) + 1)
         if missing:
             names = ", ".join(f"zero_pp_rank_{r}_mp_rank_{mp:02d}_{kind}_states.pt" for r in missing[:4])
             return f"DeepSpeed shard(s) missing in {tag}/: {names}" + (" ..." if len(missing) > 4 else "")
@@ -132,14 +145,15 @@ def deepspeed_problem(ckpt: Path, world_size: int) -> str | None:
 TAG_CAP = 256  # DeepSpeed's 'latest' names one folder
 
 
-def _read_tag(path: Path) -> str:
+def read_tag(path: Path) -> str:
+    """The folder name a tag file (DeepSpeed's ``latest``, ``latest_universal``) holds; raises Unreadable."""
     return decode(read_bytes(path, TAG_CAP), path).strip()
 
 
 def deepspeed_tag(ckpt: str | os.PathLike[str]) -> str | None:
     """The DeepSpeed tag (``global_stepN``) a Trainer checkpoint's ``latest`` names, or None."""
     try:
-        text = _read_tag(Path(ckpt) / "latest")
+        text = read_tag(Path(ckpt) / "latest")
     except Unreadable:
         return None
     return text if tag_name(text) and real_dir(Path(ckpt) / text) else None
@@ -156,21 +170,33 @@ def deepspeed_ranks(ckpt: Path) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
-def _model_problem(ckpt: Path, deepspeed: bool) -> str | None:
-    names = {p.name for p in ckpt.iterdir()}
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if index in names:
-            from .records import INDEX_CAP, WeightIndex
-            from .untrusted import read_record
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
-            try:
-                shards = sorted(set(read_record(ckpt / index, WeightIndex, INDEX_CAP).weight_map.values()))
-            except Unreadable as e:
-                return f"unreadable {index}: {e.reason}"
-            for shard in shards:
-                if not tag_name(shard) or (why := file_problem(ckpt / shard, shard)):
-                    return why or f"{index} names a file outside the checkpoint: {shard[:80]!r}"
-            return None
+
+def index_shards(ckpt: Path, index: str) -> tuple[list[str], str | None]:
+    """(the shard files a weight index names, why it cannot be used): a shard named outside the
+    checkpoint (a path, ``..``) is a problem, as the libraries would read it."""
+    from .records import INDEX_CAP, WeightIndex
+    from .untrusted import read_record
+
+    try:
+        shards = sorted(set(read_record(ckpt / index, WeightIndex, INDEX_CAP).weight_map.values()))
+    except Unreadable as e:
+        return [], f"unreadable {index}: {e.reason}"
+    outside = next((s for s in shards if not tag_name(s)), None)
+    return shards, f"{index} names a file outside the checkpoint: {outside[:80]!r}" if outside is not None else None
+
+
+def model_problem(ckpt: Path, deepspeed: bool) -> str | None:
+    names = {p.name for p in ckpt.iterdir()}
+    for index in INDEXES:
+        if index in names:
+            shards, why = index_shards(ckpt, index)
+            for shard in shards if why is None else ():
+                why = file_problem(ckpt / shard, shard)
+                if why:
+                    break
+            return why
     for single in ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin"):
         if single in names:
             return file_problem(ckpt / single, single)
@@ -227,7 +253,7 @@ def writer_ranks(ckpt: Path) -> tuple[int, str | None]:
         return 0, ("no rng_state*.pth: the save did not get that far on any rank (or it was saved with "
                    "save_only_model, which cannot be resumed)")
     n = max(ranks) + 1
-    missing = sorted(set(range(n)) - ranks)
+    missing = _missing(ranks, n)
     if missing:
         return n, f"rng_state_{missing[0]}.pth is missing (rank {missing[0]} did not finish saving)"
     for r in range(n):
@@ -235,6 +261,33 @@ def writer_ranks(ckpt: Path) -> tuple[int, str | None]:
         if why:
             return n, why
     return n, None
+
+
+def odd_entry(ckpt: Path, allowed: tuple[str, ...] = (), limit: int = 1_000_000) -> str | None:
+    """The first entry of the checkpoint folder (at any depth) that is neither a regular file nor a
+    folder: a link (the libraries that read a checkpoint follow links, out of it too), a FIFO (a
+    read waits for ever), a device or socket; None when there is none. Links are not followed.
+    ``allowed``: names in the folder itself the caller reads with care (hfscale export's tokenizer
+    files)."""
+    todo, seen = [ckpt], 0
+    while todo:
+        folder = todo.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except OSError as e:
+            return f"{folder.relative_to(ckpt)}: cannot be listed ({e.strerror or e})"
+        for e in entries:
+            seen += 1
+            if seen > limit:
+                return f"holds over {limit:,} entries"
+            if e.is_dir(follow_symlinks=False):
+                todo.append(Path(e.path))
+            elif not e.is_file(follow_symlinks=False) and not (folder == ckpt and e.name in allowed):
+                rel = Path(e.path).relative_to(ckpt).as_posix()
+                what = "a link" if e.is_symlink() else "a FIFO, device or socket"
+                return f"{rel[:200]!r} is {what}, not a regular file"
+    return None
 
 
 def read_trainer_state(path: Path) -> "TrainerState":
@@ -245,12 +298,29 @@ def read_trainer_state(path: Path) -> "TrainerState":
     return read_record(path, TrainerState, TRAINER_STATE_CAP)
 
 
+# the Trainer writes trainer_state.json with sorted keys, indented by 2: "global_step" comes before
+# log_history, so a file too big to parse whole still says its step near its start
+_TOP_STEP = re.compile(rb'\n  "global_step": ([0-9]{1,15}),?\n')
+
+
 def saved_step(path: Path) -> int:
-    """The ``global_step`` of a ``trainer_state.json`` (its log_history is not built); raises Unreadable."""
+    """The ``global_step`` of a ``trainer_state.json`` (its log_history is not built): parsed whole up
+    to TRAINER_STATE_CAP; beyond that (a long run logging every step), read from its first 64 KiB
+    as the Trainer writes it. Raises Unreadable."""
     from .records import TRAINER_STATE_CAP, TrainerStep
     from .untrusted import read_record
 
-    return read_record(path, TrainerStep, TRAINER_STATE_CAP).global_step
+    fd, st = open_regular(path)
+    try:
+        head = os.read(fd, 64 * 1024) if st.st_size > TRAINER_STATE_CAP else None
+    finally:
+        os.close(fd)
+    if head is None:
+        return read_record(path, TrainerStep, TRAINER_STATE_CAP).global_step
+    m = _TOP_STEP.search(head)
+    if m is None:
+        raise Unreadable(path, f"is {st.st_size:,} bytes, and its start names no global_step as the Trainer writes it")
+    return int(m.group(1))
 
 
 def content_problem(ckpt: Path, step: int | None) -> str | None:
@@ -271,6 +341,6 @@ def content_problem(ckpt: Path, step: int | None) -> str | None:
         ds_ranks = deepspeed_ranks(ckpt) if deepspeed else None
         if ds_ranks is not None and ds_ranks != ranks:
             return f"DeepSpeed shards of {ds_ranks} ranks but RNG states of {ranks}: a rank did not finish saving"
-        return _model_problem(ckpt, deepspeed) or _optimizer_problem(ckpt, deepspeed, ranks)
+        return model_problem(ckpt, deepspeed) or _optimizer_problem(ckpt, deepspeed, ranks)
     except OSError as e:
         return f"cannot read the checkpoint: {os.strerror(e.errno) if e.errno else e}"

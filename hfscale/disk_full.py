@@ -22,6 +22,7 @@ _NO_SPACE = re.compile(r"No space left on device|\bENOSPC\b|\[Errno 28\]|Disk qu
 # torch's serializer when a write fails (its C++ stream hides the reason)
 _WRITE_FAILED = re.compile(r"basic_ios::clear|unexpected pos \d+ vs \d+|PytorchStreamWriter failed writing|"
                            r"file write failed|inline_container\.cc")
+_QUOTA = re.compile(r"Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]")
 LOW = 1 << 30  # under this much free space a failed torch write counts as a full disk
 
 
@@ -60,29 +61,35 @@ def free_bytes(path: str) -> int | None:
 
 
 def told(signs: Signs, output_dir: str | None) -> list[str]:
-    """The lines that say the job failed on a full disk (none when no sign says so): the host and
+    """The lines that say the job failed for lack of space (none when no sign says so). When the
+    checkpoints' disk is the full one (its free space is low, or the line names it): the host and
     the line that showed it, the checkpoint being written, the bytes free in ``output_dir``, the
-    newest complete checkpoint, and that a relaunch resumes there."""
+    newest complete checkpoint, and that a relaunch resumes there. When it is not (a full
+    ``/dev/shm``, a cache or home directory), that the space ran out elsewhere."""
     free = free_bytes(output_dir) if output_dir else None
-    seen = signs.no_space
-    if seen is None and signs.write_failed is not None and free is not None and free < LOW:
-        seen = signs.write_failed
+    low = free is not None and free < LOW
+    seen = signs.no_space or (signs.write_failed if low else None)
     if seen is None:
         return []
     host, line = seen
-    where = f" in {printable(output_dir)}" if output_dir else ""
-    out = [f"hfscale: the disk is full: {printable(host)} failed writing{where} ({printable(line.strip(), 200)})"]
-    if output_dir:
-        from .resume import scan_output
+    what = "the disk quota is exceeded" if _QUOTA.search(line) else "the disk is full"
+    shown = f"{printable(host)} ({printable(line.strip(), 200)})"
+    if not output_dir or not (low or output_dir in line):
+        where = f"; {_size(free)} free in {printable(output_dir)}: not there" if output_dir and free is not None else ""
+        return [f"hfscale: a write failed for lack of space on {shown}{where} (a full /dev/shm, a cache or home "
+                "directory?)"]
+    from .resume import scan_output
 
-        scan = scan_output(output_dir, None)
-        if scan.skipped:
-            name, why = scan.skipped[0]
-            out.append(f"hfscale: {name} was being written and is incomplete ({why})")
-        out.append(f"hfscale: {_size(free) if free is not None else 'an unknown amount'} free in {printable(output_dir)}")
-        if scan.resume is not None:
-            out.append(f"hfscale: the newest complete checkpoint is {printable(scan.resume)}: a relaunch resumes there "
-                       "once there is room (about one checkpoint's size more)")
-        else:
-            out.append("hfscale: no complete checkpoint: a relaunch starts from step 0 once there is room")
+    out = [f"hfscale: {what}: {printable(host)} failed writing in {printable(output_dir)} "
+           f"({printable(line.strip(), 200)})"]
+    scan = scan_output(output_dir, None)
+    if scan.skipped and scan.resume is not None:  # newer than the newest complete one: the one being written
+        name, why = scan.skipped[0]
+        out.append(f"hfscale: {name} was being written and is incomplete ({why})")
+    out.append(f"hfscale: {_size(free) if free is not None else 'an unknown amount'} free in {printable(output_dir)}")
+    if scan.resume is not None:
+        out.append(f"hfscale: the newest complete checkpoint is {printable(scan.resume)}: a relaunch resumes there "
+                   "once there is room (about one checkpoint's size more)")
+    else:
+        out.append("hfscale: no complete checkpoint: a relaunch starts from step 0 once there is room")
     return out

@@ -29,7 +29,7 @@ from .files import write_files
 from .follow import follow_detached
 from .launch_plan import EXIT_MARK, LaunchPlan, Watch
 from .output_lock import hold
-from .rundir import LOGS_DIR, move_aside, record_state, this_launcher, write_run_dir
+from .rundir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from .runners import RUNNERS
 from .runners.stopping import STOP_GRACE_S
 from .shell import Command
@@ -144,11 +144,9 @@ class _Run:
         marker), run it again while ``main`` still waits for a node: a line that started meanwhile
         (a slow ssh, a loaded host) is stopped too. Then end what is left of main."""
         c, marker = self.plan.cleanup, self.plan.stop_marker
-        try:
-            if marker is not None:
-                Path(marker).touch()
-        except OSError as e:
-            self.echo(f"hfscale: cannot write the stop marker {marker}: {e.strerror or e}")
+        why = mark_stopping(marker) if marker is not None else None
+        if why:
+            self.echo(f"hfscale: cannot write the stop marker {marker}: {why}")
         proc, deadline = self.proc, time.monotonic() + STOP_GRACE_S + 2
         again = CLEANUP_AGAIN_S if marker is not None else STOP_GRACE_S + 2  # remote lines can start late
         if c is None and proc is not None and not self.following:
@@ -283,10 +281,10 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
         return rc
     finally:
+        if held is not None:  # before the handlers go: a second Ctrl-C must not leave the lock behind
+            held.release()
         for s, h in previous.items():
             signal.signal(s, h)
-        if held is not None:
-            held.release()
 
 
 def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
@@ -386,8 +384,8 @@ def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:
         return 124, "", f"timed out after {timeout:g} s"
     except FileNotFoundError as e:
         return 127, "", f"{e.filename}: not found"
-    except OSError as e:
-        return 126, "", f"{cmd.real_argv()[0]}: {e.strerror or e}"
+    except (OSError, ValueError) as e:  # ValueError: a NUL in argv or env
+        return 126, "", f"{cmd.real_argv()[0]}: {getattr(e, 'strerror', None) or e}"
 
 
 def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, tuple[int, str, str]]:

@@ -42,10 +42,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import TRAINER_STATE, deepspeed_tag
+from .checkpoint_files import TRAINER_STATE, deepspeed_tag, odd_entry
 from .resume import CHECKPOINT_RE, checkpoint_problem, checkpoints, scan_output
 from .tensors_only import refusal, tensors_only
-from .untrusted import MiB, Unreadable, open_regular, printable, read_json, read_trusted, real_dir, real_file
+from .untrusted import (MiB, Unreadable, open_regular, parse_json, printable, read_text, read_trusted,
+                        real_file)
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP_MODEL_NAME + "_0" (save_fsdp_model, model 0)
 DCP_PREFIX = "model."  # accelerate saves {"model": state_dict}; DCP flattens it to "model.<name>"
@@ -93,20 +94,25 @@ def export_model(source: str | os.PathLike[str], out: str | os.PathLike[str], *,
     :class:`ExportError` for a missing or incomplete checkpoint, an occupied ``out`` and unreadable
     or mismatched weights."""
     ckpt = find_checkpoint(source)
+    odd = odd_entry(ckpt, TOKENIZER_FILES)  # what the libraries read follows links, out of it too, or waits on a FIFO
+    if odd is not None:
+        raise ExportError(f"{printable(str(ckpt))}: {odd}; hfscale export reads regular files only (tokenizer files "
+                          "that are links are left out)")
     out = Path(out).absolute()
     _check_out(out, ckpt, force)
     kind, weights = checkpoint_kind(ckpt)
-    config_dir = _config_dir(ckpt, kind, config)
+    source_config = _config_dir(ckpt, kind, config)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     except OSError as e:
-        raise ExportError(f"{printable(str(out))}: cannot be created ({e.strerror or e}); nothing was written") from None
+        raise ExportError(f"{printable(str(out))}: cannot be created ({e.strerror or e}); nothing was written"
+                          ) from None
     try:
-        parameters = _write_model(ckpt, kind, config_dir, staging)
+        parameters = _write_model(ckpt, kind, source_config, staging)
         left_out: list[str] = []
         if not _tokenizer_files(ckpt, staging, left_out):  # the checkpoint's, else the config folder's
-            _tokenizer_files(config_dir, staging, left_out)
+            _tokenizer_files(source_config.folder, staging, left_out, source_config.named)
         files = tuple(sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file()))
         _replace(staging, out)
     except OSError as e:
@@ -174,11 +180,10 @@ def _zero_stage(tag_dir: Path) -> int | None:
         if not isinstance(stage, int) or isinstance(stage, bool):
             raise TypeError(f"the stage is {type(stage).__name__}, not a number")
         return stage
-    except pickle.UnpicklingError as e:
-        raise ExportError(f"{printable(str(files[0]))}: {refusal(e)}") from None
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ExportError(f"{printable(str(files[0]))}: cannot read the DeepSpeed config it holds: "
-                          f"{printable(str(e))}") from None
+    except Exception as e:  # noqa: BLE001 (whatever torch raises on a crafted file is a bad input)
+        why = refusal(e) if isinstance(e, pickle.UnpicklingError) else \
+            f"cannot read the DeepSpeed config it holds: {type(e).__name__}: {printable(str(e))}"
+        raise ExportError(f"{printable(str(files[0]))}: {why}") from None
 
 
 def _check_out(out: Path, ckpt: Path, force: bool) -> None:
@@ -190,38 +195,51 @@ def _check_out(out: Path, ckpt: Path, force: bool) -> None:
     if real == src or real in src.parents or src in real.parents:
         raise ExportError(f"{out}: the export would overwrite or sit inside the checkpoint {ckpt}; "
                           "choose a folder outside it")
-    if out.is_dir() and not any(out.iterdir()):
-        return
+    try:
+        if out.is_dir() and not any(out.iterdir()):
+            return
+    except OSError as e:
+        raise ExportError(f"{printable(str(out))}: cannot be read ({e.strerror or e})") from None
     if out.exists() and not force:
         what = "a non-empty directory" if out.is_dir() else "a file"
         raise ExportError(f"{out}: exists and is {what}; choose another folder or pass force to replace it")
 
 
-def _config_dir(ckpt: Path, kind: str, config: str | os.PathLike[str] | None) -> Path:
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the model's config.json (and, failing the checkpoint, the tokenizer) come from;
+    ``named``: a folder the user gave (a Hugging Face cache snapshot is links: followed there)."""
+
+    folder: Path
+    named: bool = False
+
+
+def _config_dir(ckpt: Path, kind: str, config: str | os.PathLike[str] | None) -> ConfigSource:
     if config is not None:
         path = Path(config)
         folder = path.parent if path.name == "config.json" else path
         if not (folder / "config.json").is_file():
             raise ExportError(f"{path}: no config.json there (config= names a model folder or its config.json)")
-        return folder
+        return ConfigSource(folder, named=True)
     for folder in (ckpt, ckpt.parent):
         if real_file(folder / "config.json"):  # not a link out of the checkpoint, a FIFO or a device
-            return folder
+            return ConfigSource(folder)
     note = " (the Trainer writes none into a sharded FSDP checkpoint)" if kind == "fsdp2" else ""
     raise ExportError(f"{ckpt}: no config.json in it or in {ckpt.parent}{note}; give the model's folder "
                       "or config.json with config=")
 
 
-def _tokenizer_files(folder: Path, staging: Path, left_out: list[str]) -> list[str]:
+def _tokenizer_files(folder: Path, staging: Path, left_out: list[str], named: bool = False) -> list[str]:
     """Copy the tokenizer files of ``folder`` into ``staging`` (those not there yet); their names.
     Regular files only, copied in pieces: a link is not followed out of the checkpoint (its name
-    and why go to ``left_out``), a FIFO or device is never read."""
+    and why go to ``left_out``; ``named``: a folder the user gave, whose links are theirs), a FIFO
+    or device is never read."""
     found = []
     for n in TOKENIZER_FILES:
         if not os.path.lexists(folder / n) or os.path.lexists(staging / n):
             continue
         try:
-            fd, _ = open_regular(folder / n, folder)
+            fd, _ = open_regular(folder / n, None if named else folder, follow_links=named)
         except Unreadable as e:
             left_out.append(f"{n} ({e.reason})")
             continue
@@ -231,19 +249,23 @@ def _tokenizer_files(folder: Path, staging: Path, left_out: list[str]) -> list[s
     return found
 
 
-def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
+def _write_model(ckpt: Path, kind: str, source: ConfigSource, staging: Path) -> int:
     """Build the model, load the checkpoint's weights into it, save it into ``staging``; its parameters."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    config_dir = source.folder
     for name in ("config.json", "generation_config.json"):  # checked before transformers reads them
         if os.path.lexists(config_dir / name):
             try:
-                read_json(config_dir / name, CONFIG_CAP, config_dir)
+                parse_json(read_text(config_dir / name, CONFIG_CAP, None if source.named else config_dir,
+                                     follow_links=source.named), config_dir / name)
             except Unreadable as e:
                 raise ExportError(f"{e}; the model's {name} cannot be used") from None
     try:
         config = AutoConfig.from_pretrained(config_dir)
+        if getattr(config, "transformers_weights", None) is not None:
+            config.transformers_weights = None  # a weights file the config names, outside the checked ones
         if kind == "whole":
             with tensors_only():
                 model, info = AutoModelForCausalLM.from_pretrained(ckpt, config=config, output_loading_info=True)
@@ -257,7 +279,8 @@ def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
                 _load_dcp(model, ckpt / FSDP_MODEL_DIR, config_dir)
             else:
                 _load_zero(model, ckpt, config_dir)
-        if real_file(config_dir / "generation_config.json"):
+        generation = config_dir / "generation_config.json"
+        if os.path.isfile(generation) if source.named else real_file(generation):
             model.generation_config = GenerationConfig.from_pretrained(config_dir)
         model.save_pretrained(staging, safe_serialization=True)
     except ExportError:
@@ -266,7 +289,7 @@ def _write_model(ckpt: Path, kind: str, config_dir: Path, staging: Path) -> int:
         raise ExportError(f"{ckpt}: exporting a {kind} checkpoint needs {e.name or 'a missing module'}: {e}") from e
     except pickle.UnpicklingError as e:
         raise ExportError(f"{printable(str(ckpt))}: {refusal(e)}") from None
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
+    except Exception as e:  # noqa: BLE001 (what torch, DeepSpeed or transformers raise on checkpoint data)
         raise ExportError(f"{printable(str(ckpt))}: cannot export its {kind} weights: {type(e).__name__}: "
                           f"{printable(str(e), 600)}") from None
     return sum(p.numel() for p in model.parameters())
@@ -290,14 +313,15 @@ def _load_dcp(model, folder: Path, config: Path) -> None:
     # torch.distributed.checkpoint unpickles .metadata with plain pickle (it cannot read tensors only):
     # exported only when no one but you could have written it, and its shards are regular files
     try:
-        read_trusted(folder / ".metadata", folder.parent, DCP_METADATA_CAP)
+        data = read_trusted(folder / ".metadata", folder.parent, DCP_METADATA_CAP)
     except Unreadable as e:
         raise ExportError(f"{e}. DCP's reader unpickles this file, so hfscale reads it only from a checkpoint "
                           "you alone could have written") from None
     odd = [p.name for p in folder.iterdir() if not real_file(p)]
     if odd:
-        raise ExportError(f"{printable(str(folder))}: {printable(odd[0])} is not a regular file (a link, FIFO or device)")
-    reader = dcp.FileSystemReader(str(folder))
+        raise ExportError(f"{printable(str(folder))}: {printable(odd[0])} is not a regular file (a link, FIFO or "
+                          "device)")
+    reader = _verified_reader(folder, pickle.loads(data))  # the bytes checked, not the file read again
     saved = {k[len(DCP_PREFIX):]: tuple(getattr(m, "size", ())) for k, m in
              reader.read_metadata().state_dict_metadata.items() if k.startswith(DCP_PREFIX)}
     if not saved:
@@ -307,6 +331,22 @@ def _load_dcp(model, folder: Path, config: Path) -> None:
     with warnings.catch_warnings(), tensors_only():  # one process reading all shards is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": {k: own[names[k]] for k in saved}}, storage_reader=reader, no_dist=True)
+
+
+def _verified_reader(folder: Path, metadata):
+    """A DCP FileSystemReader whose metadata is the one unpickled from the bytes checked above (its
+    own read_metadata would unpickle the file again, after the check)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Verified(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Verified(str(folder))
 
 
 def _match_keys(model, saved: dict[str, tuple[int, ...]], where: Path, config: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ RunnerName = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # stream: run ``main`` and relay its output per node; submit: ``main`` hands the job to a scheduler
 # and returns; done: nothing to train (the newest checkpoint is at max_steps), nothing is started
 Mode = Literal["stream", "submit", "done"]
-LOCK_FILE = "hfscale-lock.json"  # hfscale.output_lock
+LOCK_FILE = "_hfscale-lock.json"  # hfscale.output_lock ("_": push_to_hub leaves it out)
 EXIT_MARK = "HFSCALE_EXIT"  # every node's last line: "HFSCALE_EXIT rc=<launcher exit code>"
 NOTHING_TO_TRAIN = "nothing to train"
 

@@ -1,20 +1,23 @@
-"""One launch per ``training.output_dir``: ``<output_dir>/hfscale-lock.json`` names the launch that
+"""One launch per ``training.output_dir``: ``<output_dir>/_hfscale-lock.json`` names the launch that
 trains into it, so a second launch of the same config cannot train from step 1 into the same
-checkpoint folders.
+checkpoint folders. (Its name starts with ``_``: the Trainer's ``push_to_hub`` leaves such files out.)
 
 The lock is a file, not ``flock`` (which NFS does not carry between hosts reliably): it is put in
 place atomically (a hard link of a finished file, ``O_EXCL`` where links are not supported), holds
-the holder's job id, host, pid and start time, and its launcher touches it every ``BEAT_S``
-seconds while the job runs. A second launch finds it and asks whether its holder still runs:
+the holder's job id, host, pid, start time and pid namespace, and its launcher touches it every
+``BEAT_S`` seconds while the job runs. A second launch finds it and asks whether its holder
+still runs:
 
-- on the same host (and boot): the process recorded, by pid and start time (hfscale.pid_identity);
-- on another host: the lock's modification time against the file system's own clock (the mtime
-  of a file just written beside it), so hosts' clocks never enter: older than ``STALE_S``
-  seconds is a launcher that died (killed -9, a lost login node).
+- on the same host, boot and pid namespace: the process recorded, by pid and start time
+  (hfscale.pid_identity); a holder whose launcher is gone but whose job's processes still run
+  here (a launcher killed -9 leaves them) still holds it;
+- elsewhere (another host, a container), or when that cannot be checked: the lock's modification
+  time against the file system's own clock (the mtime of a file just written beside it), so
+  hosts' clocks never enter: untouched for ``STALE_S`` seconds is a launcher that died.
 
 A live holder refuses the launch (LockHeld, exit 2, naming its job, host and pid); a dead one's
-lock is taken over, and the launch says so. Files only, no processes: hfscale.execute takes it,
-touches it and releases it.
+lock is taken over, one taker at a time (``_hfscale-lock.json.take``, made with ``O_EXCL``), and
+the launch says so. Files only, no processes: hfscale.execute takes it, touches it, releases it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -30,14 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .launch_plan import LOCK_FILE, LaunchPlan
-from .pid_identity import ProcessIdentity, boot_id, liveness, this_process
+from .pid_identity import ProcessIdentity, job_processes, liveness, this_process
 from .untrusted import Unreadable, printable, read_bytes
 
 if TYPE_CHECKING:
     from .records import OutputLock
 
 BEAT_S = 10  # the holder touches the lock this often
-STALE_S = 60  # a lock untouched this long (six beats) on another host: its launcher died
+STALE_S = 60  # a lock untouched this long (six beats), not checkable by pid: its launcher died
+TAKE_STALE_S = 30  # a take file this old was left by a taker that died
 LOCK_CAP = 64 * 1024
 ATTEMPTS = 5
 
@@ -45,6 +48,10 @@ ATTEMPTS = 5
 class LockHeld(Exception):
     """The output_dir is in use by a running launch (or its lock cannot be judged); the message
     names it and what to do."""
+
+
+class Refused(Exception):
+    """A launch that cannot start (its training.output_dir is in use); nothing was started."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +70,7 @@ class Taken:
             return None
         h = self.took_over
         return (f"hfscale: took over the lock of {self.path} from job {h.job_id} (launched on {h.host}, "
-                f"pid {h.pid}): {self.why}; if that job's nodes still run, stop them: hfscale stop "
-                f"{printable(h.run_dir)}")
+                f"pid {h.pid}): {self.why}")
 
 
 def _parse(raw: bytes, path: Path) -> "OutputLock":
@@ -74,21 +80,27 @@ def _parse(raw: bytes, path: Path) -> "OutputLock":
     return as_record(parse_json(raw, path), OutputLock, path)
 
 
-def _holder(rec: "OutputLock") -> ProcessIdentity:
-    return ProcessIdentity(rec.pid, rec.proc_start, rec.boot_id, rec.host)
-
-
 def judge(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: float = STALE_S
           ) -> tuple[bool, str]:
     """(whether the holder still runs, how that was decided). ``rec`` None: a lock that cannot be
     read, judged by its age alone."""
+    if rec is not None:
+        who = ProcessIdentity(rec.pid, rec.proc_start, rec.boot_id, rec.host, rec.pid_ns)
+        state = liveness(who)
+        if state == "alive":
+            return True, "its launcher runs"
+        if state == "gone":
+            left = job_processes(rec.job_id)
+            if left:
+                shown = ", ".join(map(str, left[:8]))
+                return True, (f"its launcher is gone, but its job's processes still run here (pids {shown}): stop "
+                              f"them first, hfscale stop {printable(rec.run_dir)}")
+            return False, ("its launcher is gone (no process with that pid and start time) and nothing of its job "
+                           "runs here")
     age = fs_now - lock_mtime
-    if rec is not None and rec.host == socket.gethostname() and rec.boot_id in (None, boot_id()):
-        alive = liveness(_holder(rec)) == "alive"
-        return alive, ("its launcher runs" if alive else "its launcher is gone (no process with that pid and "
-                       "start time)")
     if age > stale_s:
-        return False, f"not touched for {age:.0f} s (a running launch touches it every {BEAT_S} s)"
+        return False, (f"not touched for {age:.0f} s (a running launch touches it every {BEAT_S} s); if that job's "
+                       f"nodes still run, stop them: hfscale stop {printable(rec.run_dir) if rec else 'RUN'}")
     return True, f"touched {max(0.0, age):.0f} s ago"
 
 
@@ -116,62 +128,96 @@ def _install(tmp: Path, lock: Path, data: bytes) -> bool:
             return False
 
 
-def acquire(output_dir: str | os.PathLike[str], job_id: str, run_dir: str, stale_s: float = STALE_S) -> Taken:
-    """Take the lock of ``output_dir`` (made if missing) for job ``job_id``. Raises LockHeld when a
-    running launch holds it, OSError when the folder cannot be written."""
+@contextlib.contextmanager
+def _one_taker(folder: Path, probe: Path):
+    """Held while a launch replaces a dead holder's lock: one taker at a time. Yields False when
+    another launch is taking it right now (the caller looks again)."""
+    take = folder / f"{LOCK_FILE}.take"
+    try:
+        _write_new(take, b"")
+    except FileExistsError:
+        with contextlib.suppress(OSError):  # left by a taker that died: removed once it is old
+            if os.stat(probe).st_mtime - os.lstat(take).st_mtime > TAKE_STALE_S:
+                take.unlink()
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            take.unlink()
+
+
+def acquire(output_dir: str | os.PathLike[str], job_id: str, run_dir: str, stale_s: float = STALE_S,
+            make_parents: bool = True) -> Taken:
+    """Take the lock of ``output_dir`` for job ``job_id`` (the folder is made, with its parents when
+    ``make_parents``). Raises LockHeld when a running launch holds it, OSError when the folder
+    cannot be made or written."""
     from .records import OutputLock
 
     folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=make_parents, exist_ok=True)
     lock = folder / LOCK_FILE
     me = this_process()
     rec = OutputLock(job_id=job_id, host=me.host, pid=me.pid, proc_start=me.start, boot_id=me.boot_id,
-                     run_dir=run_dir, started=time.time())
+                     pid_ns=me.pid_ns, run_dir=run_dir, started=time.time())
     data = (json.dumps(rec.model_dump(), indent=1) + "\n").encode()
-    tmp = folder / f".{LOCK_FILE}.{job_id}"
+    tmp = folder / f"{LOCK_FILE}.{job_id}"
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     _write_new(tmp, data)
     took: OutputLock | None = None
     why = ""
     try:
-        for _ in range(ATTEMPTS):
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                time.sleep(0.2 * attempt)
             if _install(tmp, lock, data):
                 return Taken(str(lock), job_id, took, why)
-            try:
-                raw = read_bytes(lock, LOCK_CAP)
-                held: OutputLock | None = _parse(raw, lock)
-                reason = ""
-            except Unreadable as e:
-                raw, held, reason = None, None, e.reason
-            try:
-                mtime = os.lstat(lock).st_mtime
-            except FileNotFoundError:
-                continue  # released meanwhile
-            os.utime(tmp)  # now, as the file system's clock tells it
-            alive, how = judge(held, mtime, os.stat(tmp).st_mtime, stale_s)
-            if alive:
-                raise LockHeld(_held_message(lock, held, reason, how))
-            aside = folder / f".{LOCK_FILE}.dead-{job_id}"
-            try:
-                os.rename(lock, aside)
-            except FileNotFoundError:
-                continue
-            try:
-                moved = read_bytes(aside, LOCK_CAP)
-            except Unreadable:
-                moved = None
-            if raw is not None and moved != raw:  # another launch replaced it after we read it: put it back
+            with _one_taker(folder, tmp) as mine:
+                if not mine:
+                    continue
+                found = _judged(lock, tmp, stale_s)
+                if found is None:
+                    continue  # released meanwhile
+                held, ino, how = found
+                aside = folder / f"{LOCK_FILE}.dead-{job_id}"
+                try:
+                    os.rename(lock, aside)
+                except FileNotFoundError:
+                    continue
+                if (os.lstat(aside).st_dev, os.lstat(aside).st_ino) != ino:
+                    # another lock than the one judged (its holder released it, a new launch linked one):
+                    # put it back; a link never replaces a lock that appeared meanwhile
+                    with contextlib.suppress(OSError):
+                        os.link(aside, lock)
+                else:
+                    took, why = held, how
                 with contextlib.suppress(OSError):
-                    os.link(aside, lock)
-            else:
-                took, why = held, how
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
+                    os.unlink(aside)
         raise LockHeld(f"{printable(str(lock))}: other launches keep taking it; nothing was started")
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def _judged(lock: Path, probe: Path, stale_s: float) -> "tuple[OutputLock | None, tuple[int, int], str] | None":
+    """(the holder's record, the lock file's (device, inode), how it was judged dead) of a lock whose
+    holder no longer runs; None when the lock went away. Raises LockHeld when the holder runs."""
+    try:
+        st = os.lstat(lock)
+    except FileNotFoundError:
+        return None
+    try:
+        held: OutputLock | None = _parse(read_bytes(lock, LOCK_CAP), lock)
+        reason = ""
+    except Unreadable as e:
+        held, reason = None, e.reason
+    os.utime(probe)  # now, as the file system's clock tells it
+    alive, how = judge(held, st.st_mtime, os.stat(probe).st_mtime, stale_s)
+    if alive:
+        raise LockHeld(_held_message(lock, held, reason, how))
+    return held, (st.st_dev, st.st_ino), how
 
 
 def _held_message(lock: Path, held: "OutputLock | None", reason: str, how: str) -> str:
@@ -180,40 +226,43 @@ def _held_message(lock: Path, held: "OutputLock | None", reason: str, how: str) 
         return (f"training.output_dir {where} is locked by {printable(str(lock))}, which cannot be read ({reason}) "
                 f"and was {how}; nothing was started. If no launch uses this output_dir, remove that file")
     return (f"training.output_dir {where} is in use by job {held.job_id} (host {held.host}, pid {held.pid}, "
-            f"run directory {printable(held.run_dir)}; lock {how}); nothing was started. Stop it first "
+            f"run directory {printable(held.run_dir)}; {how}); nothing was started. Stop it first "
             f"(hfscale stop {printable(held.run_dir)}), wait for it to end, or set another training.output_dir")
 
 
-def _ours(path: Path, job_id: str) -> bool:
+def _owner(path: Path) -> str | None:
+    """The job id the lock names; None when there is no lock or it names no job; raises
+    Unreadable when it cannot be read now (an NFS hiccup: not proof that it changed hands)."""
     try:
-        return _parse(read_bytes(path, LOCK_CAP), path).job_id == job_id
-    except Unreadable:
-        return False
+        return _parse(read_bytes(path, LOCK_CAP), path).job_id
+    except Unreadable as e:
+        if e.reason == "is missing":
+            return None
+        raise
 
 
 def touch(taken: Taken) -> bool:
     """The holder's heartbeat: touch the lock (its mtime, as the file system's clock tells it);
-    False when it is no longer this job's (taken over: this launch was judged dead)."""
+    False only when the lock provably is no longer this job's (taken over: this launch was
+    judged dead). A read that fails is retried at the next beat."""
     path = Path(taken.path)
-    if not _ours(path, taken.job_id):
-        return False
     try:
+        if _owner(path) != taken.job_id:
+            return False
+    except Unreadable:
+        pass
+    with contextlib.suppress(OSError):  # a full or read-only disk: the next beat tries again
         os.utime(path)
-    except OSError:
-        pass  # a full or read-only disk: the next beat tries again
     return True
 
 
 def release(taken: Taken) -> None:
     """Remove the lock if it is still this job's."""
     path = Path(taken.path)
-    if _ours(path, taken.job_id):
-        with contextlib.suppress(OSError):
-            path.unlink()
-
-
-class Refused(Exception):
-    """A launch that cannot start (its training.output_dir is in use); nothing was started."""
+    with contextlib.suppress(Unreadable):
+        if _owner(path) == taken.job_id:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 class Held:
@@ -221,31 +270,37 @@ class Held:
 
     def __init__(self, taken: Taken, echo: Callable[[str], None]):
         self.taken, self._done = taken, threading.Event()
-        threading.Thread(target=self._beat, args=(echo,), daemon=True, name="hfscale-lock").start()
+        self._thread = threading.Thread(target=self._beat, args=(echo,), daemon=True, name="hfscale-lock")
+        self._thread.start()
 
     def _beat(self, echo: Callable[[str], None]) -> None:
         while not self._done.wait(BEAT_S):
-            if not touch(self.taken):
+            if not touch(self.taken) and not self._done.is_set():
                 echo(f"hfscale: warning: the lock {self.taken.path} is no longer this job's: another launch judged "
                      "this one dead and took it; two jobs may now write the same checkpoints")
                 return
 
     def release(self) -> None:
         self._done.set()
+        self._thread.join(5)
         release(self.taken)
 
 
 def hold(plan: LaunchPlan, echo: Callable[[str], None]) -> Held | None:
-    """Take ``plan``'s output_dir lock and keep it fresh until released (None: the plan takes none);
-    says so when it took over a dead launch's lock. Raises Refused."""
+    """Take ``plan``'s output_dir lock and keep it fresh until released (None: the plan takes none,
+    or the folder cannot be made here: said, the launch goes on); says so when it took over a dead
+    launch's lock. Raises Refused when a running launch holds it."""
     if plan.lock is None or plan.output_dir is None:
         return None
+    local = plan.runner == "local"  # a remote runner's output_dir may be the nodes' own: no folders made for it
     try:
-        taken = acquire(plan.output_dir, plan.job_id, plan.run_dir)
+        taken = acquire(plan.output_dir, plan.job_id, plan.run_dir, make_parents=local)
     except LockHeld as e:
         raise Refused(str(e)) from None
     except OSError as e:
-        raise Refused(f"cannot take the lock {plan.lock}: {e.strerror or e}; nothing was started") from None
+        echo(f"hfscale: warning: no lock taken in {plan.output_dir} ({e.strerror or e}): a second launch into this "
+             "output_dir would not be refused")
+        return None
     said = taken.said()
     if said:
         echo(said)

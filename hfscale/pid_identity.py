@@ -18,15 +18,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-Liveness = Literal["alive", "gone", "elsewhere"]  # elsewhere: on another host, not checkable from here
+# alive: provably the process recorded; gone: provably not running any more; elsewhere: on another
+# host, or in another pid namespace (a container sharing the host's name): not checkable from here;
+# unknown: a pid this process may not look at (hidepid, another user's): not checkable either
+Liveness = Literal["alive", "gone", "elsewhere", "unknown"]
 
 
 @dataclass(frozen=True)
 class ProcessIdentity:
+    """A process, provably: no two processes of one boot and pid namespace share a pid and a start time."""
+
     pid: int
     start: int  # /proc/<pid>/stat field 22
     boot_id: str | None
     host: str
+    pid_ns: int | None = None  # the inode of /proc/<pid>/ns/pid: which pid namespace the pid counts in
 
 
 def boot_id() -> str | None:
@@ -34,6 +40,14 @@ def boot_id() -> str | None:
         with open(BOOT_ID_FILE, encoding="ascii") as f:
             return f.read(64).strip() or None
     except (OSError, UnicodeDecodeError):
+        return None
+
+
+def pid_namespace() -> int | None:
+    """The inode of this process's pid namespace (None: not on Linux, or not readable)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
         return None
 
 
@@ -54,17 +68,55 @@ def start_time(pid: int) -> int | None:
 
 def this_process() -> ProcessIdentity:
     pid = os.getpid()
-    return ProcessIdentity(pid, start_time(pid) or 0, boot_id(), socket.gethostname())
+    return ProcessIdentity(pid, start_time(pid) or 0, boot_id(), socket.gethostname(), pid_namespace())
+
+
+def _exists(pid: int) -> bool:
+    """Whether some process has ``pid`` (one /proc does not show: EPERM)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def liveness(recorded: ProcessIdentity) -> Liveness:
-    """Whether the process ``recorded`` still runs: alive only when this host, this boot and the
-    start time at that pid all match."""
+    """Whether the process ``recorded`` still runs: alive only when this host, this boot, this pid
+    namespace and the start time at that pid all match; gone only when that is provable."""
     if recorded.host != socket.gethostname():
         return "elsewhere"
-    if recorded.boot_id is not None and recorded.boot_id != boot_id():
+    here = boot_id()
+    if recorded.boot_id is None or here is None:
+        return "unknown"  # a start time proves nothing across a reboot
+    if recorded.boot_id != here:
         return "gone"  # the host rebooted since
-    return "alive" if recorded.start and start_time(recorded.pid) == recorded.start else "gone"
+    if recorded.pid_ns is not None and recorded.pid_ns != pid_namespace():
+        return "elsewhere"
+    if not recorded.start:
+        return "unknown"
+    start = start_time(recorded.pid)
+    if start is not None:
+        return "alive" if start == recorded.start else "gone"
+    return "unknown" if _exists(recorded.pid) and not os.path.exists(f"/proc/{recorded.pid}") else "gone"
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Processes on this host (as far as /proc shows) whose environment holds ``HFSCALE_JOB_ID=<job_id>``:
+    what a launch started, which outlives a launcher killed -9 (hfscale.runners.stopping finds
+    them the same way)."""
+    want = f"HFSCALE_JOB_ID={job_id}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
 
 
 def signal_recorded(recorded: ProcessIdentity, sig: int = signal.SIGTERM) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import posixpath
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .artifacts import DEEPSPEED_FILE, render_artifacts
 from .envvars import MASK, deepspeed_env_file, host_secret, masked
@@ -20,7 +20,7 @@ from .launch_plan import NOTHING_TO_TRAIN, LaunchPlan, Watch
 from .launcher import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
 from .progress import PROGRESS_DIR, STACKS_DIR
 from .reshard import conversion
-from .resume import decide
+from .resume import OutputScan, decide
 from .rundir import HANG_REPORT
 from .runners import RUNNERS
 from .runners.common import Common
@@ -47,20 +47,31 @@ def resolved_config_yaml(job: Job) -> str:
     return head + dump(data)
 
 
-def _resume_step(job: Job, ctx: LaunchContext) -> tuple[list[str], tuple[tuple[str, str], ...], bool]:
-    """(notes, moves, nothing to do) for the checkpoints already in training.output_dir.
+@dataclass(frozen=True)
+class _ResumeStep:
+    """What a launch does with the checkpoints already in training.output_dir: plan notes, moves
+    (--restart), nothing to do (``done``), and the lines it tells on the terminal (``told``)."""
+
+    notes: list[str]
+    moves: tuple[tuple[str, str], ...] = ()
+    done: bool = False
+    told: tuple[str, ...] = ()
+
+
+def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
+    """What this launch does with the checkpoints in training.output_dir.
 
     Raises ConfigError where the job would start over silently in an output_dir whose checkpoints
     are all incomplete."""
     scan, t = ctx.output, job.config.training
     chosen = given_flags([*t.script_args, *ctx.extra_args], {"resume_from_checkpoint"}) if t.script else []
     if scan is None or chosen:  # a checkpoint named by hand is the user's choice
-        return [], (), False
+        return _ResumeStep([])
     if ctx.restart:
         dest = posixpath.join(scan.output_dir, f"restarted-{ctx.job_id}")
         moves = tuple((posixpath.join(scan.output_dir, n), posixpath.join(dest, n)) for n in scan.found)
-        return ([f"--restart: training starts at step 0; the {len(moves)} checkpoint(s) of {t.output_dir} move "
-                 f"to {dest} first"] if moves else []), moves, False
+        return _ResumeStep([f"--restart: training starts at step 0; the {len(moves)} checkpoint(s) of "
+                            f"{t.output_dir} move to {dest} first"] if moves else [], moves)
     d = decide(scan, t.max_steps)
     if d.action == "refuse":
         path = ("training", "output_dir")
@@ -68,8 +79,8 @@ def _resume_step(job: Job, ctx: LaunchContext) -> tuple[list[str], tuple[tuple[s
                                                "--resume_from_checkpoint PATH, or start over with --restart "
                                                "(the checkpoints are moved aside, not deleted)", job.line_of(path))])
     if d.action == "done":
-        return [f"{NOTHING_TO_TRAIN}: {d.reason} (raise training.max_steps to go on, or start over with --restart)"], \
-            (), True
+        return _ResumeStep([f"{NOTHING_TO_TRAIN}: {d.reason} (raise training.max_steps to go on, or start over "
+                            "with --restart)"], done=True)
     notes = []
     if d.action == "resume":
         notes.append(f"resumes from {d.checkpoint} (each rank checks again when it starts, so a restart "
@@ -78,7 +89,7 @@ def _resume_step(job: Job, ctx: LaunchContext) -> tuple[list[str], tuple[tuple[s
             notes += [n for n in [schedule_note(t, scan.state, d.checkpoint or "")] if n]
         if reshards(job, ctx):
             notes.append(reshard_note(job, scan.saved_world or 0, d.checkpoint or "", scan.universal))
-    return notes, (), False
+    return _ResumeStep(notes, told=_skipped(scan) if d.action == "resume" else ())
 
 
 def reshards(job: Job, ctx: LaunchContext) -> bool:
@@ -111,7 +122,8 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     problems = extra_args_problems(job, ctx.extra_args, posixpath.join(rank_dir, DEEPSPEED_FILE))
     if problems:
         raise ConfigError(job.source, problems)
-    notes, moves, done = _resume_step(job, ctx)
+    step = _resume_step(job, ctx)
+    notes, moves, done = step.notes, step.moves, step.done
     env = rank_env(job, rank_dir, ctx)
     universal = reshards(job, ctx) and not done
     files = dict(render_artifacts(job, posixpath.join(rank_dir, DEEPSPEED_FILE), load_universal=universal))
@@ -137,17 +149,15 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     plan = runner.plan(job, ctx, common)
     where = output_dir_to_scan(job)
     output_dir = posixpath.normpath(posixpath.join(ctx.cwd, where)) if where is not None else None
-    return replace(plan, prepare=prepare, output_dir=output_dir, told=_skipped(ctx))
+    return replace(plan, prepare=prepare, output_dir=output_dir, told=step.told)
 
 
-def _skipped(ctx: LaunchContext) -> tuple[str, ...]:
+def _skipped(scan: OutputScan) -> tuple[str, ...]:
     """What resuming skipped, one line per checkpoint, newest first: "checkpoint-40 skipped:
     rng_state_1.pth is missing ...; resuming from checkpoint-35" (shown by --dry-run and on the
-    terminal)."""
-    scan = ctx.output
-    if scan is None or ctx.restart or not scan.skipped:
+    terminal; only when the launch resumes on its own: not for a checkpoint named by hand)."""
+    if scan.resume is None or not scan.skipped:
         return ()
     lines = [f"{name} skipped: {why}" for name, why in scan.skipped]
-    end = f"resuming from {posixpath.basename(scan.resume)}" if scan.resume else "no complete checkpoint"
-    lines[-1] += f"; {end}"
+    lines[-1] += f"; resuming from {posixpath.basename(scan.resume)}"
     return tuple(lines)

@@ -177,19 +177,19 @@ _RANK_FILE = re.compile(r"^rank-([0-9]{1,7})$")
 _LINE = re.compile(r"^([0-9]{1,15}) ([0-9]{1,7}) ([A-Za-z0-9_.:-]{1,255})(?: ([0-9]{1,15}))?$")
 
 
-def read_progress(path: Path) -> Progress | None:
+def read_progress(path: Path, root: Path | None = None) -> Progress | None:
     """A rank's progress file, or None when it is missing, half-written or not one (a FIFO, a link,
-    a huge file, other text: hfscale.untrusted reads it)."""
+    a huge file, other text: hfscale.untrusted reads it; ``root``: a folder it must be inside)."""
     from .untrusted import Unreadable, read_bytes
 
-    name = _RANK_FILE.match(path.name)
+    name = _RANK_FILE.fullmatch(path.name)
     if name is None:
         return None
     try:
-        text = read_bytes(path, PROGRESS_CAP).decode("ascii").strip()
+        text = read_bytes(path, PROGRESS_CAP, root).decode("ascii").strip()
     except (Unreadable, UnicodeDecodeError):
         return None
-    m = _LINE.match(text)
+    m = _LINE.fullmatch(text)
     if m is None:
         return None
     return Progress(int(name.group(1)), int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4) or 0))

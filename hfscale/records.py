@@ -19,9 +19,9 @@ from .untrusted import KiB, MiB
 
 # size caps per kind of file (hfscale.untrusted refuses longer ones or reads their tail)
 STATE_CAP = 1 * MiB  # state.json
-METRICS_CAP = 1 * MiB  # rank 0's progress/metrics.json; also one line of hfscale_metrics.jsonl
-METRICS_LINES_CAP = 64 * MiB  # hfscale_metrics.jsonl: its newest 64 MiB (about 200,000 reports)
-PROGRESS_CAP = 4 * KiB  # a rank's progress file: one short line
+METRICS_CAP = 1 * MiB  # rank 0's progress/metrics.json
+METRICS_LINE_CAP = 16 * MiB  # one line of hfscale_metrics.jsonl: a straggler report of 100,000+ ranks
+METRICS_LINES_CAP = 1 << 30  # hfscale_metrics.jsonl: its newest GiB, read in pieces (run_history compacts)
 CLEANUP_CAP = 1 * MiB  # cleanup.json (argv and env of the stop)
 ID_CAP = 256  # the Slurm job id file, DeepSpeed's 'latest'
 MANIFEST_CAP = 8 * MiB  # pytorchjob.yaml (its ConfigMap carries the generated files)
@@ -37,10 +37,11 @@ TIME_MIN, TIME_MAX = 946_684_800.0, 7_258_118_400.0
 PID_MAX = 1 << 22  # Linux's highest pid_max
 BIG = 10 ** 15  # steps, counts: beyond any run
 JOB_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
-SLURM_JOB_ID = re.compile(r"^[0-9]{1,12}(?:_[0-9]{1,12})?$")  # a job, or an array task
-# Kubernetes object names: RFC 1123 subdomains (labels for namespaces), at most 253 (63) characters
-RFC1123_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+SLURM_JOB_ID = re.compile(r"[0-9]{1,12}(?:_[0-9]{1,12})?")  # a job, or an array task (fullmatch)
+# Kubernetes object names: RFC 1123 subdomains (labels for namespaces), at most 253 (63) characters.
+# Python's $ also matches before a final newline: these are used with fullmatch
+RFC1123_NAME = re.compile(r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 HOST = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")
 RunState = Literal["running", "finished", "failed", "stopped", "hung", "preempted", "submitted"]
 Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
@@ -69,8 +70,11 @@ Pid = Annotated[int, BeforeValidator(_no_bool), Field(ge=1, le=PID_MAX)]
 Number = Annotated[float | None, BeforeValidator(_no_bool), BeforeValidator(_finite_or_none)]
 Finite = Annotated[float, BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
 Text = Annotated[str, Field(max_length=4096)]
+NoNul = Annotated[str, Field(pattern=r"^[^\x00]*$")]  # a process cannot take a NUL in argv or env
+NoNulText = Annotated[NoNul, Field(max_length=4096)]
 Host = Annotated[str, Field(pattern=HOST.pattern)]
 JobId = Annotated[str, Field(pattern=JOB_ID.pattern)]
+BootId = Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]  # /proc/sys/kernel/random/boot_id
 
 
 class Record(BaseModel):
@@ -88,7 +92,8 @@ class LauncherState(Record):
     state: RunState | None = None
     pid: Pid | None = None
     proc_start: Count | None = None  # /proc/<pid>/stat field 22 of the launcher (hfscale.pid_identity)
-    boot_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")] | None = None
+    boot_id: BootId | None = None
+    pid_ns: Count | None = None  # the launcher's pid namespace (/proc/self/ns/pid inode)
     host: Host | None = None
     cwd: Text | None = None
     started: Timestamp | None = None
@@ -113,17 +118,17 @@ class Rank0Metrics(Record):
 class CleanupRecord(Record):
     """``<run dir>/cleanup.json``: the stop a launch recorded, run by ``hfscale stop`` when its launcher died."""
 
-    argv: Annotated[list[Annotated[str, Field(max_length=256 * KiB)]], Field(min_length=1, max_length=4096)]
-    env: Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")], Text], Field(max_length=4096)]
-    cwd: Text | None = None
+    argv: Annotated[list[Annotated[NoNul, Field(max_length=256 * KiB)]], Field(min_length=1, max_length=4096)]
+    env: Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")], NoNulText],
+                   Field(max_length=4096)]
+    cwd: NoNulText | None = None
 
 
 class MetricsLine(Record):
     """One line of ``<output_dir>/hfscale_metrics.jsonl`` (hfscale.callbacks: MetricsCallback,
     StragglerCallback). NaN and infinities read as None; lists of ranks at most a million long."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True,
-                              defer_build=True)
+    model_config = ConfigDict(**{**Record.model_config, "extra": "allow"})
 
     event: Literal["metrics", "straggler"]
     step: Count
@@ -165,8 +170,7 @@ class TrainerStep(Record):
 class LogEntry(Record):
     """One entry of a Trainer's ``log_history`` (the report plots these)."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=True, hide_input_in_errors=True,
-                              defer_build=True)
+    model_config = ConfigDict(**{**Record.model_config, "extra": "allow"})
 
     step: Count
     loss: Number = None
@@ -180,7 +184,6 @@ class CompleteMarker(Record):
     format: Annotated[int, BeforeValidator(_no_bool), Field(ge=1, le=1000)] = 1
     global_step: Count
     world_size: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=1 << 24)] = 0
-    time: Timestamp | None = None
     files: Annotated[dict[Annotated[str, Field(max_length=4096)], Count], Field(max_length=1_000_000)]
 
 
@@ -191,12 +194,13 @@ class WeightIndex(Record):
 
 
 class OutputLock(Record):
-    """``<output_dir>/hfscale-lock.json`` (hfscale.output_lock): the launch that trains into it."""
+    """``<output_dir>/_hfscale-lock.json`` (hfscale.output_lock): the launch that trains into it."""
 
     job_id: JobId
     host: Host
     pid: Pid
     proc_start: Count
-    boot_id: Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")] | None = None
+    boot_id: BootId | None = None
+    pid_ns: Count | None = None
     run_dir: Text
     started: Timestamp

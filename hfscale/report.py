@@ -48,8 +48,8 @@ def _relaunched(prev: dict[str, Any], r: dict[str, Any]) -> bool:
     is never reset within a process, so only a new process lowers it)."""
     if "job" in prev and "job" in r and prev["job"] != r["job"]:
         return True
-    if r["step"] <= prev["step"] or r.get("world_size") != prev.get("world_size"):
-        return True
+    if r["step"] <= prev["step"] or r.get("world_size") != prev.get("world_size") or r.get("relaunch"):
+        return True  # relaunch: a rank's peak fell, seen by run_history while it had every rank's peak
     pairs = zip(prev.get("mem_peak_mb_per_rank") or prev.get("mem_peak_mb_stats") or [],
                 r.get("mem_peak_mb_per_rank") or r.get("mem_peak_mb_stats") or [])
     return any(b < a for a, b in ((_num(a), _num(b)) for a, b in pairs) if a is not None and b is not None)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path
 
-from .checkpoint_files import TAG_CAP, deepspeed_tag
+from .checkpoint_files import deepspeed_tag, read_tag
 from .shell import Command
-from .untrusted import Unreadable, decode, read_bytes, real_dir, tag_name
+from .untrusted import Unreadable, real_dir, tag_name
 
 LATEST_UNIVERSAL = "latest_universal"
 SUFFIX = "_universal"
@@ -25,7 +25,7 @@ def universal_ready(ckpt: str | Path) -> bool:
     """Whether ``ckpt`` holds a finished universal conversion of its DeepSpeed state (written last:
     ``latest_universal`` naming a folder with the per-parameter states)."""
     try:
-        name = decode(read_bytes(Path(ckpt) / LATEST_UNIVERSAL, TAG_CAP), LATEST_UNIVERSAL).strip()
+        name = read_tag(Path(ckpt) / LATEST_UNIVERSAL)
     except Unreadable:
         return False
     folder = Path(ckpt) / name

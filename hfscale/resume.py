@@ -23,7 +23,6 @@ This module is plain Python (no torch), so launchers and tools can import it che
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -33,11 +32,15 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .checkpoint_files import (TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks, read_trainer_state,
-                               saved_step)
+from .checkpoint_files import (INDEXES, TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks,
+                               index_shards, read_trainer_state, saved_step)
 from .reshard import universal_ready
 from .untrusted import Unreadable, read_record
+
+if TYPE_CHECKING:
+    from .records import LogEntry
 
 MARKER = "hfscale_complete.json"
 MARKER_FORMAT = 1
@@ -175,7 +178,9 @@ def checkpoint_problem(ckpt: str | os.PathLike[str], world_size: int | None = No
         return f"unreadable {TRAINER_STATE}: {e.reason}"
     if state_step != step:
         return f"{TRAINER_STATE} says step {state_step}, {MARKER} says {step}"
-    why = deepspeed_problem(ckpt, saved_world)
+    # the marker lists sizes, not what an index names: a shard named outside the checkpoint is not in it
+    why = deepspeed_problem(ckpt, saved_world) or next(
+        (w for index in INDEXES if os.path.lexists(ckpt / index) and (w := index_shards(ckpt, index)[1])), None)
     if why is not None:
         return why
     return _world_problem(ckpt, deepspeed_ranks(ckpt), world_size, reshard)
@@ -268,17 +273,20 @@ def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
         doc = read_trainer_state(Path(ckpt) / TRAINER_STATE)
     except Unreadable:
         return None
-    lrs = [(e["step"], float(e["learning_rate"])) for e in doc.log_history
-           if isinstance(e, dict) and _count(e.get("step")) and _finite(e.get("learning_rate"))]
+    lrs = [(entry.step, entry.learning_rate) for e in doc.log_history
+           if (entry := _entry(e)) is not None and entry.learning_rate is not None]
     return SavedState(doc.global_step, doc.max_steps or 0, doc.num_train_epochs or 0.0, lrs[-1] if lrs else None)
 
 
-def _count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 10 ** 15
+def _entry(e: object) -> "LogEntry | None":
+    """One log_history entry, typed (hfscale.records.LogEntry), or None when it is not one."""
+    from .records import LogEntry
+    from .untrusted import as_record
 
-
-def _finite(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    try:
+        return as_record(e, LogEntry, TRAINER_STATE)
+    except Unreadable:
+        return None
 
 
 def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool = False) -> OutputScan:

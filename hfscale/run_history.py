@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .checkpoint_files import TRAINER_STATE, read_trainer_state
-from .records import METRICS_CAP, METRICS_LINES_CAP, TEXT_CAP, LauncherState, LogEntry, MetricsLine, TrainerState
+from .records import METRICS_LINE_CAP, METRICS_LINES_CAP, TEXT_CAP, LauncherState, LogEntry, MetricsLine, TrainerState
 from .resume import checkpoints
 from .rundir import CONFIG_COPY, PLAN_FILE, read_state
 from .runs import RunError, output_dir_of, read_config_copy
@@ -63,11 +63,16 @@ def _compact():
     memory as (min, median, max) beyond MAX_RANK_LINES ranks; the per-rank lists of the newest
     straggler report only. Memory then grows with the records, not with the ranks."""
     newest_straggler = True
+    newer: tuple[list, dict[str, Any]] | None = None  # the next newer metrics record: its peaks, its dict
 
     def keep(r: MetricsLine) -> dict[str, Any]:
-        nonlocal newest_straggler
+        nonlocal newest_straggler, newer
         d = {k: v for k in _KEPT if (v := getattr(r, k)) is not None}
         mem = d.get("mem_peak_mb_per_rank")
+        if r.event == "metrics" and mem is not None:
+            if newer is not None and any(b < a for a, b in zip(mem, newer[0]) if a is not None and b is not None):
+                newer[1]["relaunch"] = True  # a rank's peak fell: only a new process lowers it (decided here,
+            newer = (mem, d)                 # while every rank's peak is still at hand)
         if mem is not None and len(mem) > MAX_RANK_LINES:
             del d["mem_peak_mb_per_rank"]
             d["mem_peak_mb_stats"] = rank_stats(mem)
@@ -85,7 +90,7 @@ def _read_metrics_lines(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     None); lines that are not records (half a line left by a killed job, wrong types) are skipped
     and counted in ``notes``."""
     try:
-        lines = read_json_lines(path, MetricsLine, METRICS_CAP, METRICS_LINES_CAP, MAX_METRICS_LINES, path.parent,
+        lines = read_json_lines(path, MetricsLine, METRICS_LINE_CAP, METRICS_LINES_CAP, MAX_METRICS_LINES, path.parent,
                                 keep=_compact())
     except Missing:
         return []

@@ -15,8 +15,8 @@ import time
 from typing import Callable
 
 from .pid_identity import liveness, signal_recorded
-from .records import LauncherState
-from .rundir import read_cleanup, read_state, record_state
+from .records import STATE_CAP, LauncherState
+from .rundir import STATE_FILE, STOP_MARKER, mark_stopping, read_cleanup, read_state, record_state
 from .runs import RunError, RunInfo, slurm_job_id
 from .shell import Command, Text
 from .untrusted import Unreadable, decode, printable, read_trusted
@@ -59,49 +59,59 @@ def stop(i: RunInfo, say: Callable[[str], object]) -> int:
     died gets the cleanup that launcher recorded. The exit code.
 
     A pid is signalled only when it is provably the launcher recorded (hfscale.pid_identity:
-    host, boot, pid and start time); otherwise the run counts as died and nothing is signalled."""
+    host, boot, pid namespace, pid and start time) in a state.json only this user could have
+    written; otherwise nothing is signalled."""
+    name = i.shown
+    launcher = f"its launcher (pid {i.pid})" if i.pid is not None else "its launcher"
     if i.state == "unreadable":
-        raise RunError(f"{printable(i.name)}: its state cannot be read ({printable(i.problem or '')}); "
-                       "nothing was stopped")
+        raise RunError(f"{name}: its state cannot be read ({printable(i.problem or '')}); nothing was stopped")
     if i.state == "submitted":
         cmd = scheduler_command(i, "stop")
         if cmd is None:
-            raise RunError(f"{i.name}: submitted to {i.runner or 'a scheduler'}; hfscale does not know how to cancel it")
+            raise RunError(f"{name}: submitted to {i.runner or 'a scheduler'}; hfscale does not know how to cancel it")
         _run_stop(i, cmd, cmd.shell(), 60)
-        say(f"hfscale: {cmd.shell()}: done; {i.name} stopped")
+        say(f"hfscale: {cmd.shell()}: done; {name} stopped")
         return 0
     if i.state == "died":
         try:
             cmd = read_cleanup(i.path)
         except Unreadable as e:
-            raise RunError(f"{i.name}: its launcher (pid {i.pid}) died, and its recorded cleanup cannot be used: "
-                           f"{e}; stop its processes by hand") from None
-        what = f"the recorded cleanup ({os.path.basename(cmd.real_argv()[0])})"
-        say(f"hfscale: {i.name}: its launcher (pid {i.pid}) died; running {what} on every host")
+            raise RunError(f"{name}: {launcher} died, and its recorded cleanup cannot be used: {e}; stop its "
+                           "processes by hand") from None
+        mark_stopping(i.path / STOP_MARKER)  # a node line its pdsh starts from now on starts nothing
+        what = f"the recorded cleanup ({printable(os.path.basename(cmd.real_argv()[0]))})"
+        say(f"hfscale: {name}: {launcher} died; running {what} on every host")
         _run_stop(i, cmd, what, STOP_WAIT_S)
-        say(f"hfscale: {i.name} stopped")
+        say(f"hfscale: {name} stopped")
         return 0
     if i.state != "running":
-        raise RunError(f"{i.name} is not running (state {i.state})")
+        raise RunError(f"{name} is not running (state {i.state})")
     who = i.launcher
     if who is None or liveness(who) == "elsewhere":
-        raise RunError(f"{i.name} was launched on {i.host} (pid {i.pid}): run hfscale stop there")
-    say(f"hfscale: stopping {i.name}: SIGTERM to its launcher (pid {i.pid}), which stops every node")
+        raise RunError(f"{name} was launched on {i.host} (pid {i.pid}): run hfscale stop there")
+    try:  # what names the pid to signal must be this user's own record
+        read_trusted(i.path / STATE_FILE, i.path.parent, STATE_CAP)
+    except Unreadable as e:
+        raise RunError(f"{e}; nothing was signalled") from None
+    say(f"hfscale: stopping {name}: SIGTERM to {launcher}, which stops every node")
     record_state(i.path, stop_requested=time.time())  # the ranks' preemption save then reads as stopped
     if not signal_recorded(who, signal.SIGTERM):
-        raise RunError(f"{i.name}: its launcher (pid {i.pid}) is gone (that pid is no longer the process recorded); "
-                       f"nothing was signalled. hfscale stop {i.name} again runs its recorded cleanup")
+        raise RunError(f"{name}: {launcher} is gone (that pid is no longer the process recorded); nothing was "
+                       f"signalled. hfscale stop {name} again runs its recorded cleanup")
     deadline = time.monotonic() + STOP_WAIT_S
     while time.monotonic() < deadline:
         try:
             doc = read_state(i.path)
         except Unreadable:
             doc = LauncherState(state="running")
-        if doc.state != "running" or liveness(who) == "gone":
-            say(f"hfscale: {i.name} {doc.state or 'ended'} (exit code {doc.exit_code})")
+        if doc.state != "running":
+            say(f"hfscale: {name} {doc.state} (exit code {doc.exit_code})")
+            return 0
+        if liveness(who) == "gone":
+            say(f"hfscale: {name}: {launcher} ended without recording how")
             return 0
         time.sleep(0.5)
-    raise RunError(f"{i.name}: the launcher (pid {i.pid}) did not end within {STOP_WAIT_S} s")
+    raise RunError(f"{name}: {launcher} did not end within {STOP_WAIT_S} s")
 
 
 def _run_stop(i: RunInfo, cmd: Command, what: str, timeout: float) -> None:
@@ -112,5 +122,5 @@ def _run_stop(i: RunInfo, cmd: Command, what: str, timeout: float) -> None:
     record_state(i.path, stop_requested=time.time())
     rc, out, err = run_probe(cmd, timeout=timeout)
     if rc != 0:
-        raise RunError(f"{i.name}: {what} failed (exit code {rc}): {printable((err or out).strip())}")
+        raise RunError(f"{i.shown}: {what} failed (exit code {rc}): {printable((err or out).strip())}")
     record_state(i.path, state="stopped", ended=time.time())

@@ -59,6 +59,16 @@ def read_cleanup(run_dir: str | Path) -> Command:
     return Command(tuple(doc.argv), tuple(doc.env.items()), doc.cwd)
 
 
+def mark_stopping(marker: str | Path) -> str | None:
+    """Write the stop marker (``<run dir>/stopping``): a node line that starts from now on starts
+    nothing (hfscale.runners.pdsh). Why it could not be written, or None."""
+    try:
+        Path(marker).touch()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def move_aside(moves: tuple[tuple[str, str], ...], echo: Callable[[str], None]) -> bool:
     """Do the plan's moves (--restart's checkpoints); False, said, when one fails."""
     for src, dst in moves:
@@ -103,15 +113,16 @@ def this_launcher() -> dict[str, object]:
     """The state.json fields a launch starts with: the launching process (its identity: a pid alone
     is not proof, hfscale.pid_identity), its host and directory."""
     me = this_process()
-    return {"pid": me.pid, "proc_start": me.start, "boot_id": me.boot_id, "host": me.host, "cwd": os.getcwd(),
-            "started": time.time()}
+    return {"pid": me.pid, "proc_start": me.start, "boot_id": me.boot_id, "pid_ns": me.pid_ns, "host": me.host,
+            "cwd": os.getcwd(), "started": time.time()}
 
 
 def launcher_of(state: "LauncherState") -> ProcessIdentity | None:
-    """The recorded launcher's identity (None: none recorded, or without its start time: unprovable)."""
-    if state.pid is None or state.host is None or not state.proc_start:
+    """The recorded launcher's identity (None: none recorded, or without its start time or boot id:
+    unprovable)."""
+    if state.pid is None or state.host is None or not state.proc_start or state.boot_id is None:
         return None
-    return ProcessIdentity(state.pid, state.proc_start, state.boot_id, state.host)
+    return ProcessIdentity(state.pid, state.proc_start, state.boot_id, state.host, state.pid_ns)
 
 
 def record_state(run_dir: str | Path, **fields: object) -> None:

@@ -26,7 +26,7 @@ from .progress import PROGRESS_DIR, Progress, read_progress
 from .records import LauncherState, Rank0Metrics
 from .rundir import (CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
                      read_metrics, read_state)
-from .untrusted import Unreadable, decode, open_regular, printable, read_bytes, read_text, read_trusted
+from .untrusted import Unreadable, decode, open_regular, printable, read_bytes, read_text, read_trusted, real_dir
 
 
 class RunError(ValueError):
@@ -59,18 +59,26 @@ class RunInfo:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def shown(self) -> str:
+        """The name as a terminal may show it (a folder name may hold escape sequences)."""
+        return printable(self.path.name)
+
 
 def unreadable(path: Path, why: str) -> RunInfo:
     return RunInfo(path, "", "", "unreadable", None, None, None, None, None, None, None, None, problem=why)
 
 
 def rank_progress(path: Path) -> tuple[list[Progress], int]:
-    """(the ranks' progress files that read as such, how many ``rank-*`` files did not)."""
+    """(the ranks' progress files that read as such, how many ``rank-*`` files did not); a progress
+    folder that is a link is not followed."""
+    if not real_dir(path / PROGRESS_DIR):
+        return [], 0
     try:
         entries = [e.name for e in os.scandir(path / PROGRESS_DIR) if e.name.startswith("rank-")]
     except OSError:
         return [], 0
-    found = [p for name in entries if (p := read_progress(path / PROGRESS_DIR / name)) is not None]
+    found = [p for name in entries if (p := read_progress(path / PROGRESS_DIR / name, path)) is not None]
     return found, len(entries) - len(found)
 
 
@@ -109,12 +117,12 @@ def run_info(path: str | Path) -> RunInfo:
 def _state(doc: LauncherState, metrics: Rank0Metrics) -> str:
     """The run's state from its state.json and rank 0's metrics. A run recorded as running whose
     launcher runs on this host but cannot be proven to be the process recorded (gone, its pid
-    reused, no start time recorded) has ``died``."""
+    reused, no start time or boot id recorded) has ``died``."""
     state = doc.state or "unknown"
     if state == "running":
         who = launcher_of(doc)
         if (who is None and (doc.host is None or doc.host == socket.gethostname())) or \
-                (who is not None and liveness(who) == "gone"):
+                (who is not None and liveness(who) in ("gone", "unknown")):
             state = "died"
     if metrics.preempted and state in ("finished", "stopped", "failed") and doc.stop_requested is None:
         state = "preempted"
@@ -131,7 +139,7 @@ def slurm_job_id(run: Path, trusted: bool = False) -> str:
     path = run / SLURM_JOB_ID_FILE
     data = read_trusted(path, run.parent, ID_CAP) if trusted else read_bytes(path, ID_CAP, run)
     text = decode(data, path).strip()
-    if not SLURM_JOB_ID.match(text):
+    if not SLURM_JOB_ID.fullmatch(text):
         raise Unreadable(path, f"{text!r:.40} is not a Slurm job id (digits, or digits_digits for an array task)")
     return text
 
@@ -201,8 +209,7 @@ def is_run_dir(path: Path) -> bool:
     """Whether ``path`` is a folder hfscale launch made (its plan and logs/ are there); links are
     not followed."""
     try:
-        return (os.path.isdir(path) and not os.path.islink(path) and os.path.lexists(path / PLAN_FILE)
-                and os.path.isdir(path / LOGS_DIR))
+        return real_dir(path) and os.path.lexists(path / PLAN_FILE) and real_dir(path / LOGS_DIR)
     except (OSError, ValueError):
         return False
 
@@ -289,7 +296,7 @@ def pick_log(path: Path, node: str | None) -> list[Path]:
     names = [p.stem for p in logs]
     if node in names:
         return [logs[names.index(node)]]
-    if node.isdigit() and int(node) < len(logs):
+    if node.isascii() and node.isdigit() and int(node) < len(logs):
         return [logs[int(node)]]
     shown = ", ".join(printable(n, 80) for n in names[:50]) or "none"
     raise RunError(f"no log of node {printable(node)!r} in {printable(str(path / LOGS_DIR))}; there are: {shown}")
@@ -299,7 +306,7 @@ def print_log(path: Path, write: Callable[[bytes], object]) -> str | None:
     """Write the node log ``path`` to ``write`` in pieces (a log of any size, in constant memory);
     why it cannot be read (not a regular file, a link), or None."""
     try:
-        fd, _ = open_regular(path, path.parent)
+        fd, _ = open_regular(path, path.parent.parent)  # inside the run directory
     except Unreadable as e:
         return str(e)
     try:
@@ -316,7 +323,7 @@ def _tail(path: Path, lines: int) -> list[str]:
     from .records import LOG_TAIL
 
     try:
-        data = read_bytes(path, LOG_TAIL, path.parent, tail=True)
+        data = read_bytes(path, LOG_TAIL, path.parent.parent, tail=True)  # inside the run directory
     except Unreadable as e:
         return [f"({e})"]
     return data.decode("utf-8", "replace").splitlines()[-lines:]

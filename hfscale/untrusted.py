@@ -256,45 +256,80 @@ class Lines(Generic[T]):
         """``"<path>: 3 unreadable line(s) skipped"`` (None when none were)."""
         parts = [f"{self.skipped} unreadable {what} skipped"] if self.skipped else []
         if self.cut:
-            parts.append("only its newest part was read (the file is over the size limit)")
+            parts.append("only its newest part was read (over the size or line limit)")
         return f"{printable(str(path), 1000)}: {'; '.join(parts)}" if parts else None
+
+
+CHUNK = 4 * MiB  # JSON lines are read from the end in pieces of this size
+
+
+def _newest_first(fd: int, size: int, total_cap: int, max_lines: int, line_cap: int, state: dict):
+    """The lines of an open file from its end (bytes; None for one over ``line_cap``), at most
+    ``max_lines`` of them (blank ones included) from its newest ``total_cap`` bytes; memory stays
+    one piece plus one line. ``state["cut"]``: older lines were left unread."""
+    pos, stop, carry, over, n = size, max(0, size - total_cap), b"", False, 0
+    while pos > stop and n < max_lines:
+        take = min(CHUNK, pos - stop)
+        pos -= take
+        os.lseek(fd, pos, os.SEEK_SET)
+        chunk = os.read(fd, take)
+        if pos + take == size and chunk.endswith(b"\n"):
+            chunk = chunk[:-1]  # the last line's end: no empty line after it
+        parts = chunk.rsplit(b"\n", max_lines - n)  # at most that many lines split off: C speed
+        if len(parts) == 1:  # inside one line
+            carry, over = (b"", True) if over or len(chunk) + len(carry) > line_cap else (chunk + carry, False)
+            continue
+        yield None if over else parts[-1] + carry
+        n += 1
+        for piece in reversed(parts[1:-1]):
+            yield piece
+            n += 1
+        carry, over = (b"", True) if len(parts[0]) > line_cap else (parts[0], False)
+    if pos == 0 and n < max_lines:
+        if over or carry:
+            yield None if over else carry  # the file's first line
+    elif pos > 0 or n >= max_lines:
+        state["cut"] = True
 
 
 def read_json_lines(path: str | os.PathLike[str], model: type[M], line_cap: int, total_cap: int, max_lines: int,
                     root: str | os.PathLike[str] | None = None, keep: Callable[[M], T | None] | None = None
                     ) -> Lines[T]:
     """The lines of a JSON-lines file that ``model`` accepts (pydantic, parsed from the bytes), in
-    file order. At most the newest ``total_cap`` bytes and ``max_lines`` lines are looked at; a
-    line over ``line_cap`` bytes, or one that is not a record, is skipped and counted; blank lines
-    are ignored. ``keep`` is applied newest first (None: drop the record), so a caller can keep the
+    file order. At most the newest ``total_cap`` bytes and ``max_lines`` lines are looked at, read
+    from the end in pieces (memory grows with what ``keep`` keeps, not with the file); a line over
+    ``line_cap`` bytes, or one that is not a record, is skipped and counted; blank lines are
+    ignored. ``keep`` is applied newest first (None: drop the record), so a caller can keep the
     newest records whole and older ones reduced."""
     from pydantic import ValidationError
 
-    data, size = _read(path, total_cap, root, tail=True)
-    pieces = data.rsplit(b"\n", max_lines)  # C speed: a file of blank lines costs nothing per line
-    cut = size > total_cap or len(pieces) > max_lines
-    if cut:
-        del pieces[0]  # older lines (or, from a cut file, a piece of one)
+    p = Path(path)
+    fd, st = open_regular(p, root)
     validate = model.model_validate_json  # type: ignore[attr-defined]
     kept: list[Any] = []
-    skipped = 0
-    for line in reversed(pieces):
-        line = line.strip()
-        if not line:
-            continue
-        if len(line) > line_cap or line[:1] != b"{":
-            skipped += 1
-            continue
-        try:
-            record = validate(line)
-        except (ValidationError, ValueError, RecursionError):
-            skipped += 1
-            continue
-        out = keep(record) if keep is not None else record
-        if out is not None:
-            kept.append(out)
+    skipped, state = 0, {"cut": False}
+    try:
+        for line in _newest_first(fd, st.st_size, total_cap, max_lines, line_cap, state):
+            line = line.strip() if line is not None else None
+            if line == b"":
+                continue
+            if line is None or line[:1] != b"{":
+                skipped += 1
+                continue
+            try:
+                record = validate(line)
+            except (ValidationError, ValueError, RecursionError):
+                skipped += 1
+                continue
+            out = keep(record) if keep is not None else record
+            if out is not None:
+                kept.append(out)
+    except OSError as e:
+        raise Unreadable(p, e.strerror or str(e)) from None
+    finally:
+        os.close(fd)
     kept.reverse()
-    return Lines(kept, skipped, cut)
+    return Lines(kept, skipped, state["cut"])
 
 
 class Untrusted(Unreadable):
@@ -316,20 +351,22 @@ def read_trusted(path: str | os.PathLike[str], root: str | os.PathLike[str], cap
     (included) that are the same. Anyone else who could write one of them could have swapped the
     file. Raises Untrusted naming the file and the reason."""
     p = Path(path)
-    base = Path(os.path.abspath(root))
-    here = Path(os.path.abspath(p.parent))
+    # the folders checked are the ones the file is opened in: both resolved (a "link/.." in the
+    # path the user typed must not check one folder and open another)
+    base = Path(os.path.realpath(root))
+    here = Path(os.path.realpath(p.parent))
     if here != base and base not in here.parents:
-        raise Untrusted(p, f"is not inside {base}")
+        raise Untrusted(p, f"is in {here}, not inside {base}")
     try:
-        fd, st = open_regular(p)
+        fd, st = open_regular(here / p.name)
     except Unreadable as e:
         raise (Missing if isinstance(e, Missing) else Untrusted)(p, e.reason) from None
     try:
         why = _owner_problem(st, "the file")
         folder = here
         while why is None:
-            try:  # the root is the folder the user named (a link there is theirs); below it, no link
-                dst = os.stat(folder) if folder == base else os.lstat(folder)
+            try:
+                dst = os.lstat(folder)
             except OSError as e:
                 why = f"its folder {folder}: {e.strerror or e}"
                 break

@@ -257,6 +257,8 @@ MANIFESTS = {
                                                                          "labels": {"hfscale.job": JOB}}}],
     "option_name": [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "--all", "namespace": "ml",
                                                                          "labels": {"hfscale.job": JOB}}}],
+    "list_kind": [{"apiVersion": ["v1"], "kind": {"a": 1}, "metadata": {"name": "x", "namespace": "ml",
+                                                                         "labels": {"hfscale.job": JOB}}}],
     "all_namespaces": [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x", "namespace": "--all-namespaces",
                                                                            "labels": {"hfscale.job": JOB}}}],
 }
@@ -287,8 +289,9 @@ def _id_cases(root: Path, template: Path, markers: Path) -> list[dict]:
     control = _case(root, "pytorchjob.yaml--control", "kubernetes", template, markers)
     control.update(file="pytorchjob.yaml", variant="control", commands=["stop"])
     cases.append(control)
+    nul = json.dumps({"argv": ["touch\u0000", str(markers / "nul")], "env": {"A": "x\u0000"}, "cwd": None})
     for label, how in (("mode_0666", lambda p: p.chmod(0o666)), ("dir_other_uid", lambda p: os.chown(p.parent, OTHER_UID, -1)),
-                       ("runs_dir_0777", lambda p: p.parent.parent.chmod(0o777))):
+                       ("runs_dir_0777", lambda p: p.parent.parent.chmod(0o777)), ("nul", lambda p: p.write_text(nul))):
         c = _case(root, f"cleanup.json--{label}", "died", template, markers)
         how(Path(c["runs"]) / c["run"] / "cleanup.json")
         c.update(file="cleanup.json", variant=label, commands=["stop"])
@@ -296,6 +299,35 @@ def _id_cases(root: Path, template: Path, markers: Path) -> list[dict]:
     control = _case(root, "cleanup.json--control", "died", template, markers)
     control.update(file="cleanup.json", variant="control", commands=["stop"])
     cases.append(control)
+    cases += _dir_cases(root, template, markers)
+    return cases
+
+
+ESCAPE = "\x1b]0;pwned\x07\x1b[31mEVIL"  # sets a terminal's title, turns its text red
+
+
+def _dir_cases(root: Path, template: Path, markers: Path) -> list[dict]:
+    """A run directory whose name holds terminal escape sequences, and ones whose logs/ and
+    progress/ are links to a folder outside (holding what must not be shown)."""
+    cases = []
+    c = _case(root, "name--escape", "finished", template, markers)
+    run = Path(c["runs"]) / c["run"]
+    named = run.with_name(f"{ESCAPE}-{JOB}")
+    run.rename(named)
+    c.update(run=named.name, file="<run directory name>", variant="escape", commands=["runs", "status", "logs", "stop"])
+    cases.append(c)
+    for folder, inside in (("logs", "local.log"), ("progress", "rank-0")):
+        c = _case(root, f"{folder}--dir_link", "finished-nostep", template, markers)
+        run = Path(c["runs"]) / c["run"]
+        outside = root / "secrets" / f"dir-{folder}"
+        outside.mkdir()
+        (outside / inside).write_text(f"9 1 host 1 {SECRET}\n" if folder == "progress" else f"{SECRET}\n")
+        for f in (run / folder).iterdir():
+            f.unlink()
+        (run / folder).rmdir()
+        (run / folder).symlink_to(outside)
+        c.update(file=f"{folder}/", variant="dir_link", commands=["runs", "status", "logs", "follow"])
+        cases.append(c)
     return cases
 
 

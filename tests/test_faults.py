@@ -61,6 +61,8 @@ def wait_for(predicate, timeout: float = 60, what: str = "") -> None:
 # ---- one job per output_dir -----------------------------------------------------------------------
 
 def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
+    """Refused while the first launch runs; still refused once its launcher was killed -9 while its
+    job's processes train on; taken over (and said) once those are stopped."""
     out = tmp_path / "out"
     job = job_file(tmp_path, "one", out, python=standin(tmp_path))
     first = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(job)], cwd=ROOT,
@@ -68,7 +70,7 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
     third = None
     jobs: list[str] = []
     try:
-        lock = out / "hfscale-lock.json"
+        lock = out / "_hfscale-lock.json"
         wait_for(lambda: lock.exists(), what="the first launch's lock")
         held = json.loads(lock.read_text())
         jobs.append(held["job_id"])
@@ -83,19 +85,25 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
         assert len(runs) == 1  # the refused launch made no run directory
         print(f"refused in {time.monotonic() - t0:.2f} s")
         dry = hfscale("launch", str(job), "--dry-run")  # the plan says it takes the lock
-        assert f"lock: {out}/hfscale-lock.json (one launch per training.output_dir" in dry.stdout
+        assert f"lock: {out}/_hfscale-lock.json (one launch per training.output_dir" in dry.stdout
 
         first.kill()  # the launcher dies without a word; its job's processes live on
         first.wait(timeout=10)
         assert job_pids(held["job_id"])
+        again = hfscale("launch", str(job))  # ... and still train into out: the lock still holds
+        assert again.returncode == 2 and "its launcher is gone, but its job's processes still run here" in again.stderr
+        assert f"stop them first, hfscale stop {held['run_dir']}" in again.stderr, again.stderr
+        stopped = hfscale("stop", held["run_dir"])  # the recorded cleanup of the died run
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        wait_for(lambda: not job_pids(held["job_id"]), 15, "the died job's processes to end")
         third = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(job)], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = third.stdout.readline()
         while "took over" not in line and line:
             line = third.stdout.readline()
         assert (f"hfscale: took over the lock of {lock} from job {held['job_id']} (launched on "
-                f"{socket.gethostname()}, pid {first.pid}): its launcher is gone") in line
-        assert f"stop them: hfscale stop {held['run_dir']}" in line
+                f"{socket.gethostname()}, pid {first.pid}): its launcher is gone (no process with that pid and "
+                "start time) and nothing of its job runs here") in line
         now = json.loads(lock.read_text())
         jobs.append(now["job_id"])
         assert now["job_id"] != held["job_id"] and now["pid"] == third.pid
@@ -118,7 +126,7 @@ def test_the_lock_judges_a_holder_on_another_host_by_its_age_on_the_file_system(
 
     out = tmp_path / "out"
     out.mkdir()
-    lock = out / "hfscale-lock.json"
+    lock = out / "_hfscale-lock.json"
     lock.write_text(json.dumps({"job_id": "20261125-000001-aaaaaa", "host": "other-host", "pid": 123, "proc_start": 9,
                                 "boot_id": None, "run_dir": "/r", "started": time.time()}))
     with pytest.raises(output_lock.LockHeld, match=r"in use by job 20261125-000001-aaaaaa \(host other-host, pid 123"):
@@ -136,7 +144,7 @@ def test_the_lock_judges_a_holder_on_another_host_by_its_age_on_the_file_system(
         output_lock.acquire(out, "20261125-000003-cccccc", "/r3", stale_s=60)
     os.utime(lock, (old, old))
     assert output_lock.acquire(out, "20261125-000003-cccccc", "/r3", stale_s=60).took_over is None  # unreadable: no record
-    assert sorted(p.name for p in out.iterdir()) == ["hfscale-lock.json"]  # no temporary file left
+    assert sorted(p.name for p in out.iterdir()) == ["_hfscale-lock.json"]  # no temporary file left
 
 
 # ---- a torn metrics line -----------------------------------------------------------------------
@@ -220,7 +228,7 @@ def test_a_full_disk_is_named_with_the_path_the_space_and_the_checkpoint_a_relau
     told = [line for line in lines if "disk is full" in line or "free in" in line or "newest complete" in line
             or "was being written" in line]
     print("\n".join(told))
-    assert any(line.startswith(f"hfscale: the disk is full: ") and f" failed writing in {out} (" in line
+    assert any(line.startswith("hfscale: the disk is full: ") and f" failed writing in {out} (" in line
                for line in told), text[-3000:]
     assert any(line.startswith("hfscale: checkpoint-") and "was being written and is incomplete" in line
                for line in told), told
@@ -237,7 +245,8 @@ def test_a_full_disk_is_named_with_the_path_the_space_and_the_checkpoint_a_relau
 def test_torchs_own_words_for_a_failed_write_count_as_a_full_disk_only_when_the_disk_is_nearly_full(tmp_path,
                                                                                                      small_disk):
     """torch.save says "unexpected pos" or "basic_ios::clear", never "no space": on a nearly full disk
-    that is a full disk; with room left (this machine's disk) hfscale does not claim it."""
+    that is a full disk; with room left (this machine's disk) hfscale does not claim it. A "no
+    space" line about another disk is said to be about another disk."""
     from hfscale.disk_full import LOW, Signs, free_bytes, told
 
     lines = ["node0: [rank0]: RuntimeError: [enforce fail at inline_container.cc:603] . unexpected pos 4544 vs 4436",
@@ -251,6 +260,12 @@ def test_torchs_own_words_for_a_failed_write_count_as_a_full_disk_only_when_the_
     assert said[-1] == "hfscale: no complete checkpoint: a relaunch starts from step 0 once there is room"
     assert (free_bytes(str(tmp_path)) or 0) > LOW, "this test needs 1 GiB free beside the tmpfs"
     assert told(signs, str(tmp_path)) == []  # room left: torch's words alone are not a full disk
-    errno_28 = Signs()
-    errno_28.see("node1", "OSError: [Errno 28] No space left on device: '/out/checkpoint-8/optimizer.pt'")
-    assert told(errno_28, str(tmp_path))[0].startswith("hfscale: the disk is full: node1 failed writing")
+    elsewhere = Signs()  # a full /dev/shm or cache while the checkpoints' disk has room: said so, not blamed on it
+    elsewhere.see("node3", "RuntimeError: unable to write to file </torch_18692_1>: No space left on device (28)")
+    said = told(elsewhere, str(tmp_path))
+    assert len(said) == 1 and said[0].startswith("hfscale: a write failed for lack of space on node3 (")
+    assert f"free in {tmp_path}: not there (a full /dev/shm, a cache or home directory?)" in said[0]
+    named = Signs()  # the line names the output_dir (a quota, say): it is the one
+    named.see("node1", f"OSError: [Errno 122] Disk quota exceeded: '{tmp_path}/checkpoint-8/optimizer.pt'")
+    assert told(named, str(tmp_path))[0].startswith(f"hfscale: the disk quota is exceeded: node1 failed writing in "
+                                                    f"{tmp_path} (")

@@ -54,7 +54,7 @@ def test_a_launch_from_another_host_into_a_used_output_dir_is_refused(cluster2, 
     hfscale = f"cd {ROOT} && exec {sys.executable} -m hfscale launch {job}"
     first = subprocess.Popen([str(cluster2.bin / "ssh"), "node0", hfscale], stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    lock = tmp_path / "out" / "hfscale-lock.json"
+    lock = tmp_path / "out" / "_hfscale-lock.json"
     try:
         deadline = time.monotonic() + 60
         while not lock.exists():

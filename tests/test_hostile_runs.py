@@ -30,6 +30,8 @@ from conftest import ROOT
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile_runs as corpus  # noqa: E402
 
+from hfscale.untrusted import printable  # noqa: E402
+
 FAMILIES = {"light": "runs,status,logs,follow,stop", "report": "report", "export": "export"}
 
 FAKE_TOOL = """#!{python}
@@ -58,8 +60,9 @@ def _alive(pid: int) -> bool:
 def _pid_cases(root: Path, template: Path) -> tuple[list[dict], dict[str, int], int]:
     """state.json of a running run naming a real process that is not its launcher: a sleep, one
     whose argv holds "hfscale", a tail -f of a file named hfscale-notes.txt (recorded with another
-    start time: the pid was reused), one recorded without a start time (an older state.json); and
-    the control, recorded with its own start time (stop must signal it)."""
+    start time: the pid was reused), one recorded without a start time (an older state.json), one
+    recorded exactly but in a state.json another uid wrote; and the control, recorded with its own
+    start time (stop must signal it)."""
     from hfscale.pid_identity import boot_id, start_time
 
     notes = root / "hfscale-notes.txt"
@@ -67,7 +70,8 @@ def _pid_cases(root: Path, template: Path) -> tuple[list[dict], dict[str, int], 
     decoys = {"sleep": _detached("sleep", "300"),
               "hfscale_argv": _detached(sys.executable, "-c", "import time; time.sleep(300)", "hfscale-notes.txt"),
               "tail_hfscale": _detached("tail", "-f", str(notes)),
-              "no_start": _detached("sleep", "301")}
+              "no_start": _detached("sleep", "301"),
+              "untrusted_state": _detached(sys.executable, "-c", "import time; time.sleep(300)", "hfscale", "launch")}
     control = _detached(sys.executable, "-c", "import time; time.sleep(300)", "hfscale", "launch")
     cases = []
     for label, pid in [*decoys.items(), ("control", control)]:
@@ -76,9 +80,11 @@ def _pid_cases(root: Path, template: Path) -> tuple[list[dict], dict[str, int], 
         start = start_time(pid)
         state = {"job_id": corpus.JOB, "runner": "local", "state": "running", "pid": pid, "host": socket.gethostname(),
                  "boot_id": boot_id(), "started": time.time() - 10}
-        if label != "no_start":
-            state["proc_start"] = start if label == "control" else start + 1000
+        if label != "no_start":  # untrusted_state: its true identity, in a state.json someone else wrote
+            state["proc_start"] = start if label in ("control", "untrusted_state") else start + 1000
         (run / "state.json").write_text(json.dumps(state))
+        if label == "untrusted_state":
+            os.chown(run / "state.json", corpus.OTHER_UID, corpus.OTHER_UID)
         (run / "cleanup.json").write_text(json.dumps({"argv": ["true"], "env": {}, "cwd": None}))
         c.update(file="state.json", variant=f"pid_{label}", commands=["status", "stop"])
         cases.append(c)
@@ -149,7 +155,8 @@ def test_the_corpus_covers_every_file_and_variant(hostile):
 def test_no_traceback_no_hang_and_only_clean_exit_codes(hostile):
     _, results, *_ = hostile
     bad = [(r["case"], r["command"], r["rc"], r["seconds"], (r["escaped"] or r["output"])[-600:]) for r in _all(results)
-           if r["escaped"] or "Traceback" in r["output"] or r["rc"] not in (0, 1, 2, 3) or r["seconds"] >= 10]
+           if r["escaped"] or "Traceback" in r["output"] or r["rc"] not in (0, 1, 2, 3) or r["seconds"] >= 10
+           or "\x1b" in r["output"] or "\x07" in r["output"]]  # no escape sequence from a name reaches the terminal
     assert bad == []
     slowest = max(_all(results), key=lambda r: r["seconds"])
     print(f"slowest: {slowest['case']} {slowest['command']} {slowest['seconds']:.2f} s")
@@ -188,8 +195,11 @@ def test_no_unrelated_process_was_signalled_and_the_recorded_one_was(hostile):
     assert not _alive(control)
     stops = {r["case"]: r for r in _all(results) if r["command"] == "stop" and r["case"].startswith("pid--")}
     assert stops["pid--control"]["rc"] == 0 and "SIGTERM to its launcher" in stops["pid--control"]["output"]
-    for label in decoys:  # reported as died; its (harmless) recorded cleanup ran instead of a signal
+    for label in set(decoys) - {"untrusted_state"}:  # died; its (harmless) recorded cleanup ran, no signal
         assert "its launcher (pid" in stops[f"pid--{label}"]["output"] and "died" in stops[f"pid--{label}"]["output"]
+    untrusted = stops["pid--untrusted_state"]
+    assert untrusted["rc"] == 2 and "belongs to uid 65534" in untrusted["output"] and "nothing was signalled" in \
+        untrusted["output"]
 
 
 def test_every_good_run_is_listed_and_a_bad_one_says_why(hostile):
@@ -200,7 +210,10 @@ def test_every_good_run_is_listed_and_a_bad_one_says_why(hostile):
     for r in listed:
         c = by_case[r["case"]]
         assert r["rc"] == 0 and all(g in r["output"] for g in c["good"]), (r["case"], r["output"])
-        line = next(line for line in r["output"].splitlines() if line.startswith(c["run"]))
+        if c["file"] == "logs/":  # its logs/ is a link out: not a run directory hfscale made, not listed
+            assert printable(c["run"]) not in r["output"]
+            continue
+        line = next(line for line in r["output"].splitlines() if line.startswith(printable(c["run"])))
         assert "unreadable: " in line or line.split()[2] in ("finished", "died", "submitted", "running"), line
     fifo = next(r for r in listed if r["case"] == "state.json--fifo")
     assert "unreadable: is not a regular file (a FIFO)" in fifo["output"]
@@ -268,7 +281,7 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
     for d in ("progress", "stacks", "flight", "alive", "logs"):
         (run / d).mkdir(parents=True)
     out.mkdir()
-    good = {out / "hfscale-lock.json": json.dumps({"job_id": corpus.JOB, "host": "elsewhere", "pid": 5,
+    good = {out / "_hfscale-lock.json": json.dumps({"job_id": corpus.JOB, "host": "elsewhere", "pid": 5,
                                                    "proc_start": 1, "run_dir": "/r", "started": time.time()}),
             run / "progress" / "rank-0": "4 123 node0 9\n", run / "stacks" / "rank-0.txt": "Thread 1\n",
             run / "flight" / "rank-0.json": json.dumps([{"entries": [{"collective_seq_id": 3}]}]),
@@ -306,3 +319,108 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
         signal.setitimer(signal.ITIMER_REAL, 0)
     assert time.monotonic() - t0 < 10
     assert not any(corpus.SECRET in str(v) for v in (read_stacks(str(run / "stacks")), read_flight(str(run / "flight"))))
+
+
+def test_crafted_checkpoint_files_give_a_reason_not_a_crash(tmp_path, monkeypatch):
+    """Names, headers and sizes a checkpoint's files can be crafted with: each is a reason, found
+    in well under a second, never an exception or a huge allocation."""
+    import struct
+
+    from hfscale import checkpoint_files, records
+    from hfscale.checkpoint_files import safetensors_whole, saved_step
+    from hfscale.resume import checkpoint_problem, write_marker
+
+    ckpt = tmp_path / "checkpoint-4"
+    corpus._tiny_checkpoint(ckpt)
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../../outside.safetensors"}}))
+    write_marker(ckpt, 4, 1)  # a marker does not make what an index names safe
+    assert checkpoint_problem(ckpt) == ("model.safetensors.index.json names a file outside the checkpoint: "
+                                        "'../../outside.safetensors'")
+    (ckpt / "hfscale_complete.json").unlink()
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "sub/x.safetensors"}}))
+    assert "names a file outside the checkpoint: 'sub/x.safetensors'" in checkpoint_problem(ckpt)
+    (ckpt / "model.safetensors.index.json").unlink()
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, Infinity]}}'
+    (tmp_path / "inf.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    assert safetensors_whole(tmp_path / "inf.safetensors") is False
+    t0 = time.monotonic()
+    (ckpt / "rng_state.pth").rename(ckpt / "rng_state_0.pth")
+    (ckpt / "rng_state_999999.pth").write_bytes((ckpt / "rng_state_0.pth").read_bytes())
+    (ckpt / "rng_state_99999999999.pth").write_bytes(b"x")  # not a rank this check counts to
+    assert "rng_state_1.pth is missing" in checkpoint_problem(ckpt)
+    assert time.monotonic() - t0 < 1
+    big = tmp_path / "trainer_state.json"  # a long run's state, over the cap: its step is still read
+    big.write_text(json.dumps({"global_step": 140000, "log_history": [{"step": i, "loss": 1.0} for i in range(400)]},
+                              indent=2, sort_keys=True))
+    monkeypatch.setattr(records, "TRAINER_STATE_CAP", 1000)
+    assert saved_step(big) == 140000
+    big.write_text("{" + " " * 2000 + "}")
+    with pytest.raises(checkpoint_files.Unreadable, match="names no global_step"):
+        saved_step(big)
+
+
+def test_export_refuses_a_checkpoint_holding_a_link_or_fifo_and_follows_links_in_a_folder_you_name(tmp_path):
+    from hfscale.export import ExportError, export_model
+
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    corpus._tiny_checkpoint(ckpt)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "generation_config.json").write_text(json.dumps({"max_new_tokens": 99, "secret": corpus.SECRET}))
+    (ckpt / "generation_config.json").unlink()
+    (ckpt / "hfscale_complete.json").unlink()  # judged by its own files, which say nothing of this one
+    (ckpt / "generation_config.json").symlink_to(elsewhere / "generation_config.json")
+    with pytest.raises(ExportError, match="'generation_config.json' is a link, not a regular file"):
+        export_model(ckpt, tmp_path / "e1")
+    (ckpt / "generation_config.json").unlink()
+    from hfscale.resume import write_marker
+
+    write_marker(ckpt, 4, 1)
+    os.mkfifo(ckpt / "zzz_model_states.pt")  # added after the marker was written: a read would wait for ever
+    t0 = time.monotonic()
+    with pytest.raises(ExportError, match="'zzz_model_states.pt' is a FIFO"):
+        export_model(ckpt, tmp_path / "e2")
+    assert time.monotonic() - t0 < 5
+    (ckpt / "zzz_model_states.pt").unlink()
+    # --config naming a folder of links (a Hugging Face cache snapshot): the user's own, followed
+    snapshot, blobs = tmp_path / "hub" / "snapshots" / "abc", tmp_path / "hub" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (blobs / name).write_bytes((ckpt / name).read_bytes())
+        (snapshot / name).symlink_to(blobs / name)
+    (ckpt / "tokenizer_config.json").unlink()
+    write_marker(ckpt, 4, 1)
+    r = export_model(ckpt, tmp_path / "e3", config=snapshot)
+    assert "tokenizer_config.json" in r.files and r.left_out == ()
+
+
+def test_a_pid_is_checkable_only_in_its_own_boot_and_pid_namespace():
+    from hfscale.pid_identity import ProcessIdentity, liveness, this_process
+
+    me = this_process()
+    assert liveness(me) == "alive"
+    assert liveness(ProcessIdentity(me.pid, me.start, me.boot_id, me.host, (me.pid_ns or 0) + 1)) == "elsewhere"
+    assert liveness(ProcessIdentity(me.pid, me.start, None, me.host, me.pid_ns)) == "unknown"  # no boot id: no proof
+    assert liveness(ProcessIdentity(me.pid, me.start + 1, me.boot_id, me.host, me.pid_ns)) == "gone"
+
+
+def test_one_failed_read_of_the_lock_does_not_stop_its_heartbeat(tmp_path, monkeypatch):
+    from hfscale import output_lock
+    from hfscale.untrusted import Unreadable
+
+    taken = output_lock.acquire(tmp_path, "20261125-000001-aaaaaa", "/r")
+    real = output_lock.read_bytes
+    fail = iter([True])
+
+    def flaky(*a, **k):
+        if next(fail, False):
+            raise Unreadable(taken.path, "Stale file handle")
+        return real(*a, **k)
+
+    monkeypatch.setattr(output_lock, "read_bytes", flaky)
+    assert output_lock.touch(taken) is True  # an NFS hiccup is not a takeover
+    assert output_lock.touch(taken) is True
+    doc = json.loads(Path(taken.path).read_text())
+    Path(taken.path).write_text(json.dumps({**doc, "job_id": "20261125-000002-bbbbbb"}))
+    assert output_lock.touch(taken) is False  # another job's record: taken over

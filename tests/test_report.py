@@ -333,3 +333,22 @@ def test_a_real_run_renders_in_chromium(tmp_path):
     assert "# hfscale launch plan: job " in html and "--master_port 29911" in html
     assert "<script" not in html and external_links(html) == []
     print(f"screenshot: {ARTIFACT} ({len(png)} bytes)")
+
+
+def test_a_restart_is_told_apart_beyond_16_ranks_by_any_ranks_peak(tmp_path):
+    """With 32 ranks the page keeps min/median/max per record, yet a torchrun restart (same job id)
+    where one rank's peak fell is still drawn as a new line: run_history decides it while reading,
+    with every rank's peak at hand."""
+    world = 32
+    peaks = [1000.0 + r for r in range(world)]
+    fell = list(peaks)
+    fell[5] -= 2.0  # rank 5 alone: min, median and max unchanged
+    events = [{**metrics(2, world=world), "job": "20261125-1-aaaaaa", "mem_peak_mb_per_rank": peaks},
+              {**metrics(4, world=world), "job": "20261125-1-aaaaaa", "mem_peak_mb_per_rank": peaks},
+              {**metrics(6, world=world), "job": "20261125-1-aaaaaa", "mem_peak_mb_per_rank": fell}]
+    run = make_run(tmp_path, events=events)
+    from hfscale.report import _series
+
+    d = read_run(run)
+    assert "mem_peak_mb_per_rank" not in d.metrics[0] and d.metrics[0]["mem_peak_mb_stats"] == (1000.0, 1016.0, 1031.0)
+    assert [s[1] for s in _series(d.metrics, lambda r: r["step"])] == [[2, 4], [6]]

@@ -73,11 +73,11 @@ def deletion(text: str, job_id: str) -> str:
             raise ValueError(f"document {n} is not a Kubernetes object")
         kind, api, name, ns = doc.get("kind"), doc.get("apiVersion"), meta.get("name"), meta.get("namespace")
         labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
-        if (api, kind) not in DELETABLE:
+        if not (isinstance(api, str) and isinstance(kind, str)) or (api, kind) not in DELETABLE:
             raise ValueError(f"document {n}: {api!s:.60}/{kind!s:.60} is not a kind hfscale creates")
-        if not isinstance(name, str) or not RFC1123_NAME.match(name):
+        if not isinstance(name, str) or not RFC1123_NAME.fullmatch(name):
             raise ValueError(f"document {n}: the name {name!r:.80} is not an RFC 1123 name")
-        if not isinstance(ns, str) or not RFC1123_LABEL.match(ns):
+        if not isinstance(ns, str) or not RFC1123_LABEL.fullmatch(ns):
             raise ValueError(f"document {n}: the namespace {ns!r:.80} is not an RFC 1123 label")
         if labels.get(LABEL) != job_id:
             raise ValueError(f"document {n}: {kind} {name} is not labelled {LABEL}={job_id}")
