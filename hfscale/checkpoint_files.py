@@ -192,11 +192,9 @@ def model_problem(ckpt: Path, deepspeed: bool) -> str | None:
     for index in INDEXES:
         if index in names:
             shards, why = index_shards(ckpt, index)
-            for shard in shards if why is None else ():
-                why = file_problem(ckpt / shard, shard)
-                if why:
-                    break
-            return why
+            if why is not None:
+                return why
+            return next((w for shard in shards if (w := file_problem(ckpt / shard, shard))), None)
     for single in ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin"):
         if single in names:
             return file_problem(ckpt / single, single)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .launch_plan import LOCK_FILE, LaunchPlan
 from .pid_identity import ProcessIdentity, job_processes, liveness, this_process
-from .untrusted import Unreadable, printable, read_bytes
+from .untrusted import Unreadable, parse_record, printable, read_bytes
 
 if TYPE_CHECKING:
     from .records import OutputLock
@@ -75,9 +75,8 @@ class Taken:
 
 def _parse(raw: bytes, path: Path) -> "OutputLock":
     from .records import OutputLock
-    from .untrusted import as_record, parse_json
 
-    return as_record(parse_json(raw, path), OutputLock, path)
+    return parse_record(raw, OutputLock, path)
 
 
 def judge(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: float = STALE_S
@@ -186,7 +185,8 @@ def acquire(output_dir: str | os.PathLike[str], job_id: str, run_dir: str, stale
                     os.rename(lock, aside)
                 except FileNotFoundError:
                     continue
-                if (os.lstat(aside).st_dev, os.lstat(aside).st_ino) != ino:
+                moved = os.lstat(aside)
+                if (moved.st_dev, moved.st_ino) != ino:
                     # another lock than the one judged (its holder released it, a new launch linked one):
                     # put it back; a link never replaces a lock that appeared meanwhile
                     with contextlib.suppress(OSError):

@@ -13,7 +13,8 @@ from .files import write_files
 from .launch_plan import LaunchPlan
 from .pid_identity import ProcessIdentity, this_process
 from .shell import Command
-from .untrusted import Missing, Unreadable, as_record, parse_json, read_record, read_trusted
+from .progress import METRICS_FILE, PROGRESS_DIR
+from .untrusted import Missing, Unreadable, parse_record, read_record, read_trusted
 
 if TYPE_CHECKING:
     from .records import LauncherState, Rank0Metrics
@@ -55,7 +56,7 @@ def read_cleanup(run_dir: str | Path) -> Command:
 
     run_dir = Path(run_dir)
     path = run_dir / CLEANUP_FILE
-    doc = as_record(parse_json(read_trusted(path, run_dir.parent, CLEANUP_CAP), path), CleanupRecord, path)
+    doc = parse_record(read_trusted(path, run_dir.parent, CLEANUP_CAP), CleanupRecord, path)
     return Command(tuple(doc.argv), tuple(doc.env.items()), doc.cwd)
 
 
@@ -100,7 +101,6 @@ def read_state(run_dir: str | Path) -> "LauncherState":
 def read_metrics(run_dir: str | Path) -> "Rank0Metrics":
     """Rank 0's latest numbers, ``<run dir>/progress/metrics.json`` (hfscale.progress.report; empty
     when none yet); raises Unreadable for a file that is not such a record."""
-    from .progress import METRICS_FILE, PROGRESS_DIR
     from .records import METRICS_CAP, Rank0Metrics
 
     try:

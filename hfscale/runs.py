@@ -54,6 +54,7 @@ class RunInfo:
     launcher: ProcessIdentity | None = None
     problem: str | None = None
     notes: tuple[str, ...] = ()
+    tokens_per_s: float | None = None
 
     @property
     def name(self) -> str:
@@ -111,7 +112,7 @@ def run_info(path: str | Path) -> RunInfo:
             notes.append(f"{e}; skipped")
     return RunInfo(path, doc.job_id or "", doc.runner or "", _state(doc, m), step, m.max_steps, m.loss,
                    doc.started, doc.ended, doc.exit_code, doc.pid, doc.host, slurm, launcher_of(doc),
-                   notes=tuple(notes))
+                   notes=tuple(notes), tokens_per_s=m.tokens_per_s)
 
 
 def _state(doc: LauncherState, metrics: Rank0Metrics) -> str:
@@ -334,10 +335,6 @@ def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
     if i.state == "unreadable":
         return (f"run          {printable(i.name)} ({printable(str(i.path))})\n"
                 f"state        unreadable: {printable(i.problem or '')}\n")
-    try:
-        m = read_metrics(i.path)
-    except Unreadable:
-        m = Rank0Metrics()  # named in i.notes
     slurm = (f"; Slurm job {i.slurm_job}: {printable(scheduler_state)}" if i.slurm_job and scheduler_state else
              f"; Slurm job {i.slurm_job}" if i.slurm_job else "")
     lines = [f"run          {printable(i.name)} ({printable(str(i.path))})", f"state        {i.state}"
@@ -345,7 +342,7 @@ def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
              f"runner       {i.runner or '-'}; launched by pid {i.pid} on {i.host}",
              f"started      {_when(i.started)}" + (f"; ended {_when(i.ended)}" if i.ended else ""),
              f"step         {_steps(i)}" + (f"; loss {i.loss:.4f}" if i.loss is not None else "")
-             + (f"; {m.tokens_per_s:.0f} tokens/s" if m.tokens_per_s is not None else "")]
+             + (f"; {i.tokens_per_s:.0f} tokens/s" if i.tokens_per_s is not None else "")]
     ranks, _ = rank_progress(i.path)
     ranks.sort(key=lambda p: p.rank)
     if ranks:

@@ -230,17 +230,21 @@ def as_record(doc: Any, model: type[M], path: str | os.PathLike[str]) -> M:
         raise Unreadable(path, validation_reason(e)) from None
 
 
-def read_record(path: str | os.PathLike[str], model: type[M], cap: int,
-                root: str | os.PathLike[str] | None = None) -> M:
-    """A JSON file validated by the pydantic ``model``, parsed from its bytes by pydantic (what the
-    model ignores is never built into Python objects; nesting is bounded by pydantic's parser)."""
+def parse_record(data: bytes, model: type[M], path: str | os.PathLike[str]) -> M:
+    """JSON bytes (of the file ``path``) validated by the pydantic ``model``, parsed by pydantic
+    (what the model ignores is never built into Python objects; nesting is bounded by its parser)."""
     from pydantic import ValidationError
 
-    data = read_bytes(path, cap, root)
     try:
         return model.model_validate_json(data)  # type: ignore[attr-defined,no-any-return]
     except ValidationError as e:
         raise Unreadable(path, validation_reason(e)) from None
+
+
+def read_record(path: str | os.PathLike[str], model: type[M], cap: int,
+                root: str | os.PathLike[str] | None = None) -> M:
+    """A JSON file validated by the pydantic ``model`` (:func:`parse_record`)."""
+    return parse_record(read_bytes(path, cap, root), model, path)
 
 
 @dataclass(frozen=True)

@@ -218,22 +218,31 @@ def _nesting(text: str, loader_cls: type) -> Problem | None:
     return None
 
 
-def _compose(text: str, loader_cls: type) -> tuple[yaml.Node | None, Any]:
-    """(root node, data) of ``text``; raises PyYAML's errors and ``_TooBig``."""
+def _documents(text: str, loader_cls: type, single: bool) -> list[tuple[yaml.Node | None, Any]]:
+    """(root node, data) of each document of ``text`` (``single``: exactly one, PyYAML's rule), each
+    checked for nesting, size and recursion before it is constructed; raises PyYAML's errors and
+    ``_TooBig``."""
     too_deep = _nesting(text, loader_cls)
     if too_deep is not None:
         raise _TooBig(too_deep)
     loader = loader_cls(text)  # reads the stream: bad characters raise here already
     try:
-        root = loader.get_single_node()
-        if root is not None:
-            too_big = _bounds(root)
+        out = []
+        while (single and not out) or (not single and loader.check_node()):
+            root = loader.get_single_node() if single else loader.get_node()
+            too_big = _bounds(root) if root is not None else None
             if too_big is not None:
                 raise _TooBig(too_big)
-        # one pass: the node tree gives the lines, the same tree is constructed into data
-        return root, (loader.construct_document(root) if root is not None else None)
+            # one pass: the node tree gives the lines, the same tree is constructed into data
+            out.append((root, loader.construct_document(root) if root is not None else None))
+        return out
     finally:
         loader.dispose()
+
+
+def _compose(text: str, loader_cls: type) -> tuple[yaml.Node | None, Any]:
+    """(root node, data) of a one-document ``text``."""
+    return _documents(text, loader_cls, single=True)[0]
 
 
 class _TooBig(Exception):
@@ -279,24 +288,9 @@ def parse_all(text: str) -> list[Any]:
     """Every document of a multi-document YAML text (``---`` between them), each as bounded as
     :func:`parse` makes one (size once aliases are expanded, depth, no recursive alias, number
     size). Raises ValueError with the reason."""
-    too_deep = _nesting(text, _Loader)
-    if too_deep is not None:
-        raise ValueError(too_deep.message)
-    loader = _Loader(text)
     try:
-        docs = []
-        while loader.check_node():
-            node = loader.get_node()
-            if node is None:
-                continue
-            too_big = _bounds(node)
-            if too_big is not None:
-                raise ValueError(too_big.message)
-            docs.append(loader.construct_document(node))
-        return docs
-    except yaml.YAMLError as e:
+        return [data for _, data in _documents(text, _Loader, single=False)]
+    except _TooBig as e:
+        raise ValueError(e.problem.message) from None
+    except (yaml.YAMLError, RecursionError, OverflowError) as e:
         raise ValueError(f"invalid YAML: {e}"[:300]) from None
-    except (RecursionError, OverflowError) as e:
-        raise ValueError(f"invalid YAML: {e}"[:300]) from None
-    finally:
-        loader.dispose()
