@@ -11,9 +11,10 @@ whose default is not None (``--enable_cpu_affinity``, ``--same_network``, ``--do
 from __future__ import annotations
 
 import ast
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from .engine_source import _SCALAR, OPEN, UNKNOWN, Key, Section, _annotation, _literal, _model_file, package_root, parse_source
 
@@ -81,9 +82,67 @@ def accelerate_keys() -> Section | None:
         keys[name] = replace(keys[name], unread=f"accelerate launch never reads it from a config file: its --{name} "
                              "argument has a default, and the file only fills arguments left unset")
     for section, sub in groups.items():
-        if section == "fsdp_config":  # accelerate adds the fsdp_ prefix where the file leaves it out
-            sub.update({k.removeprefix("fsdp_"): Key(renamed_to=k) for k in list(sub) if k.startswith("fsdp_")})
+        prefix = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}.get(section)
+        if prefix:  # accelerate launch adds the prefix where the file leaves it out (_validate_launch_command)
+            sub.update({k.removeprefix(prefix): Key(renamed_to=k) for k in list(sub) if k.startswith(prefix)})
         if section in keys:
             keys[section] = replace(keys[section], kinds=frozenset({"dict", "none"}), section=Section(sub))
     keys["dynamo_config"] = replace(keys.get("dynamo_config", Key()), section=OPEN)
     return Section(keys)
+
+
+@dataclass(frozen=True)
+class Fsdp2Mapping:
+    """How ``accelerate to-fsdp2`` (accelerate/commands/to_fsdp2.py) turns an FSDP1 fsdp_config
+    into FSDP2: each FSDP1 key's FSDP2 key, or why it is dropped; the values it translates."""
+
+    keys: dict[str, str]
+    dropped: dict[str, str]  # key -> "removed in FSDP2" | "not yet implemented in FSDP2"
+    values: dict[str, dict[Any, Any]]
+
+    def convert(self, fsdp: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """(the FSDP2 fsdp_config, the keys dropped) as ``convert_config_to_fsdp2`` makes them."""
+        out: dict[str, Any] = {}
+        dropped = []
+        for key, value in fsdp.items():
+            if key in self.dropped:
+                dropped.append(key)
+            elif key in self.keys:
+                out[self.keys[key]] = self.values.get(key, {}).get(value, value)
+            else:
+                out[key] = value
+        out["fsdp_version"] = 2
+        return out, dropped
+
+
+_STATUS = {"REMOVED": "removed in FSDP2", "NOT_YET_IMPLEMENTED": "not yet implemented in FSDP2"}
+
+
+@lru_cache(maxsize=1)
+def fsdp2_mapping() -> Fsdp2Mapping | None:
+    """The installed accelerate's FSDP1 -> FSDP2 mapping, read from its source; None when
+    accelerate (or a readable to_fsdp2.py) is not there."""
+    root = package_root("accelerate")
+    tree = parse_source(root / "commands" / "to_fsdp2.py") if root is not None else None
+    if tree is None:
+        return None
+    keys: dict[str, str] = {}
+    dropped: dict[str, str] = {}
+    values: dict[str, dict[Any, Any]] = {}
+    for stmt in tree.body:
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, ast.Dict)):
+            continue
+        name = stmt.targets[0].id
+        for k, v in zip(stmt.value.keys, stmt.value.values):
+            key = _literal(k, {})
+            if not isinstance(key, str):
+                continue
+            if name == "ARGUMENT_KEY_MAPPING":
+                if isinstance(v, ast.Attribute) and v.attr in _STATUS:
+                    dropped[key] = _STATUS[v.attr]
+                elif isinstance(_literal(v, {}), str):
+                    keys[key] = _literal(v, {})
+            elif name == "ARGUMENT_VALUE_MAPPING" and isinstance(_literal(v, {}), dict):
+                values[key] = _literal(v, {})
+    return Fsdp2Mapping(keys, dropped, values) if keys else None

@@ -13,7 +13,9 @@ _LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 K8S_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1123 label (namespaces)
 K8S_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 MAX_INT = 2**31 - 1  # no count in a training job comes near; larger numbers are mistakes
-MAX_COUNT = 2**40  # element counts (bucket sizes): a trillion
+# element counts (bucket sizes, tile sizes): DeepSpeed sets no upper bound and keeps them in
+# Python ints and int64 tensor sizes; transformers' own test config writes sub_group_size 1e14
+MAX_COUNT = 2**63 - 1
 
 
 def host_problem(name: str) -> str | None:
@@ -64,6 +66,8 @@ def _no_bool(value: Any) -> Any:
 
 Count = Annotated[int, BeforeValidator(_integral), Field(ge=0, le=MAX_COUNT)]
 PositiveInt = Annotated[int, Field(ge=1, le=MAX_INT)]
+# a DeepSpeed integer: its pydantic models and get_scalar_param take 1e5 (a JSON float) as 100000
+WholeInt = Annotated[int, BeforeValidator(_integral), Field(ge=1, le=MAX_INT)]
 
 _SIZE_RE = re.compile(r"^(?P<n>[0-9]{1,7}(\.[0-9]{1,3})?) ?(?P<unit>[KMGT]i?B)$")
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -84,6 +88,7 @@ def _size(value: str) -> str:
 
 MemorySize = Annotated[str, AfterValidator(_size)]
 NoBool = BeforeValidator(_no_bool)
+Integral = BeforeValidator(_integral)  # 4.0 read as 4, as DeepSpeed's own models read it
 
 
 def _seq(default: Any = (), **kw: Any) -> Any:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from .config_base import Count, NoBool, PositiveInt, Strict
+from .config_base import Count, Integral, NoBool, Strict, WholeInt
 
 Device = Literal["none", "cpu", "nvme"]
 DType = Literal["fp32", "fp16", "bf16"]
@@ -25,7 +25,7 @@ class OffloadOptimizerConfig(Strict):
     device: Device = Field("none", description="Where to offload: none, cpu or nvme (stage 3).")
     nvme_path: str | None = Field(None, description="Local NVMe directory; required (and only allowed) with device nvme.")
     pin_memory: bool = Field(True, description="Page-locked host memory: full-bandwidth, asynchronous transfers.")
-    buffer_count: int = Field(4, ge=0, le=1024, description="Buffers in the NVMe swap pool; at least the states "
+    buffer_count: Annotated[int, Integral] = Field(4, ge=0, le=1024, description="Buffers in the NVMe swap pool; at least the states "
                               "kept per parameter (Adam: 4)." + _NVME_ONLY)
     pipeline_read: bool = Field(False, description="Overlap reading the next tile with the optimizer step." + _NVME_ONLY)
     pipeline_write: bool = Field(False, description="Overlap writing the last tile with the optimizer step." + _NVME_ONLY)
@@ -40,7 +40,7 @@ class OffloadParamConfig(Strict):
     device: Device = Field("none", description="Where to offload: none, cpu or nvme.")
     nvme_path: str | None = Field(None, description="Local NVMe directory; required (and only allowed) with device nvme.")
     pin_memory: bool = Field(True, description="Page-locked host memory: full-bandwidth, asynchronous transfers.")
-    buffer_count: int = Field(5, ge=0, le=1024, description="Buffers in the NVMe swap pool." + _NVME_ONLY)
+    buffer_count: Annotated[int, Integral] = Field(5, ge=0, le=1024, description="Buffers in the NVMe swap pool." + _NVME_ONLY)
     buffer_size: Count = Field(100_000_000, description="Elements per swap buffer; at least the largest parameter."
                                + _NVME_ONLY)
     max_in_cpu: Count = Field(1_000_000_000, description="Parameter elements kept in CPU memory." + _NVME_ONLY)
@@ -49,9 +49,9 @@ class OffloadParamConfig(Strict):
 class AioConfig(Strict):
     """Asynchronous I/O for NVMe offload (DeepSpeed's aio section)."""
 
-    block_size: PositiveInt = Field(1_048_576, description="Bytes per read or write request.")
-    queue_depth: PositiveInt = Field(8, description="Requests in flight.")
-    intra_op_parallelism: PositiveInt = Field(1, description="Threads per I/O operation.")
+    block_size: WholeInt = Field(1_048_576, description="Bytes per read or write request.")
+    queue_depth: WholeInt = Field(8, description="Requests in flight.")
+    intra_op_parallelism: WholeInt = Field(1, description="Threads per I/O operation.")
     single_submit: bool = Field(False, description="Submit requests one by one instead of in batches.")
     overlap_events: bool = Field(True, description="Overlap submitting requests with waiting for them.")
     use_gds: bool = Field(False, description="GPUDirect Storage (NVIDIA GDS) instead of a CPU bounce buffer.")
@@ -64,7 +64,7 @@ class ActivationCheckpointingConfig(Strict):
     partition_activations: bool = Field(False, description="Partition the checkpoints across model-parallel ranks.")
     cpu_checkpointing: bool = Field(False, description="Keep the checkpoints in CPU memory (with partition_activations).")
     contiguous_memory_optimization: bool = Field(False, description="Copy checkpoints into one buffer.")
-    number_checkpoints: PositiveInt | None = Field(None, description="Checkpoints per pass, for the contiguous buffer.")
+    number_checkpoints: WholeInt | None = Field(None, description="Checkpoints per pass, for the contiguous buffer.")
     synchronize_checkpoint_boundary: bool = Field(False, description="Synchronise the device at each checkpoint.")
     profile: bool = Field(False, description="Time the checkpointing functions.")
 
@@ -73,9 +73,9 @@ class FlopsProfilerConfig(Strict):
     """DeepSpeed's flops profiler: FLOPs, latency and parameters per module, once."""
 
     enabled: bool = Field(False, description="Profile one step.")
-    profile_step: PositiveInt = Field(1, description="The step profiled.")
-    module_depth: int = Field(-1, ge=-1, le=1000, description="Depth of the per-module table; -1: all.")
-    top_modules: PositiveInt = Field(1, description="Modules listed per depth.")
+    profile_step: WholeInt = Field(1, description="The step profiled.")
+    module_depth: Annotated[int, Integral] = Field(-1, ge=-1, le=1000, description="Depth of the per-module table; -1: all.")
+    top_modules: WholeInt = Field(1, description="Modules listed per depth.")
     detailed: bool = Field(True, description="Print the per-module table.")
     output_file: str | None = Field(None, description="Write the profile here instead of to stdout.")
 
@@ -158,7 +158,7 @@ class DeepSpeedSection(Strict):
     gather_16bit_weights_on_model_save: bool = Field(
         False, description="Stage 3: gather a whole 16-bit model when saving (a loadable model file; costs a gather "
         "of every parameter per save). DeepSpeed's stage3_gather_16bit_weights_on_model_save.")
-    zero_hpz_partition_size: PositiveInt = Field(
+    zero_hpz_partition_size: WholeInt = Field(
         1, description="ZeRO++ hierarchical partitioning (stage 3): ranks holding a secondary copy of the "
         "parameters, usually the GPUs of one node; must divide the world size. 1: off.")
     zero_quantized_weights: bool = Field(False, description="ZeRO++: all-gather int8-quantized weights (stage 3).")
@@ -182,11 +182,11 @@ class DeepSpeedSection(Strict):
     wandb: WandbMonitorConfig | None = Field(None, description="DeepSpeed's W&B monitor.")
     csv_monitor: MonitorConfig | None = Field(None, description="DeepSpeed's CSV monitor.")
     optimizer: DsOptimizerConfig | None = Field(
-        None, description="DeepSpeed builds the optimizer. Null: the script (the Trainer) does, except with optimizer "
-        "offload, which needs DeepSpeed's CPU optimizer (AdamW is written then).")
+        None, description="DeepSpeed builds the optimizer. Null: the script (the Trainer) does; with optimizer offload "
+        "accelerate swaps a torch Adam/AdamW for DeepSpeed's CPU Adam (unless zero_force_ds_cpu_optimizer is false).")
     scheduler: DsSchedulerConfig | None = Field(None, description="DeepSpeed builds the learning-rate schedule. Null: "
                                                 "the script (the Trainer) does.")
-    steps_per_print: PositiveInt | None = Field(None, description="DeepSpeed's own progress print interval in steps. "
+    steps_per_print: WholeInt | None = Field(None, description="DeepSpeed's own progress print interval in steps. "
                                                 "Null: DeepSpeed's default, no periodic print.")
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Further DeepSpeed JSON keys, merged into the generated file, e.g. "

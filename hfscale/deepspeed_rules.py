@@ -102,7 +102,7 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
         notes.append((base + ("round_robin_gradients",), "speeds up copying gradients to the CPU; without "
                       "offload_optimizer.device: cpu it does nothing"))
     out += _schedule_problems(cfg, ds, base)
-    return out, notes
+    return out, notes + schedule_warnings(cfg)
 
 
 def _offload_problems(ds: DeepSpeedSection, base: tuple) -> Found:
@@ -141,9 +141,20 @@ def _schedule_problems(cfg: HfscaleConfig, ds: DeepSpeedSection, base: tuple) ->
     if t.lr_scheduler_type not in SCHEDULE_OF[kind]:
         out.append((base + ("scheduler", "type"), f"{kind} is not training.lr_scheduler_type {t.lr_scheduler_type!r}; "
                     f"it gives {' or '.join(SCHEDULE_OF[kind])}"))
-    if kind != "WarmupLR" and t.max_steps is None:
-        out.append((base + ("scheduler", "type"), f"{kind} decays over training.max_steps, which is not set"))
     return out
+
+
+def schedule_warnings(cfg: HfscaleConfig) -> Found:
+    """A DeepSpeed schedule whose length is left to the Trainer, in a job no Trainer runs."""
+    ds = cfg.distributed.deepspeed
+    if ds is None or ds.scheduler is None or ds.scheduler.type == "WarmupLR" or cfg.training.max_steps is not None:
+        return []
+    if cfg.training.script is None or cfg.training.pass_args == "trainer":
+        return []
+    return [(("distributed", "deepspeed", "scheduler", "type"),
+             f"{ds.scheduler.type} decays over total_num_steps, written as auto because training.max_steps is not "
+             f"set: a Trainer fills it in, a plain script must (accelerate's DummyScheduler(total_num_steps=...)) or "
+             "DeepSpeed fails; set training.max_steps")]
 
 
 def extra_problems(extra: dict) -> tuple[Found, Found]:
@@ -151,11 +162,11 @@ def extra_problems(extra: dict) -> tuple[Found, Found]:
     against the installed DeepSpeed's keys, read from its source."""
     if not extra:
         return [], []
-    from .engine_source import deepspeed_keys
-    from .extra_keys import check_extra
+    from .deepspeed_source import deepspeed_keys
+    from .extra_keys import check_extra, ignored_keys
 
     keys = deepspeed_keys()
     if keys is None:
         return [], [((), "DeepSpeed is not installed here, so its keys are not checked; the nodes' DeepSpeed "
                      "reads them when the job starts")]
-    return check_extra(extra, keys, owned()), []
+    return check_extra(extra, keys, owned()), [((name,), message) for name, message in ignored_keys(extra, keys)]

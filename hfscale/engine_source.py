@@ -47,6 +47,7 @@ class Section:
 
     keys: dict[str, Key] = field(default_factory=dict)
     open: bool = False
+    ignores_unknown: bool = False  # the library skips keys it does not know here (DeepSpeed's top level)
 
     def canonical(self, name: str) -> str:
         """``name`` after following renames (``bfloat16`` -> ``bf16``)."""
@@ -163,6 +164,8 @@ class _ModelFile:
         else:
             return None
         candidate = base.joinpath(*parts).with_suffix(".py") if parts else base / "__init__.py"
+        if parts and not candidate.is_file():  # a package: its __init__.py
+            candidate = base.joinpath(*parts) / "__init__.py"
         return candidate if candidate.is_file() else None
 
 
@@ -292,53 +295,3 @@ def read_constants(path: Path, prefix: str) -> Section:
             default = names.get(name + "_DEFAULT", UNKNOWN)
             keys[value] = Key(_kinds_of_value(default) if default is not UNKNOWN else None, default=default)
     return Section(keys) if keys else OPEN
-
-
-# ---- DeepSpeed --------------------------------------------------------------------------------------
-
-_DS_MODELS = {  # section -> (file, pydantic class)
-    "zero_optimization": ("runtime/zero/config.py", "DeepSpeedZeroConfig"),
-    "bf16": ("runtime/precision_config.py", "DeepSpeedBF16Config"),
-    "fp16": ("runtime/precision_config.py", "DeepSpeedFP16Config"),
-    "tensorboard": ("monitor/config.py", "TensorBoardConfig"),
-    "wandb": ("monitor/config.py", "WandbConfig"),
-    "csv_monitor": ("monitor/config.py", "CSVConfig"),
-    "comet": ("monitor/config.py", "CometConfig"),
-    "comms_logger": ("comm/config.py", "CommsLoggerConfig"),
-}
-_DS_CONSTANTS = {  # section -> (constants file, prefix of its key names)
-    "aio": ("runtime/swap_tensor/constants.py", "AIO_"),
-    "activation_checkpointing": ("runtime/activation_checkpointing/config.py", "ACT_CHKPT_"),
-    "flops_profiler": ("profiling/constants.py", "FLOPS_PROFILER_"),
-}
-_DTYPE = Key(frozenset({"str"}), choices=("fp32", "fp16", "bf16"))
-
-
-@lru_cache(maxsize=1)
-def deepspeed_keys() -> Section | None:
-    """DeepSpeed's config keys as a tree, or None when DeepSpeed is not installed here."""
-    root = package_root("deepspeed")
-    if root is None:
-        return None
-    keys: dict[str, Key] = {}
-    tree = parse_source(root / "runtime" / "constants.py")
-    if tree is not None:  # the top-level keys DeepSpeedConfig reads are named there
-        names = _constants(tree)
-        for name, value in names.items():
-            if not name.endswith(("_DEFAULT", "_FORMAT")) and isinstance(value, str) and value.isidentifier() \
-                    and value.islower():
-                default = names.get(name + "_DEFAULT", UNKNOWN)
-                keys[value] = Key(_kinds_of_value(default) if default is not UNKNOWN else None, default=default)
-    for section, (file, cls) in _DS_MODELS.items():
-        keys[section] = Key(frozenset({"dict"}), section=read_model(root, root / file, cls))
-    for section, (file, prefix) in _DS_CONSTANTS.items():
-        keys[section] = Key(frozenset({"dict"}), section=read_constants(root / file, prefix))
-    keys["bfloat16"] = replace(keys["bf16"], renamed_to="bf16", deprecated=True)
-    keys["optimizer"] = Key(frozenset({"dict"}), section=Section({
-        "type": Key(frozenset({"str"})), "params": Key(frozenset({"dict"}), section=OPEN),
-        "legacy_fusion": Key(frozenset({"bool"}))}))
-    keys["scheduler"] = Key(frozenset({"dict"}), section=Section({
-        "type": Key(frozenset({"str"})), "params": Key(frozenset({"dict"}), section=OPEN)}))
-    keys["data_types"] = Key(frozenset({"dict"}), section=Section({"grad_accum_dtype": _DTYPE}, open=True))
-    keys["communication_data_type"] = _DTYPE
-    return Section(keys)

@@ -45,8 +45,8 @@ def check_extra(extra: Mapping[str, Any], keys: Section, owned: Mapping[tuple[st
             out.append((path, f"hfscale sets this from {owned[canonical]}; set it there"))
             continue
         if key is None:
-            if keys.open:
-                continue
+            if keys.open or keys.ignores_unknown:
+                continue  # ignored_keys() names what the library skips
             close = difflib.get_close_matches(str(name), list(keys.keys), n=1, cutoff=0.75)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             out.append((path, f"unknown key {name!r}{hint}"))
@@ -70,6 +70,21 @@ def check_extra(extra: Mapping[str, Any], keys: Section, owned: Mapping[tuple[st
             out += [(path + p, m) for p, m in check_extra(value, key.section, sub_owned)]
             continue
         out += [(path, m) for m in _value_problems(value, key.kinds, key.choices, key.bounds, key.section is not None)]
+    return out
+
+
+def ignored_keys(extra: Mapping[str, Any], keys: Section) -> list[tuple[str, str]]:
+    """(key, message) for each key of ``extra`` the library skips without reading it (a section
+    that ignores keys it does not know), with a did-you-mean among the keys it reads."""
+    if not keys.ignores_unknown:
+        return []
+    out = []
+    for name in extra:
+        if isinstance(name, str) and name in keys.keys:
+            continue
+        close = difflib.get_close_matches(str(name), list(keys.keys), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        out.append((str(name), f"{name!r} is not a key DeepSpeed reads: it ignores it{hint}"))
     return out
 
 

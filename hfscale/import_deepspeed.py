@@ -13,8 +13,9 @@ from typing import Any
 
 from .config_deepspeed import DeepSpeedSection
 from .deepspeed_rules import SECTIONS, ZERO_KEYS
-from .engine_source import Section, deepspeed_keys
-from .extra_keys import check_extra
+from .deepspeed_source import deepspeed_keys
+from .engine_source import Section
+from .extra_keys import check_extra, ignored_keys
 from .import_draft import AUTO, Draft
 
 DS = ("distributed", "deepspeed")
@@ -33,8 +34,10 @@ def _default(key: str) -> Any:
     return DeepSpeedSection.model_fields[key].default
 
 
-def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str | None) -> None:
-    """Put DeepSpeed JSON ``ds`` (from file ``source``) into ``draft``."""
+def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str | None, world: int,
+                     save_16bit: bool = False) -> None:
+    """Put DeepSpeed JSON ``ds`` (from file ``source``) into ``draft``: ``world`` processes in all,
+    ``save_16bit`` the accelerate config's zero3_save_16bit_model."""
     keys = deepspeed_keys()
     extra: dict[str, Any] = {}
     ds = _whole_numbers(dict(ds), keys)
@@ -42,7 +45,7 @@ def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precis
         ds["bf16"] = ds.pop("bfloat16")
         draft.notes.append(f"{source}: 'bfloat16' is DeepSpeed's old name of 'bf16'; under accelerate launch it was "
                            "overridden (accelerate writes bf16.enabled false beside it), here it means bf16")
-    _batch(ds, draft, source)
+    _batch(ds, draft, source, world)
     extra.update(_precision(ds, draft, source, mixed_precision))
     clip = ds.pop("gradient_clipping", 1.0)
     if clip == AUTO:
@@ -50,12 +53,7 @@ def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precis
     elif clip != 1.0:
         draft.set(("gradient_clipping",), clip or None)
     zero = ds.pop("zero_optimization", None)
-    _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys)
-    if "optimizer" not in ds and isinstance(zero, dict) and (zero.get("offload_optimizer") or {}).get("device") not in \
-            (None, "none"):
-        draft.notes.append(f"{source} offloads the optimizer but has no optimizer section: hfscale writes DeepSpeed's "
-                           "AdamW there (a script's own optimizer fails with ZeRO-Offload unless "
-                           "zero_force_ds_cpu_optimizer is false)")
+    _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys, save_16bit)
     _optimizer(ds.pop("optimizer", None), draft, source, extra)
     _scheduler(ds.pop("scheduler", None), draft, source, extra)
     for name in ("steps_per_print", "communication_data_type"):
@@ -102,19 +100,26 @@ def _typed(path: tuple[str, ...], value: Any, draft: Draft, source: str, where: 
         draft.set(path, value)
 
 
-def _batch(ds: dict, draft: Draft, source: str) -> None:
-    micro = ds.pop("train_micro_batch_size_per_gpu", AUTO)
-    if micro == AUTO:
+def _batch(ds: dict, draft: Draft, source: str, world: int) -> None:
+    micro = ds.pop("train_micro_batch_size_per_gpu", None)
+    ga = ds.pop("gradient_accumulation_steps", None)
+    total = ds.pop("train_batch_size", None)
+    if micro is None and isinstance(total, int) and total != AUTO:
+        # DeepSpeed derives the micro batch from the global one (gradient accumulation 1 when absent)
+        per_rank = world * (ga if isinstance(ga, int) else 1)
+        if total % per_rank == 0:
+            micro = total // per_rank
+            draft.comments[("batch", "micro_batch_size")] = (f"absent: DeepSpeed derives it, train_batch_size {total} "
+                                                            f"/ ({per_rank // world} x {world} processes)")
+    if micro in (None, AUTO):
         draft.set(("batch", "micro_batch_size"), 1, "auto: the Trainer's per_device_train_batch_size; set yours")
     else:
-        draft.set(("batch", "micro_batch_size"), micro)
-    ga = ds.pop("gradient_accumulation_steps", None)
+        draft.set(("batch", "micro_batch_size"), micro, draft.comments.get(("batch", "micro_batch_size")))
     if ga == AUTO:
         draft.set(("batch", "gradient_accumulation_steps"), draft.get(("batch", "gradient_accumulation_steps"), 1),
                   "auto: the Trainer's gradient_accumulation_steps (1 unless the accelerate config says)")
     elif ga is not None:
         draft.set(("batch", "gradient_accumulation_steps"), ga)
-    total = ds.pop("train_batch_size", None)
     if total not in (None, AUTO):
         draft.set(("batch", "global_batch_size"), total)
 
@@ -141,7 +146,7 @@ def _precision(ds: dict, draft: Draft, source: str, mixed_precision: str | None)
     return {name: rest for name, rest in (("bf16", bf16), ("fp16", fp16)) if rest}
 
 
-def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | None) -> None:
+def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | None, save_16bit: bool) -> None:
     zero = dict(zero)
     section = keys.keys["zero_optimization"].section if keys else None
     for old, new in _OLD_OFFLOAD.items():  # bool forms of the offload sections
@@ -157,15 +162,29 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
         zero = {section.canonical(k): v for k, v in zero.items()}
     stage = zero.pop("stage", 0)
     draft.set(DS + ("stage",), stage, None if zero or stage else "zero_optimization absent: ZeRO off")
-    for key in ZERO_KEYS:
+    ignored = []
+    for key, stages in ZERO_KEYS.items():
         if key in zero:
             value = zero.pop(key)
-            if value == AUTO:
+            if stage not in stages:
+                ignored.append(key)  # DeepSpeed never reads it at this stage
+            elif value == AUTO:
                 draft.set(DS + (key,), _default(key), f"auto: {_AUTO_FROM_MODEL}")
             elif value is not None or key == "overlap_comm":
                 draft.set(DS + (key,), value)
+    if ignored:
+        draft.notes.append(f"{source}: left out zero_optimization.{', '.join(ignored)}: DeepSpeed does not use "
+                           f"{'it' if len(ignored) == 1 else 'them'} at ZeRO stage {stage}")
     if "stage3_gather_16bit_weights_on_model_save" in zero:
-        draft.set(DS + ("gather_16bit_weights_on_model_save",), zero.pop("stage3_gather_16bit_weights_on_model_save"))
+        gather = zero.pop("stage3_gather_16bit_weights_on_model_save")
+        if gather == AUTO:  # accelerate's DeepSpeedPlugin fills it from zero3_save_16bit_model, default false
+            draft.set(DS + ("gather_16bit_weights_on_model_save",), save_16bit, "auto: accelerate's "
+                      f"zero3_save_16bit_model{'' if save_16bit else ', default false'}")
+        elif stage == 3:
+            draft.set(DS + ("gather_16bit_weights_on_model_save",), gather)
+        elif gather:
+            draft.notes.append(f"{source}: left out zero_optimization.stage3_gather_16bit_weights_on_model_save: "
+                               f"DeepSpeed reads it at stage 3 only, this is stage {stage}")
     for name in ("offload_optimizer", "offload_param"):
         off = zero.pop(name, None)
         if isinstance(off, dict):
@@ -223,17 +242,15 @@ def _scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None:
     warmup = params.pop("warmup_num_steps", 0)
     total = params.pop("total_num_steps", None)
     lr = params.pop("warmup_max_lr", None)
-    if kind != "WarmupLR" and total == AUTO:
-        # the Trainer would fill it with its step count: its own schedule is the same curve
-        draft.set(T + ("lr_scheduler_type",), SCHEDULES[kind], f"{kind} with total_num_steps auto: the Trainer's own "
-                  "schedule (hfscale needs training.max_steps to hand it to DeepSpeed)")
-        return
     draft.set(DS + ("scheduler",), {"type": kind})
     schedule = SCHEDULES[kind] if kind != "WarmupLR" or warmup not in (0, AUTO) else "constant"
     draft.set(T + ("lr_scheduler_type",), schedule)
     if warmup == AUTO or warmup:
         _auto_or(T + ("warmup_steps",), warmup, draft)
-    if total is not None:
+    if total == AUTO:
+        draft.comments[DS + ("scheduler",)] = ("total_num_steps auto: written as auto while training.max_steps is "
+                                               "null; the Trainer fills in its step count")
+    elif total is not None:
         draft.set(T + ("max_steps",), total)
     if lr is not None and not (lr == AUTO and draft.get(T + ("learning_rate",)) is not None):
         _auto_or(T + ("learning_rate",), lr, draft)
@@ -260,6 +277,12 @@ def _auto_or(path: tuple[str, ...], value: Any, draft: Draft) -> None:
 
 
 def _extra(extra: dict, draft: Draft, source: str, keys: Section | None) -> None:
+    if keys is not None:
+        skipped = [name for name, _ in ignored_keys(extra, keys)]
+        if skipped:  # DeepSpeed reads none of them: leaving them out changes nothing
+            draft.notes.append(f"{source}: left out {', '.join(skipped)}: not {'a key' if len(skipped) == 1 else 'keys'}"
+                               " DeepSpeed reads (it ignores them)")
+            extra = {k: v for k, v in extra.items() if k not in skipped}
     if not extra:
         return
     autos = [k for k, v in _leaves(extra) if v == AUTO]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .accelerate_source import accelerate_keys
+from .accelerate_source import accelerate_keys, fsdp2_mapping
 from .errors import ConfigError, Problem
 from .extra_keys import check_extra
 from .hostfile import parse_hostfile
@@ -24,6 +24,8 @@ from .load import _read, load_text
 from .yamlsource import parse
 
 BACKENDS = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MULTI_GPU": "ddp", "NO": "ddp"}
+# accelerate launch's multi_gpu path serves these too (commands/launch.py, _validate_launch_command)
+SAME_AS_MULTI_GPU = ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
 FSDP_KEYS = {"reshard_after_forward", "offload_params", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
              "min_num_params", "state_dict_type", "activation_checkpointing", "activation_checkpointing_offload",
              "cpu_ram_efficient_loading"}
@@ -96,16 +98,22 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
         draft.refuse(f"{where}: compute_environment", f"{env!r}: hfscale launches on your machines (LOCAL_MACHINE)")
     kind = acc.pop("distributed_type", "NO")
     backend = BACKENDS.get(kind)
+    if kind in SAME_AS_MULTI_GPU:
+        backend = "ddp"
+        draft.notes.append(f"{where}: distributed_type {kind}: accelerate launch starts it as it starts MULTI_GPU "
+                           "(one process per device, the device type found at run time); hfscale writes MULTI_GPU")
     if backend is None:
         draft.refuse(f"{where}: distributed_type", f"{kind!r}: hfscale writes {', '.join(BACKENDS)}")
         backend = "ddp"
     draft.set(("distributed", "backend"), backend)
     precision = acc.pop("mixed_precision", None)
+    procs = acc.get("num_processes")
+    world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
     _cluster(acc, hostfile, out_dir, draft, where)
     plugin = acc.pop("deepspeed_config", None) or {}
     fsdp = acc.pop("fsdp_config", None) or {}
     if backend == "deepspeed":
-        _deepspeed(plugin, deepspeed, precision, draft, where)
+        _deepspeed(plugin, deepspeed, precision, draft, where, world)
     else:
         if precision not in (None, "no", "bf16", "fp16"):
             draft.refuse(f"{where}: mixed_precision", f"{precision!r}: hfscale writes bf16, fp16 or no")
@@ -116,7 +124,13 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
             draft.refuse(deepspeed.path, f"a DeepSpeed config, but distributed_type is {kind}")
     if fsdp:
         _fsdp(fsdp, draft, where, backend)
-    _parallelism(acc.pop("parallelism_config", None) or {}, draft, where)
+    if "dynamo_backend" in acc:  # accelerate's loader turns this old key into dynamo_config (config_args.py)
+        legacy = acc.pop("dynamo_backend")
+        if legacy != "NO" and "dynamo_config" not in acc:
+            acc["dynamo_config"] = {"dynamo_backend": legacy}
+        elif legacy == "NO":
+            draft.notes.append(f"{where}: left out dynamo_backend: NO, accelerate's old spelling of no dynamo_config")
+    _parallelism(acc.pop("parallelism_config", None) or {}, draft, where, backend)
     _rest(acc, draft, where)
     if backend != "deepspeed" or draft.get(("batch", "micro_batch_size")) is None:
         draft.set(("batch", "micro_batch_size"), 1, "accelerate's config has no batch size: the script's; set yours")
@@ -132,6 +146,9 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
 
 def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Draft, where: str) -> None:
     machines = acc.pop("num_machines", 1)
+    if "num_processes" not in acc:
+        draft.notes.append(f"{where} has no num_processes (accelerate launch then takes --num_processes from its "
+                           "command line): hfscale starts 1 process per node; set cluster.nproc_per_node")
     procs = acc.pop("num_processes", 1)
     acc.pop("machine_rank", None)  # per node: hfscale gives each node its rank
     if hostfile is not None:
@@ -160,7 +177,8 @@ def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Dr
         draft.set(("accelerate", "gpu_ids"), str(ids))
 
 
-def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, draft: Draft, where: str) -> None:
+def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, draft: Draft, where: str,
+               world: int) -> None:
     plugin = dict(plugin)
     plugin.pop("deepspeed_config_file", None)
     plugin.pop("deepspeed_hostfile", None)
@@ -169,6 +187,7 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
         draft.refuse(f"{where}: deepspeed_config.deepspeed_multinode_launcher",
                      f"{launcher!r}: hfscale starts the nodes itself (runner.type pdsh, slurm, ...)")
     init = plugin.pop("zero3_init_flag", None)
+    plugin_save = None
     if deepspeed is not None:
         beside = sorted(set(plugin) & PLUGIN)
         if beside:
@@ -184,32 +203,83 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
             if device not in (None, "none"):
                 z[name] = {"device": device, **({"nvme_path": path} if device == "nvme" and path else {})}
         if "zero3_save_16bit_model" in plugin:
-            z["stage3_gather_16bit_weights_on_model_save"] = as_bool(plugin.pop("zero3_save_16bit_model"))
-        ds = {"zero_optimization": z, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+            plugin_save = plugin.pop("zero3_save_16bit_model")
+            z["stage3_gather_16bit_weights_on_model_save"] = as_bool(plugin_save)
+        ds = {"zero_optimization": z}
+        if precision == "fp16":  # what accelerate's DeepSpeedPlugin.set_mixed_precision adds to its config
+            ds["fp16"] = {"enabled": True, "auto_cast": True}
+        elif precision == "bf16":
+            ds["bf16"] = {"enabled": True}
         for key in ("gradient_accumulation_steps", "gradient_clipping"):
             if key in plugin:
                 ds[key] = plugin.pop(key)
         source = f"{where} (deepspeed_config)"
+    launch_keys = accelerate_keys()
+    section = launch_keys.keys["deepspeed_config"].section if launch_keys and "deepspeed_config" in launch_keys.keys \
+        else None
+    unread = [k for k in plugin if section is not None and not section.open and k not in section.keys]
+    if unread:  # accelerate launch copies only its own --deepspeed arguments from this section
+        draft.notes.append(f"{where}: left out deepspeed_config.{', '.join(unread)}: not an argument of accelerate "
+                           "launch, which never reads it")
     for key in plugin:
-        draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
-    import_deepspeed(ds, draft, source, precision)
+        if key not in unread:
+            draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
+    save_16bit = as_bool(plugin_save) if plugin_save is not None else False
+    import_deepspeed(ds, draft, source, precision, world, save_16bit is True)
     if init is not None and draft.get(("distributed", "deepspeed", "stage")) == 3:
         draft.set(("distributed", "deepspeed", "zero3_init"), as_bool(init))
     elif init is not None:
         draft.notes.append("left out zero3_init_flag: it is for ZeRO stage 3 only")
 
 
+# what each FSDP1 key dropped or renamed by accelerate's conversion meant, for the notes
+_FSDP1_MEANING = {
+    "fsdp_backward_prefetch": "FSDP2 prefetches the next all-gather in backward by itself",
+    "fsdp_forward_prefetch": "accelerate does not offer forward prefetch with FSDP2",
+    "fsdp_sync_module_states": "FSDP2 has no such switch; with cpu_ram_efficient_loading accelerate loads the "
+                               "weights on rank 0 and broadcasts them",
+    "fsdp_use_orig_params": "FSDP2 always trains the original parameters",
+}
+_SHARDING_NOTE = {
+    "HYBRID_SHARD": "FSDP2 shards across every rank; hybrid sharding (replicas across nodes) is "
+                    "distributed.parallelism.dp_replicate_size",
+    "HYBRID_SHARD_ZERO2": "FSDP2 shards across every rank; hybrid sharding (replicas across nodes) is "
+                          "distributed.parallelism.dp_replicate_size",
+    "NO_SHARD": "FSDP2 still shards parameters, gradients and optimizer state; for no sharding use backend ddp",
+}
+
+
 def _fsdp(fsdp: dict, draft: Draft, where: str, backend: str) -> None:
     if backend != "fsdp":
         draft.refuse(f"{where}: fsdp_config", f"FSDP settings, but the backend is {backend}")
         return
-    values = {str(k).removeprefix("fsdp_"): v for k, v in fsdp.items()}
-    version = str(values.pop("version", "1"))
-    if version != "2":
-        draft.refuse(f"{where}: fsdp_config.fsdp_version", f"{version}: hfscale writes FSDP2 (fsdp_version 2)")
+    # accelerate launch adds the fsdp_ prefix where the file leaves it out
+    prefixed = {k if str(k).startswith("fsdp") else f"fsdp_{k}": v for k, v in fsdp.items()}
+    named = {k if str(k).startswith("fsdp") else f"fsdp_{k}": k for k in fsdp}  # as written in the file
+    if str(prefixed.get("fsdp_version", 1)) != "2":
+        mapping = fsdp2_mapping()
+        if mapping is None:
+            draft.refuse(f"{where}: fsdp_config.fsdp_version", "FSDP1: hfscale writes FSDP2, and the installed "
+                         "accelerate has no to-fsdp2 conversion to convert it with")
+            return
+        converted, dropped = mapping.convert(prefixed)
+        draft.notes.append(f"{where}: FSDP1 (fsdp_version 1) converted to FSDP2 as `accelerate to-fsdp2` does")
+        for key in dropped:
+            draft.notes.append(f"{where}: left out {named[key]}: {mapping.dropped[key]} "
+                               f"({_FSDP1_MEANING.get(key, 'accelerate drops it')})")
+        strategy = prefixed.get("fsdp_sharding_strategy")
+        if strategy is not None:
+            new = converted.get(mapping.keys.get("fsdp_sharding_strategy", ""), strategy)
+            why = _SHARDING_NOTE.get(str(strategy), "the same sharding")
+            draft.notes.append(f"{where}: {named['fsdp_sharding_strategy']} {strategy} became reshard_after_forward "
+                               f"{str(new).lower()}: {why}")
+        prefixed = converted
+    values = {str(k).removeprefix("fsdp_"): v for k, v in prefixed.items()}
+    values.pop("version", None)
     for key, value in values.items():
         if key not in FSDP_KEYS:
-            draft.refuse(f"{where}: fsdp_config.fsdp_{key}", "not an FSDP2 setting hfscale writes")
+            draft.refuse(f"{where}: fsdp_config.{named.get('fsdp_' + key, 'fsdp_' + key)}",
+                         "not an FSDP2 setting hfscale writes")
             continue
         value = as_bool(value)
         if key == "transformer_layer_cls_to_wrap":
@@ -220,7 +290,12 @@ def _fsdp(fsdp: dict, draft: Draft, where: str, backend: str) -> None:
             draft.set(("distributed", "fsdp", key), value, "absent from the accelerate config: accelerate's default")
 
 
-def _parallelism(pc: dict, draft: Draft, where: str) -> None:
+def _parallelism(pc: dict, draft: Draft, where: str, backend: str) -> None:
+    sp = sorted(str(k) for k in pc if str(k).removeprefix("parallelism_config_").startswith("sp_"))
+    if sp:  # sequence parallelism splits the data-parallel world: hfscale's batch math has no such term
+        draft.refuse(f"{where}: parallelism_config.{sp[0]}", f"sequence parallelism ({', '.join(sp)}, backend "
+                     f"{backend}) is not something hfscale writes yet; launch this config with accelerate launch")
+        return
     for key, value in pc.items():
         short = str(key).removeprefix("parallelism_config_")
         if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
@@ -248,6 +323,11 @@ def _rest(acc: dict, draft: Draft, where: str) -> None:
         extra[key] = value
     if unread:
         draft.notes.append(f"left out, as accelerate launch never reads them from a config file: {', '.join(unread)}")
+    if extra and keys is not None:  # a section's short names as accelerate launch reads them (fp8_config.backend)
+        for name, value in list(extra.items()):
+            section = keys.keys[name].section if name in keys.keys else None
+            if isinstance(value, dict) and section is not None and not section.open:
+                extra[name] = {section.canonical(k) if isinstance(k, str) else k: v for k, v in value.items()}
     if extra:
         if keys is not None:
             for path, message in check_extra(extra, keys, {}):

@@ -1,11 +1,14 @@
 """The DeepSpeed JSON, as a pure function of the job.
 
-Rule: every value is an explicit number taken from the hfscale YAML, never ``"auto"``. The
+Rule: every value is an explicit number taken from the hfscale YAML, never ``"auto"`` (one
+exception: a DeepSpeed scheduler's ``total_num_steps`` while ``training.max_steps`` is null,
+which the HF Trainer fills with the step count it computes). The
 TrainingArguments hfscale builds come from the same YAML, so the HF Trainer's consistency check
 finds them equal, and a plain ``accelerate launch`` script gets usable numbers too. The optimizer
 and LR scheduler belong to the training script and are left out unless
-``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed, or optimizer offload
-needs DeepSpeed's CPU optimizer (AdamW then); their parameters are written from ``training``.
+``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed (optimizer offload
+needs DeepSpeed's optimizer: hfscale.deepspeed_rules says so); their parameters are written from
+``training``.
 ``distributed.deepspeed.extra`` is merged in last (hfscale.deepspeed_rules refuses keys written here).
 """
 
@@ -51,9 +54,9 @@ def _zero(ds: DeepSpeedSection) -> dict[str, Any]:
 
 
 def _optimizer(job: Job, ds: DeepSpeedSection) -> dict[str, Any] | None:
-    kind = ds.optimizer.type if ds.optimizer is not None else "AdamW" if ds.offload_optimizer.device != "none" else None
-    if kind is None:
+    if ds.optimizer is None:
         return None
+    kind = ds.optimizer.type
     t = job.config.training
     params: dict[str, Any] = {"lr": t.learning_rate, "betas": [t.adam_beta1, t.adam_beta2]}
     if kind != "Lion":  # Lion has no epsilon
@@ -68,12 +71,14 @@ def _scheduler(job: Job, ds: DeepSpeedSection) -> dict[str, Any] | None:
     t = job.config.training
     kind = ds.scheduler.type
     params: dict[str, Any] = {"warmup_num_steps": t.warmup_steps, "warmup_type": "linear"}  # the Trainer's warm-up
+    # no max_steps: the Trainer fills "auto" with the step count it computes (epochs x batches)
+    total = t.max_steps if t.max_steps is not None else "auto"
     if kind == "WarmupCosineLR":
-        params.update(total_num_steps=t.max_steps, warmup_min_ratio=0.0, cos_min_ratio=0.0)  # transformers' cosine ends at 0
+        params.update(total_num_steps=total, warmup_min_ratio=0.0, cos_min_ratio=0.0)  # transformers' cosine ends at 0
     else:
         params.update(warmup_min_lr=0.0, warmup_max_lr=t.learning_rate)
         if kind == "WarmupDecayLR":
-            params["total_num_steps"] = t.max_steps
+            params["total_num_steps"] = total
     return {"type": kind, "params": params}
 
 

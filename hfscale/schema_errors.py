@@ -116,7 +116,7 @@ def _library_key_hint(here: str, key: str) -> str:
     """For an unknown key in distributed.deepspeed that DeepSpeed itself knows: where it goes."""
     if here != "distributed.deepspeed":
         return ""
-    from .engine_source import deepspeed_keys
+    from .deepspeed_source import deepspeed_keys
 
     keys = deepspeed_keys()
     if keys is None:

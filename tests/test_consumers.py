@@ -85,7 +85,8 @@ CASES = [
                             {"micro_batch_size": 4, "gradient_accumulation_steps": 2}),
          world=2, nodes=1, distributed_type=DEEPSPEED, micro=4, ga=2, global_batch=16, stage=2),
     Case("z2_offload_cpu_1x4", _ds("z2o", {"nproc_per_node": 4},
-                                   {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16",
+                                   {"stage": 2, "offload_optimizer": {"device": "cpu"}, "optimizer": {"type": "AdamW"}},
+                                   "bf16",
                                    {"micro_batch_size": 1, "gradient_accumulation_steps": 8},
                                    training={"learning_rate": 2.0e-4, "weight_decay": 0.1}),
          world=4, nodes=1, distributed_type=DEEPSPEED, micro=1, ga=8, global_batch=32, stage=2,
@@ -104,13 +105,14 @@ CASES = [
          world=4, nodes=2, distributed_type=DEEPSPEED, micro=2, ga=8, global_batch=64, stage=3),
     Case("z3_nvme_1x2", _ds("z3nvme", {"nproc_per_node": 2},
                             {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
-                             "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}, "bf16",
+                             "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
+                             "optimizer": {"type": "AdamW"}}, "bf16",
                             {"micro_batch_size": 1}),
          world=2, nodes=1, distributed_type=DEEPSPEED, micro=1, ga=1, global_batch=2, stage=3,
          offload_optimizer="nvme", offload_param="nvme"),
     Case("z3_offload_cpu_hostfile_2x2", _ds("z3o", {"hostfile": "hosts.txt"},
                                             {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                             "offload_param": {"device": "cpu"}}, "no",
+                                             "offload_param": {"device": "cpu"}, "optimizer": {"type": "AdamW"}}, "no",
                                             {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
          world=4, nodes=2, distributed_type=DEEPSPEED, micro=2, ga=2, global_batch=16, stage=3,
          offload_optimizer="cpu", offload_param="cpu", hostfile="node0 slots=2\nnode1 slots=2\n"),
@@ -601,7 +603,7 @@ def test_transformers_finds_no_mismatch(name, probes):
     assert got["args_ds_batch"] == case.global_batch
     assert got["mismatches"] == []
     assert got["finalize_error"] is None
-    if case.offload_optimizer != "none" or "optimizer" in case.doc["distributed"]["deepspeed"]:
+    if "optimizer" in case.doc["distributed"]["deepspeed"]:
         assert got["optimizer"]["type"] == "AdamW"  # DeepSpeed builds the optimizer from the JSON's section
 
 

@@ -20,7 +20,8 @@ import yaml
 
 from conftest import ROOT, run_cli
 from hfscale.accelerate_source import accelerate_keys
-from hfscale.engine_source import UNKNOWN, deepspeed_keys
+from hfscale.deepspeed_source import deepspeed_keys
+from hfscale.engine_source import UNKNOWN
 from test_consumers import _deepspeed_plugin_as_launched
 
 DATA = ROOT / "tests" / "data" / "import"
@@ -39,7 +40,10 @@ DS_DEFAULTS: dict[tuple, Any] = {("bf16", "enabled"): False, ("fp16", "enabled")
                                  ("steps_per_print",): None, ("wall_clock_breakdown",): False,
                                  # deepspeed/runtime/lr_schedules.py: WarmupLR and WarmupCosineLR arguments
                                  ("scheduler", "params", "warmup_type"): "log",
-                                 ("scheduler", "params", "cos_min_ratio"): 0.0001}
+                                 ("scheduler", "params", "cos_min_ratio"): 0.0001,
+                                 # deepspeed/ops/adam (FusedAdam, DeepSpeedCPUAdam): the optimizer's own defaults
+                                 ("optimizer", "params", "betas"): [0.9, 0.999], ("optimizer", "params", "eps"): 1e-8,
+                                 ("optimizer", "params", "weight_decay"): 0.0}
 
 
 def _import(tmp_path: Path, name: str) -> tuple[Path, Path]:
@@ -101,15 +105,17 @@ def compare_deepspeed(orig: dict, back: dict, world: int) -> list[str]:
     o = {_canonical(k): v for k, v in _leaves(orig).items()}
     b = {_canonical(k): v for k, v in _leaves(back).items()}
     stage = b.get(("zero_optimization", "stage"), 0)
-    offload = o.get(("zero_optimization", "offload_optimizer", "device"), "none") != "none"
+    # what DeepSpeed derives when a key is absent (runtime/config.py, _set_batch_related_parameters)
     derived = {("train_batch_size",): b[("train_micro_batch_size_per_gpu",)] * b[("gradient_accumulation_steps",)]
-               * world}
+               * world,
+               ("gradient_accumulation_steps",): b[("train_batch_size",)] // (b[("train_micro_batch_size_per_gpu",)]
+                                                                             * world),
+               ("train_micro_batch_size_per_gpu",): b[("train_batch_size",)] // (b[("gradient_accumulation_steps",)]
+                                                                                * world)}
     out = []
     for path in sorted(set(o) | set(b), key=str):
         if o.get(path) == "auto":
             continue  # resolved by the import (its comment says from where)
-        if path[0] == "optimizer" and offload and not any(p[0] == "optimizer" for p in o):
-            continue  # optimizer offload needs DeepSpeed's CPU optimizer: hfscale writes AdamW (README, the note)
         if path not in o and derived.get(path, UNKNOWN) == b[path]:
             continue  # what DeepSpeed derives itself when the key is absent
         if path in o and path in b:

@@ -94,6 +94,7 @@ def test_zero3_nvme_fp16_offload_json_exact():
             offload_optimizer: {device: nvme, nvme_path: /local_nvme, pin_memory: false}
             offload_param: {device: cpu}
             stage3_prefetch_bucket_size: 5e7
+            optimizer: {type: AdamW}
         precision: fp16
         batch: {micro_batch_size: 2}
         gradient_clipping: null

@@ -1,0 +1,104 @@
+"""Real configs from public repositories (tests/data/real_configs, SOURCES.md: repository, path,
+commit), unchanged, through ``hfscale import`` -> ``check`` -> ``config``; what comes back is
+loaded by DeepSpeed's DeepSpeedConfig and accelerate's own loader and launch code and compared
+with the original (tests/real_corpus.py). Also: every key the installed DeepSpeed reads is one
+hfscale knows (typed, or accepted in ``extra``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from real_corpus import CORPUS, rows, survey, table
+
+# the refusals, each with why: a test fails when one more appears or one goes away unnoticed
+REFUSED = {
+    "huggingface__accelerate/multi_node.yaml": "'1234' is not a host name",  # the template's placeholder address
+    "huggingface__accelerate/fp8.yaml": "'fp8': hfscale writes bf16, fp16 or no",
+    "huggingface__trl/alst_ulysses_4gpu.yaml": "sequence parallelism",
+    # DeepSpeed 0.19's CompileConfig forbids these older keys (extra inputs are not permitted)
+    "axolotl-ai-cloud__axolotl/zero1_torch_compile.json": "compile.disable: unknown key 'disable'",
+    "axolotl-ai-cloud__axolotl/zero2_torch_compile.json": "compile.disable: unknown key 'disable'",
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return survey(tmp_path_factory.mktemp("corpus"))
+
+
+def test_the_corpus_is_real_configs_with_their_sources():
+    all_rows = rows()
+    files = {p.relative_to(CORPUS).as_posix() for p in CORPUS.rglob("*") if p.is_file() and p.name != "SOURCES.md"}
+    assert {r.file for r in all_rows} == files  # every file has its source, every source its file
+    assert len(files) >= 40 and len({r.repository for r in all_rows}) >= 6
+    assert all(len(r.commit) == 40 and int(r.commit, 16) >= 0 for r in all_rows)
+
+
+def test_every_config_round_trips_or_is_refused_for_its_stated_reason(results):
+    artifacts = ROOT / ".cache" / "test-artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    (artifacts / "real_configs.md").write_text(table(results) + "\n")
+    changed = {r.row.file: r.details for r in results if r.outcome == "changed"}
+    assert changed == {}
+    refused = {r.row.file: " | ".join(r.details) for r in results if r.outcome == "refused"}
+    assert set(refused) == set(REFUSED), refused
+    for name, why in REFUSED.items():
+        assert why in refused[name]
+    assert sum(r.outcome == "faithful" for r in results) == len(results) - len(REFUSED)
+
+
+def test_what_the_import_leaves_out_is_said(results):
+    notes = {r.row.file: " ".join(r.notes) for r in results}
+    assert "FSDP1 (fsdp_version 1) converted to FSDP2 as `accelerate to-fsdp2` does" in \
+        notes["huggingface__alignment-handbook/fsdp.yaml"]
+    assert "fsdp_sharding_strategy FULL_SHARD became reshard_after_forward true" in \
+        notes["huggingface__alignment-handbook/fsdp.yaml"]
+    assert "left out fsdp_backward_prefetch: removed in FSDP2" in notes["huggingface__alignment-handbook/fsdp.yaml"]
+    z0 = notes["hiyouga__LLaMA-Factory/ds_z0_config.json"]
+    assert "left out zero_optimization.overlap_comm," in z0 and "DeepSpeed does not use them at ZeRO stage 0" in z0
+    assert "left out _comment: not a key DeepSpeed reads" in notes["hiyouga__LLaMA-Factory/ds_z2_autotp_config.json"]
+    assert "distributed_type MULTI_XPU: accelerate launch starts it as it starts MULTI_GPU" in \
+        notes["huggingface__accelerate/multi_xpu.yaml"]
+
+
+def test_every_key_deepspeed_reads_is_known(tmp_path):
+    """DeepSpeedConfig itself, given a dict that records each top-level key it looks up: every one
+    is a key hfscale's DeepSpeed key tree has (typed or accepted in extra), and the keys DeepSpeed
+    refuses carry its own message."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from hfscale.deepspeed_source import deepspeed_keys, deepspeed_removed_keys
+
+    seen: set[str] = set()
+
+    class Recording(dict):
+        def get(self, k, d=None):
+            seen.add(k)
+            return super().get(k, d)
+
+        def __getitem__(self, k):
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return super().__contains__(k)
+
+        def __copy__(self):
+            return self
+
+    DeepSpeedConfig(Recording({"train_batch_size": 1}))
+    keys = deepspeed_keys().keys
+    assert len(seen) > 40
+    assert sorted(seen - set(keys)) == []
+    removed = deepspeed_removed_keys()
+    assert removed and all(keys[k].unread and removed[k] in keys[k].unread for k in removed)
+    for name in removed:  # DeepSpeed refuses each one; so does hfscale, with DeepSpeed's words
+        with pytest.raises(Exception, match="removed"):
+            DeepSpeedConfig({"train_batch_size": 1, name: {}})
