@@ -38,6 +38,15 @@ def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precis
                      save_16bit: bool = False) -> None:
     """Put DeepSpeed JSON ``ds`` (from file ``source``) into ``draft``: ``world`` processes in all,
     ``save_16bit`` the accelerate config's zero3_save_16bit_model."""
+    previous, draft.source = draft.source, source
+    try:
+        _import(ds, draft, source, mixed_precision, world, save_16bit)
+    finally:
+        draft.source = previous
+
+
+def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str | None, world: int,
+            save_16bit: bool) -> None:
     keys = deepspeed_keys()
     extra: dict[str, Any] = {}
     ds = _whole_numbers(dict(ds), keys)
@@ -51,7 +60,7 @@ def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precis
     if clip == AUTO:
         draft.set(("gradient_clipping",), 1.0, "auto: the Trainer's max_grad_norm default")
     elif clip != 1.0:
-        draft.set(("gradient_clipping",), clip or None)
+        draft.set(("gradient_clipping",), clip or None, key="gradient_clipping")
     zero = ds.pop("zero_optimization", None)
     _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys, save_16bit)
     _optimizer(ds.pop("optimizer", None), draft, source, extra)
@@ -70,7 +79,7 @@ def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precis
         section = ds.pop(name, None)
         if isinstance(section, dict):
             typed = {k: v for k, v in section.items() if k in model.model_fields}
-            draft.set(DS + (name,), typed)
+            draft.set(DS + (name,), typed, key=name)
             rest = {k: v for k, v in section.items() if k not in model.model_fields}
             if rest:
                 extra[name] = rest
@@ -97,10 +106,11 @@ def _typed(path: tuple[str, ...], value: Any, draft: Draft, source: str, where: 
     if value == AUTO:
         draft.refuse(f"{source}: {where}", "'auto' here is not a TrainingArguments value; write a number")
     else:
-        draft.set(path, value)
+        draft.set(path, value, key=where)
 
 
 def _batch(ds: dict, draft: Draft, source: str, world: int) -> None:
+    given = set(ds)
     micro = ds.pop("train_micro_batch_size_per_gpu", None)
     ga = ds.pop("gradient_accumulation_steps", None)
     total = ds.pop("train_batch_size", None)
@@ -114,14 +124,15 @@ def _batch(ds: dict, draft: Draft, source: str, world: int) -> None:
     if micro in (None, AUTO):
         draft.set(("batch", "micro_batch_size"), 1, "auto: the Trainer's per_device_train_batch_size; set yours")
     else:
-        draft.set(("batch", "micro_batch_size"), micro, draft.comments.get(("batch", "micro_batch_size")))
+        draft.set(("batch", "micro_batch_size"), micro, draft.comments.get(("batch", "micro_batch_size")),
+                  key="train_micro_batch_size_per_gpu" if "train_micro_batch_size_per_gpu" in given else "train_batch_size")
     if ga == AUTO:
         draft.set(("batch", "gradient_accumulation_steps"), draft.get(("batch", "gradient_accumulation_steps"), 1),
                   "auto: the Trainer's gradient_accumulation_steps (1 unless the accelerate config says)")
     elif ga is not None:
-        draft.set(("batch", "gradient_accumulation_steps"), ga)
+        draft.set(("batch", "gradient_accumulation_steps"), ga, key="gradient_accumulation_steps")
     if total not in (None, AUTO):
-        draft.set(("batch", "global_batch_size"), total)
+        draft.set(("batch", "global_batch_size"), total, key="train_batch_size")
 
 
 def _precision(ds: dict, draft: Draft, source: str, mixed_precision: str | None) -> dict[str, Any]:
@@ -140,7 +151,7 @@ def _precision(ds: dict, draft: Draft, source: str, mixed_precision: str | None)
         value = "bf16" if on["bf16"] else "fp16" if on["fp16"] else "no"
         if on["bf16"] and on["fp16"]:
             draft.refuse(f"{source}: bf16.enabled, fp16.enabled", "both are true; DeepSpeed trains one precision")
-        draft.set(("precision",), value)
+        draft.set(("precision",), value, key="bf16.enabled" if on["bf16"] else "fp16.enabled")
     if value == "fp16":
         fp16 = {k: v for k, v in fp16.items() if FP16_WRITTEN.get(k, object()) != v}
     return {name: rest for name, rest in (("bf16", bf16), ("fp16", fp16)) if rest}
@@ -161,7 +172,8 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
     if section is not None:
         zero = {section.canonical(k): v for k, v in zero.items()}
     stage = zero.pop("stage", 0)
-    draft.set(DS + ("stage",), stage, None if zero or stage else "zero_optimization absent: ZeRO off")
+    draft.set(DS + ("stage",), stage, None if zero or stage else "zero_optimization absent: ZeRO off",
+              key="zero_optimization.stage")
     ignored = []
     for key, stages in ZERO_KEYS.items():
         if key in zero:
@@ -171,7 +183,7 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
             elif value == AUTO:
                 draft.set(DS + (key,), _default(key), f"auto: {_AUTO_FROM_MODEL}")
             elif value is not None or key == "overlap_comm":
-                draft.set(DS + (key,), value)
+                draft.set(DS + (key,), value, key=f"zero_optimization.{key}")
     if ignored:
         draft.notes.append(f"{source}: left out zero_optimization.{', '.join(ignored)}: DeepSpeed does not use "
                            f"{'it' if len(ignored) == 1 else 'them'} at ZeRO stage {stage}")
@@ -181,7 +193,8 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
             draft.set(DS + ("gather_16bit_weights_on_model_save",), save_16bit, "auto: accelerate's "
                       f"zero3_save_16bit_model{'' if save_16bit else ', default false'}")
         elif stage == 3:
-            draft.set(DS + ("gather_16bit_weights_on_model_save",), gather)
+            draft.set(DS + ("gather_16bit_weights_on_model_save",), gather,
+                      key="zero_optimization.stage3_gather_16bit_weights_on_model_save")
         elif gather:
             draft.notes.append(f"{source}: left out zero_optimization.stage3_gather_16bit_weights_on_model_save: "
                                f"DeepSpeed reads it at stage 3 only, this is stage {stage}")
@@ -190,7 +203,7 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
         if isinstance(off, dict):
             model = DeepSpeedSection.model_fields[name].annotation
             typed = {k: (str(v) if k == "nvme_path" else v) for k, v in off.items() if k in model.model_fields}
-            draft.set(DS + (name,), typed)
+            draft.set(DS + (name,), typed, key=f"zero_optimization.{name}")
             rest = {k: v for k, v in off.items() if k not in model.model_fields}
             if rest:
                 extra.setdefault("zero_optimization", {})[name] = rest
@@ -212,15 +225,15 @@ def _optimizer(opt: Any, draft: Draft, source: str, extra: dict) -> None:
     if match is None:
         draft.refuse(f"{source}: optimizer.type", f"{kind!r} is not one of {', '.join(allowed)}")
     else:
-        draft.set(DS + ("optimizer",), {"type": match})
+        draft.set(DS + ("optimizer",), {"type": match}, key="optimizer")
     params = dict(opt.pop("params", None) or {})
     for key, target in (("lr", "learning_rate"), ("eps", "adam_epsilon"), ("weight_decay", "weight_decay")):
         if key in params:
-            _auto_or(T + (target,), params.pop(key), draft)
+            _auto_or(T + (target,), params.pop(key), draft, f"optimizer.params.{key}")
     betas = params.pop("betas", None)
     if isinstance(betas, list) and len(betas) == 2:
-        draft.set(T + ("adam_beta1",), betas[0])
-        draft.set(T + ("adam_beta2",), betas[1])
+        draft.set(T + ("adam_beta1",), betas[0], key="optimizer.params.betas")
+        draft.set(T + ("adam_beta2",), betas[1], key="optimizer.params.betas")
     elif betas == AUTO:
         _auto_or(T + ("adam_beta1",), AUTO, draft)
         _auto_or(T + ("adam_beta2",), AUTO, draft)
@@ -242,18 +255,18 @@ def _scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None:
     warmup = params.pop("warmup_num_steps", 0)
     total = params.pop("total_num_steps", None)
     lr = params.pop("warmup_max_lr", None)
-    draft.set(DS + ("scheduler",), {"type": kind})
+    draft.set(DS + ("scheduler",), {"type": kind}, key="scheduler")
     schedule = SCHEDULES[kind] if kind != "WarmupLR" or warmup not in (0, AUTO) else "constant"
     draft.set(T + ("lr_scheduler_type",), schedule)
     if warmup == AUTO or warmup:
-        _auto_or(T + ("warmup_steps",), warmup, draft)
+        _auto_or(T + ("warmup_steps",), warmup, draft, "scheduler.params.warmup_num_steps")
     if total == AUTO:
         draft.comments[DS + ("scheduler",)] = ("total_num_steps auto: written as auto while training.max_steps is "
                                                "null; the Trainer fills in its step count")
     elif total is not None:
-        draft.set(T + ("max_steps",), total)
+        draft.set(T + ("max_steps",), total, key="scheduler.params.total_num_steps")
     if lr is not None and not (lr == AUTO and draft.get(T + ("learning_rate",)) is not None):
-        _auto_or(T + ("learning_rate",), lr, draft)
+        _auto_or(T + ("learning_rate",), lr, draft, "scheduler.params.warmup_max_lr")
     written = {"warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}
     # DeepSpeed's own defaults where the file leaves them out (hfscale writes the values above)
     ds_default = {"warmup_type": "log", "cos_min_ratio": 0.0001}
@@ -266,10 +279,10 @@ def _scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None:
         extra["scheduler"] = {"params": rest}
 
 
-def _auto_or(path: tuple[str, ...], value: Any, draft: Draft) -> None:
+def _auto_or(path: tuple[str, ...], value: Any, draft: Draft, key: str | None = None) -> None:
     """``value``, or for "auto" hfscale's default of ``path`` (a training key), said in a comment."""
     if value != AUTO:
-        draft.set(path, value)
+        draft.set(path, value, key=key)
         return
     from .config import TrainingConfig
 
@@ -293,6 +306,7 @@ def _extra(extra: dict, draft: Draft, source: str, keys: Section | None) -> None
             if tuple(path) not in autos:
                 draft.refuse(f"{source}: {'.'.join(map(str, path))}", message)
     draft.set(DS + ("extra",), extra)
+    draft.origins.update({DS + ("extra", str(k)): f"{source}: {k}" for k in extra})
 
 
 def _leaves(node: dict, here: tuple = ()) -> list[tuple[tuple, Any]]:

@@ -27,14 +27,29 @@ class Draft:
     comments: dict[tuple[str, ...], str] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # printed at the top of the file
+    source: str = ""  # the file being read now, for origins
+    origins: dict[tuple[str, ...], str] = field(default_factory=dict)  # hfscale path -> "file: key as written"
 
-    def set(self, path: tuple[str, ...], value: Any, comment: str | None = None) -> None:
+    def set(self, path: tuple[str, ...], value: Any, comment: str | None = None, key: str | None = None) -> None:
+        """``value`` at ``path``; ``key``: the source key it comes from, as written in ``source``."""
         node = self.data
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = value
         if comment:
             self.comments[path] = comment
+        if key is not None:
+            self.origins[path] = f"{self.source}: {key}"
+
+    def origin_of(self, problem: Problem) -> Problem:
+        """A problem found in the YAML the import wrote, told as a problem of the file and key it
+        came from (that YAML was never written, so its lines mean nothing to the user)."""
+        parts = tuple(problem.path.split(".")) if problem.path else ()
+        for n in range(len(parts), 0, -1):
+            if parts[:n] in self.origins:
+                rest = ".".join(parts[n:])
+                return Problem(self.origins[parts[:n]] + (f".{rest}" if rest else ""), problem.message)
+        return Problem(f"{problem.path or '<document>'} (hfscale's key; no key of the sources sets it)", problem.message)
 
     def get(self, path: tuple[str, ...], default: Any = None) -> Any:
         node: Any = self.data

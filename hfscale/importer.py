@@ -89,7 +89,7 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     """The hfscale YAML for these files; ConfigError listing everything that cannot be expressed.
     ``out_dir``: where the YAML will be written (the host file is named relative to it)."""
     acc = dict(_mapping(accelerate))
-    draft = Draft()
+    draft = Draft(source=accelerate.path)
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(accelerate.path).stem).strip("-.") or "imported"
     draft.set(("name",), stem[:64], "from the accelerate config's file name")
     where = accelerate.path
@@ -105,7 +105,7 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     if backend is None:
         draft.refuse(f"{where}: distributed_type", f"{kind!r}: hfscale writes {', '.join(BACKENDS)}")
         backend = "ddp"
-    draft.set(("distributed", "backend"), backend)
+    draft.set(("distributed", "backend"), backend, key="distributed_type")
     precision = acc.pop("mixed_precision", None)
     procs = acc.get("num_processes")
     world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
@@ -117,7 +117,7 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     else:
         if precision not in (None, "no", "bf16", "fp16"):
             draft.refuse(f"{where}: mixed_precision", f"{precision!r}: hfscale writes bf16, fp16 or no")
-        draft.set(("precision",), precision or "no")
+        draft.set(("precision",), precision or "no", key="mixed_precision")
         if plugin:
             draft.refuse(f"{where}: deepspeed_config", f"DeepSpeed settings, but distributed_type is {kind}")
         if deepspeed is not None:
@@ -140,7 +140,10 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     sources = ", ".join(s.path for s in (accelerate, deepspeed, hostfile) if s is not None)
     text = render_draft(draft, [f"Imported by hfscale from {sources}.",
                                 "Check it with `hfscale check`; `hfscale config` writes the files back."])
-    load_text(text, f"the hfscale YAML imported from {sources}", out_dir or Path("."))  # what import writes, check accepts
+    try:  # what import writes, check accepts; else the user hears of the keys of their own files
+        load_text(text, f"the hfscale YAML imported from {sources}", out_dir or Path("."))
+    except ConfigError as e:
+        raise ConfigError(accelerate.path, [draft.origin_of(p) for p in e.problems]) from None
     return text
 
 
@@ -156,25 +159,25 @@ def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Dr
         draft.problems += problems
         ref = os.path.relpath(os.path.abspath(hostfile.path), os.path.abspath(out_dir)) if out_dir else \
             os.path.abspath(hostfile.path)
-        draft.set(("cluster", "hostfile"), ref)
+        draft.set(("cluster", "hostfile"), ref, key="--hostfile" if hostfile.path != where else "deepspeed_hostfile")
         draft.set(("runner", "type"), "pdsh", "hfscale starts every host over ssh (accelerate ran on each by hand)")
         if hosts and (len(hosts) != machines or sum(h.slots for h in hosts) != procs):
             draft.refuse(f"{where}: num_machines, num_processes", f"{machines} machine(s), {procs} process(es), but "
                          f"{hostfile.path} lists {len(hosts)} host(s) with {sum(h.slots for h in hosts)} slots")
     elif machines == 1:
         if procs > 1:
-            draft.set(("cluster", "nproc_per_node"), procs)
+            draft.set(("cluster", "nproc_per_node"), procs, key="num_processes")
     else:
         draft.refuse(f"{where}: num_machines", f"{machines} machines: give their names with --hostfile "
                      "('host slots=N' lines); hfscale launches on named hosts")
     ip, port = acc.pop("main_process_ip", None), acc.pop("main_process_port", None)
     if ip and hostfile is not None:
-        draft.set(("cluster", "master_addr"), ip)
+        draft.set(("cluster", "master_addr"), ip, key="main_process_ip")
     if port not in (None, 29500):
-        draft.set(("cluster", "master_port"), port)
+        draft.set(("cluster", "master_port"), port, key="main_process_port")
     ids = acc.pop("gpu_ids", None)
     if ids not in (None, "all"):
-        draft.set(("accelerate", "gpu_ids"), str(ids))
+        draft.set(("accelerate", "gpu_ids"), str(ids), key="gpu_ids")
 
 
 def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, draft: Draft, where: str,
@@ -227,7 +230,7 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
     save_16bit = as_bool(plugin_save) if plugin_save is not None else False
     import_deepspeed(ds, draft, source, precision, world, save_16bit is True)
     if init is not None and draft.get(("distributed", "deepspeed", "stage")) == 3:
-        draft.set(("distributed", "deepspeed", "zero3_init"), as_bool(init))
+        draft.set(("distributed", "deepspeed", "zero3_init"), as_bool(init), key="deepspeed_config.zero3_init_flag")
     elif init is not None:
         draft.notes.append("left out zero3_init_flag: it is for ZeRO stage 3 only")
 
@@ -284,7 +287,7 @@ def _fsdp(fsdp: dict, draft: Draft, where: str, backend: str) -> None:
         value = as_bool(value)
         if key == "transformer_layer_cls_to_wrap":
             value = [c.strip() for c in str(value).split(",") if c.strip()]
-        draft.set(("distributed", "fsdp", key), value)
+        draft.set(("distributed", "fsdp", key), value, key=f"fsdp_config.{named.get('fsdp_' + key, 'fsdp_' + key)}")
     for key, value in FSDP_ABSENT.items():
         if key not in values:
             draft.set(("distributed", "fsdp", key), value, "absent from the accelerate config: accelerate's default")
@@ -299,7 +302,7 @@ def _parallelism(pc: dict, draft: Draft, where: str, backend: str) -> None:
     for key, value in pc.items():
         short = str(key).removeprefix("parallelism_config_")
         if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
-            draft.set(("distributed", "parallelism", short), value)
+            draft.set(("distributed", "parallelism", short), value, key=f"parallelism_config.{key}")
         else:
             extra = draft.get(("accelerate", "extra"), {})
             extra.setdefault("parallelism_config", {})[key] = value
@@ -333,6 +336,7 @@ def _rest(acc: dict, draft: Draft, where: str) -> None:
             for path, message in check_extra(extra, keys, {}):
                 draft.refuse(f"{where}: {'.'.join(map(str, path))}", message)
         draft.set(("accelerate", "extra"), extra)
+        draft.origins.update({("accelerate", "extra", str(k)): f"{where}: {k}" for k in extra})
 
 
 def _order(draft: Draft) -> None:

@@ -101,6 +101,10 @@ def check(cfg: dict[str, Any]) -> tuple[list[tuple[tuple, str]], list[str]]:
     """(problems as (path inside the mapping, message), warnings) for a ``training.model.config``."""
     mt = cfg.get("model_type")
     if "model_type" not in cfg:
+        near = [k for k in cfg if isinstance(k, str) and difflib.get_close_matches(k, ["model_type"], n=1, cutoff=0.75)]
+        if near:  # model_typ: the key is there, misspelt
+            return [((near[0],), f"unknown key {near[0]!r}; did you mean 'model_type'? (it picks the transformers "
+                                 "config class)")], []
         return [((), "needs model_type (e.g. gpt2, llama, mistral): it picks the transformers config class")], []
     if not isinstance(mt, str):
         return [(("model_type",), f"must be a string such as gpt2 or llama, got {_show(mt)}")], []

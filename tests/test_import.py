@@ -257,3 +257,31 @@ def test_an_existing_out_file_is_kept_without_force(tmp_path):
     assert r.returncode == 2 and out.read_text() == "mine\n" and "pass --force" in r.stderr
     assert run_cli("import", str(DATA / "trl_zero2.yaml"), "--out", str(out), "--force").returncode == 0
     assert run_cli("check", str(out)).returncode == 0
+
+
+def test_errors_name_the_source_file_and_its_key_not_the_yaml_never_written(tmp_path):
+    """A value hfscale refuses is told as the user wrote it: their file and key, no line of the
+    hfscale YAML the import did not write."""
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+                                                  "zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}))
+    r = run_cli("import", str(DATA / "ds_plain.yaml"), "--deepspeed", str(tmp_path / "ds.json"), "--out", "-")
+    assert r.returncode == 2 and "(line" not in r.stderr
+    assert f"  - {tmp_path / 'ds.json'}: zero_optimization.reduce_bucket_size: must be >= 0, got -5" in r.stderr
+    assert f"  - {tmp_path / 'ds.json'}: steps_per_print: must be >= 1, got 0" in r.stderr
+    (tmp_path / "acc.yaml").write_text("distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 4\n"
+                                       "main_process_ip: head_node!\n")
+    (tmp_path / "hosts").write_text("a slots=2\nb slots=2\n")
+    r = run_cli("import", str(tmp_path / "acc.yaml"), "--hostfile", str(tmp_path / "hosts"), "--out", "-")
+    assert r.returncode == 2 and "cluster.master_addr" not in r.stderr
+    assert f"  - {tmp_path / 'acc.yaml'}: main_process_ip: 'head_node!' is not a host name" in r.stderr
+
+
+def test_floats_and_sizes_deepspeed_accepts_are_accepted(tmp_path):
+    """transformers' own ZeRO-3 test config writes sub_group_size 1e14; open-instruct's write
+    steps_per_print 1e5 (JSON floats): DeepSpeed takes both."""
+    (tmp_path / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1e5, '
+                                      '"zero_optimization": {"stage": 3, "sub_group_size": 1e14}}')
+    r = run_cli("import", str(DATA / "ds_plain.yaml"), "--deepspeed", str(tmp_path / "ds.json"), "--out", "-")
+    assert r.returncode == 0, r.stderr
+    doc = yaml.safe_load(r.stdout)["distributed"]["deepspeed"]
+    assert doc["sub_group_size"] == 10**14 and doc["steps_per_print"] == 100000

@@ -48,6 +48,9 @@ def test_the_issues_bad_model_configs_are_errors_with_path_and_line(bad, message
 def test_model_type_is_required_and_known():
     assert problems_of({"n_layer": 2}) == ["training.model.config (line 5): needs model_type (e.g. gpt2, llama, "
                                            "mistral): it picks the transformers config class"]
+    assert problems_of({"model_typ": "gpt2", "n_layer": 2}) == [
+        "training.model.config.model_typ (line 5): unknown key 'model_typ'; did you mean 'model_type'? (it picks the "
+        "transformers config class)"]
     assert problems_of({"model_type": "gtp2"}) == [
         "training.model.config.model_type (line 5): transformers has no model_type 'gtp2'; did you mean 'gpt2' "
         "or 'tipsv2'?"]
