@@ -82,7 +82,7 @@ def accelerate_keys() -> Section | None:
         keys[name] = replace(keys[name], unread=f"accelerate launch never reads it from a config file: its --{name} "
                              "argument has a default, and the file only fills arguments left unset")
     for section, sub in groups.items():
-        prefix = {"fsdp_config": "fsdp_", "fp8_config": "fp8_", "dynamo_config": "dynamo_"}.get(section)
+        prefix = {"fsdp_config": "fsdp_", "fp8_config": "fp8_"}.get(section)  # (dynamo_config: any key, below)
         if prefix:  # accelerate launch adds the prefix where the file leaves it out (_validate_launch_command)
             sub.update({k.removeprefix(prefix): Key(renamed_to=k) for k in list(sub) if k.startswith(prefix)})
         if section in keys:
@@ -99,6 +99,7 @@ class Fsdp2Mapping:
     keys: dict[str, str]
     dropped: dict[str, str]  # key -> "removed in FSDP2" | "not yet implemented in FSDP2"
     values: dict[str, dict[Any, Any]]
+    strategies: tuple[str, ...] = ()  # FSDP1's sharding strategies in order (accelerate/utils/constants.py)
 
     def convert(self, fsdp: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         """(the FSDP2 fsdp_config, the keys dropped) as ``convert_config_to_fsdp2`` makes them."""
@@ -108,7 +109,8 @@ class Fsdp2Mapping:
             if key in self.dropped:
                 dropped.append(key)
             elif key in self.keys:
-                out[self.keys[key]] = self.values.get(key, {}).get(value, value)
+                table = self.values.get(key, {})
+                out[self.keys[key]] = table.get(value, value) if isinstance(value, (str, int, float, bool)) else value
             else:
                 out[key] = value
         out["fsdp_version"] = 2
@@ -145,4 +147,10 @@ def fsdp2_mapping() -> Fsdp2Mapping | None:
                     keys[key] = _literal(v, {})
             elif name == "ARGUMENT_VALUE_MAPPING" and isinstance(_literal(v, {}), dict):
                 values[key] = _literal(v, {})
-    return Fsdp2Mapping(keys, dropped, values) if keys else None
+    constants = parse_source(root / "utils" / "constants.py")  # type: ignore[operator]
+    strategies: tuple[str, ...] = ()
+    for stmt in constants.body if constants is not None else ():
+        if isinstance(stmt, ast.Assign) and [getattr(t, "id", "") for t in stmt.targets] == ["FSDP_SHARDING_STRATEGY"]:
+            found = _literal(stmt.value, {})
+            strategies = tuple(found) if isinstance(found, list) else ()
+    return Fsdp2Mapping(keys, dropped, values, strategies) if keys else None

@@ -183,7 +183,8 @@ class DeepSpeedSection(Strict):
     csv_monitor: MonitorConfig | None = Field(None, description="DeepSpeed's CSV monitor.")
     optimizer: DsOptimizerConfig | None = Field(
         None, description="DeepSpeed builds the optimizer. Null: the script (the Trainer) does; with optimizer offload "
-        "accelerate swaps a torch Adam/AdamW for DeepSpeed's CPU Adam (unless zero_force_ds_cpu_optimizer is false).")
+        "accelerate swaps the script's torch optimizer for DeepSpeed's CPU Adam (unless zero_force_ds_cpu_optimizer is "
+        "false).")
     scheduler: DsSchedulerConfig | None = Field(None, description="DeepSpeed builds the learning-rate schedule. Null: "
                                                 "the script (the Trainer) does.")
     steps_per_print: WholeInt | None = Field(None, description="DeepSpeed's own progress print interval in steps. "

@@ -83,26 +83,27 @@ def string_dicts(f: _ModelFile) -> dict[str, dict[str, str]]:
     return out
 
 
-def _bound(body: ast.AST, f: _ModelFile) -> dict[str, list[str]]:
-    """Loop variables bound to literal keys: ``for key in ("a", "b")``, ``for k, m in DICT.items()``."""
+def _bound(body: ast.AST, f: _ModelFile) -> list[tuple[ast.AST, str, list[str]]]:
+    """Loop variables bound to literal keys, each with the part of ``body`` where it holds them:
+    ``for key in ("a", "b"): ...``, ``for k, m in DICT.items(): ...``, ``{k: d.get(k) for k in (...)}``."""
     dicts = string_dicts(f)
-    out: dict[str, list[str]] = {}
-    for node in ast.walk(body):
-        if not isinstance(node, (ast.For, ast.comprehension)):
-            continue
-        it, target = node.iter, node.target
-        if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "keys"):
-            it = it.func.value
-        if isinstance(target, ast.Tuple) and target.elts:
-            target = target.elts[0]
-        if not isinstance(target, ast.Name):
-            continue
-        if isinstance(it, ast.Name) and it.id in dicts:
-            out[target.id] = list(dicts[it.id])
-        elif isinstance(it, (ast.Tuple, ast.List)):
-            values = [_key(e, f) for e in it.elts]
-            if all(isinstance(v, str) for v in values):
-                out[target.id] = values  # type: ignore[assignment]
+    out: list[tuple[ast.AST, str, list[str]]] = []
+    for scope in ast.walk(body):
+        loops = [scope] if isinstance(scope, ast.For) else [g for g in getattr(scope, "generators", [])]
+        for node in loops:
+            it, target = node.iter, node.target
+            if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "keys"):
+                it = it.func.value
+            if isinstance(target, ast.Tuple) and target.elts:
+                target = target.elts[0]
+            if not isinstance(target, ast.Name):
+                continue
+            if isinstance(it, ast.Name) and it.id in dicts:
+                out.append((scope, target.id, list(dicts[it.id])))
+            elif isinstance(it, (ast.Tuple, ast.List)):
+                values = [_key(e, f) for e in it.elts]
+                if all(isinstance(v, str) for v in values):
+                    out.append((scope, target.id, values))  # type: ignore[arg-type]
     return out
 
 
@@ -116,15 +117,23 @@ def _reads(f: _ModelFile, body: ast.AST, names: set[str], depth: int, seen: set[
            defaults: dict[str, list[str]] | None = None) -> set[str]:
     """Keys read from the dict bound to any of ``names`` in ``body`` (helpers followed)."""
     keys: set[str] = set()
-    bound = {**_bound(body, f), **(defaults or {})}
+    if isinstance(body, ast.Module):  # each function with its own loop variables
+        for node in ast.walk(body):
+            if isinstance(node, ast.FunctionDef):
+                keys |= _reads(f, node, names, depth, seen, defaults)
+        return keys
+    scopes = _bound(body, f) + [(body, name, values) for name, values in (defaults or {}).items()]
+    for scope, var, values in scopes:  # a variable holding keys, read as a key: all its values
+        for node in ast.walk(scope):
+            for sub in ast.iter_child_nodes(node):
+                if isinstance(sub, ast.Name) and sub.id == var and _reads_key(node, sub, names):
+                    keys.update(values)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id.startswith("get_") \
+                    and len(node.args) >= 2 and _is_dict(node.args[0], names) \
+                    and isinstance(node.args[1], ast.Name) and node.args[1].id == var:
+                keys.update(values)
     for node in ast.walk(body):
         key = None
-        for sub in ast.iter_child_nodes(node):  # a loop variable read as a key: all its values
-            if isinstance(sub, ast.Name) and sub.id in bound and _reads_key(node, sub, names):
-                keys.update(bound[sub.id])
-        if isinstance(node, ast.Call) and len(node.args) >= 2 and _is_dict(node.args[0], names) \
-                and isinstance(node.args[1], ast.Name) and node.args[1].id in bound:
-            keys.update(bound[node.args[1].id])
         if isinstance(node, ast.Subscript) and _is_dict(node.value, names):
             key = _key(node.slice, f)
         elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
@@ -135,7 +144,8 @@ def _reads(f: _ModelFile, body: ast.AST, names: set[str], depth: int, seen: set[
             if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") \
                     and _is_dict(func.value, names) and node.args:
                 key = _key(node.args[0], f)
-            elif len(node.args) >= 2 and _is_dict(node.args[0], names) and _key(node.args[1], f) is not None:
+            elif isinstance(func, ast.Name) and func.id.startswith("get_") and len(node.args) >= 2 \
+                    and _is_dict(node.args[0], names) and _key(node.args[1], f) is not None:
                 key = _key(node.args[1], f)  # get_scalar_param(param_dict, KEY, DEFAULT) and its kin
             elif isinstance(func, ast.Name) and depth < _DEPTH:
                 passed = [i for i, a in enumerate(node.args) if isinstance(a, ast.Name) and a.id in names]
@@ -254,12 +264,12 @@ def deepspeed_keys() -> Section | None:
     if root is None:
         return None
     keys: dict[str, Key] = {}
+    read = deepspeed_read_keys()
     tree = parse_source(root / "runtime" / "constants.py")
-    if tree is not None:  # the top-level keys DeepSpeedConfig reads are named there
+    if tree is not None:  # the kind and default of a key DeepSpeedConfig reads: NAME = "key", NAME_DEFAULT = value
         names = _constants(tree)
         for name, value in names.items():
-            if not name.endswith(("_DEFAULT", "_FORMAT")) and isinstance(value, str) and value.isidentifier() \
-                    and value.islower():
+            if not name.endswith(("_DEFAULT", "_FORMAT")) and isinstance(value, str) and value in read:
                 default = names.get(name + "_DEFAULT", UNKNOWN)
                 keys[value] = Key(_kinds_of_value(default) if default is not UNKNOWN else None, default=default)
     for section, (file, cls) in _DS_MODELS.items():
@@ -278,7 +288,7 @@ def deepspeed_keys() -> Section | None:
     for name, (path, cls) in model_sections(config).items():  # e.g. compile: CompileConfig(**param_dict.get(...))
         if name not in keys:
             keys[name] = Key(frozenset({"dict"}), section=read_model(root, path, cls))
-    for name in deepspeed_read_keys() - set(keys):  # read by DeepSpeedConfig, its form not declared: any value
+    for name in read - set(keys):  # read by DeepSpeedConfig, its form not declared: any value
         keys[name] = Key()
     for name, message in deepspeed_removed_keys().items():
         keys[name] = Key(unread=f"DeepSpeed refuses it: {message}")

@@ -2,15 +2,18 @@
 
 Each key goes to its typed hfscale key, or into ``distributed.deepspeed.extra`` when DeepSpeed
 knows it and hfscale does not type it; DeepSpeed's renamed keys are normalised first. ``"auto"``
-(a value the HF Trainer fills from its TrainingArguments) is resolved from the accelerate config
-or from hfscale's defaults, with a comment saying which. A key DeepSpeed does not know, an
-``"auto"`` hfscale cannot resolve, and a value hfscale cannot write are problems.
+(a value the HF Trainer or accelerate fills) is resolved from the accelerate config or from
+hfscale's defaults, with a comment saying which. What DeepSpeed never reads (a top-level key it
+does not know, a ZeRO key of another stage) is left out with a note. A key inside one of its
+sections that DeepSpeed does not know, an ``"auto"`` hfscale cannot resolve, and a value hfscale
+cannot write are problems.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .config import TrainingConfig
 from .config_deepspeed import DeepSpeedSection
 from .deepspeed_rules import SECTIONS, ZERO_KEYS
 from .deepspeed_source import deepspeed_keys
@@ -49,7 +52,7 @@ def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str 
             save_16bit: bool) -> None:
     keys = deepspeed_keys()
     extra: dict[str, Any] = {}
-    ds = _whole_numbers(dict(ds), keys)
+    ds = _whole_numbers(_shapes(dict(ds), draft, source), keys)
     if "bfloat16" in ds and "bf16" not in ds:
         ds["bf16"] = ds.pop("bfloat16")
         draft.notes.append(f"{source}: 'bfloat16' is DeepSpeed's old name of 'bf16'; under accelerate launch it was "
@@ -62,6 +65,9 @@ def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str 
     elif clip != 1.0:
         draft.set(("gradient_clipping",), clip or None, key="gradient_clipping")
     zero = ds.pop("zero_optimization", None)
+    if zero is None:
+        draft.notes.append(f"{source} has no zero_optimization: accelerate's DeepSpeedPlugin refuses such a file; "
+                           "hfscale writes stage 0, DeepSpeed's own default")
     _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys, save_16bit)
     _optimizer(ds.pop("optimizer", None), draft, source, extra)
     _scheduler(ds.pop("scheduler", None), draft, source, extra)
@@ -89,6 +95,50 @@ def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str 
     _extra(extra, draft, source, keys)
 
 
+_MAPPINGS = ("bf16", "fp16", "optimizer", "scheduler", "data_types", *SECTIONS)
+_DTYPES = {"fp32": ("fp32", "float32", "float", "torch.float32"), "fp16": ("fp16", "float16", "half", "torch.float16"),
+           "bf16": ("bf16", "bfloat16", "torch.bfloat16")}  # DeepSpeed's DtypeEnum spellings (runtime/config.py)
+
+
+def _shapes(ds: dict, draft: Draft, source: str) -> dict:
+    """``ds`` with each section a mapping (a problem otherwise), DeepSpeed's boolean form of
+    zero_optimization spelt out, and its dtype spellings normalised."""
+    for name in _MAPPINGS:
+        if name in ds and not isinstance(ds[name], dict):
+            draft.refuse(f"{source}: {name}", f"must be a mapping, got {type(ds.pop(name)).__name__}")
+    for name, inner in (("optimizer", "params"), ("scheduler", "params")):
+        section = ds.get(name)
+        if isinstance(section, dict) and not isinstance(section.get(inner, {}), dict):
+            draft.refuse(f"{source}: {name}.{inner}", "must be a mapping")
+            ds[name] = {k: v for k, v in section.items() if k != inner}
+        if isinstance(section, dict) and not isinstance(section.get("type", ""), str):
+            draft.refuse(f"{source}: {name}.type", "must be a string")
+            ds.pop(name)
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, bool):  # DeepSpeed's old form: true is stage 1 (runtime/zero/config.py)
+        ds["zero_optimization"] = {"stage": 1, "allgather_bucket_size": ds.pop("allgather_size", 500_000_000)} \
+            if zero else {"stage": 0}
+        draft.notes.append(f"{source}: zero_optimization {str(zero).lower()} is DeepSpeed's old form of stage "
+                           f"{1 if zero else 0}")
+    elif zero is not None and not isinstance(zero, dict):
+        draft.refuse(f"{source}: zero_optimization", f"must be a mapping, got {type(ds.pop('zero_optimization')).__name__}")
+    for name in ("offload_optimizer", "offload_param"):
+        off = (ds.get("zero_optimization") or {}).get(name)
+        if off is not None and not isinstance(off, dict):
+            draft.refuse(f"{source}: zero_optimization.{name}", "must be a mapping ({device: cpu})")
+            ds["zero_optimization"] = {k: v for k, v in ds["zero_optimization"].items() if k != name}
+    for where, node, key in (("communication_data_type", ds, "communication_data_type"),
+                             ("data_types.grad_accum_dtype", ds.get("data_types") or {}, "grad_accum_dtype")):
+        value = node.get(key)
+        if isinstance(value, str):
+            node[key] = next((k for k, names in _DTYPES.items() if value.lower() in names), value)
+    for name in ("sequence_parallel_size", "data_parallel_size"):
+        if ds.get(name, 1) != 1:  # DeepSpeed divides the data-parallel world by them; hfscale's batch math does not
+            draft.refuse(f"{source}: {name}", f"{ds[name]!r}: sequence parallelism is not something hfscale writes "
+                         "yet (DeepSpeed's data-parallel world would not be hfscale's); launch this config as it is")
+    return ds
+
+
 def _whole_numbers(node: dict, keys: Section | None) -> dict:
     """``1e9`` (a float in JSON) as the whole number DeepSpeed reads it as, where it wants one."""
     out = {}
@@ -109,14 +159,23 @@ def _typed(path: tuple[str, ...], value: Any, draft: Draft, source: str, where: 
         draft.set(path, value, key=where)
 
 
+def _whole(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _batch(ds: dict, draft: Draft, source: str, world: int) -> None:
     given = set(ds)
-    micro = ds.pop("train_micro_batch_size_per_gpu", None)
-    ga = ds.pop("gradient_accumulation_steps", None)
-    total = ds.pop("train_batch_size", None)
-    if micro is None and isinstance(total, int) and total != AUTO:
+    micro = _whole(ds.pop("train_micro_batch_size_per_gpu", None))
+    ga = _whole(ds.pop("gradient_accumulation_steps", None))
+    total = _whole(ds.pop("train_batch_size", None))
+    counts = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro))
+    if micro is not None and ga is None and counts and total != micro * world:
+        draft.notes.append(f"{source}: no gradient_accumulation_steps: accelerate sets it to 1, and DeepSpeed's batch "
+                           f"check then fails at {world} processes ({total} != {micro} x 1 x {world}); hfscale derives "
+                           "it from train_batch_size, as DeepSpeed alone does")
+    if micro is None and isinstance(total, int) and not isinstance(total, bool) and total > 0:
         # DeepSpeed derives the micro batch from the global one (gradient accumulation 1 when absent)
-        per_rank = world * (ga if isinstance(ga, int) else 1)
+        per_rank = world * (ga if isinstance(ga, int) and not isinstance(ga, bool) and ga > 0 else 1)
         if total % per_rank == 0:
             micro = total // per_rank
             draft.comments[("batch", "micro_batch_size")] = (f"absent: DeepSpeed derives it, train_batch_size {total} "
@@ -144,8 +203,8 @@ def _precision(ds: dict, draft: Draft, source: str, mixed_precision: str | None)
         # accelerate fills "auto" from its mixed_precision, "no" when the file has none
         explicit = [n for n, v in on.items() if v is True]
         value = explicit[0] if explicit else mixed_precision or "no"
-        why = "the accelerate config's mixed_precision" if mixed_precision else "no mixed_precision in the accelerate " \
-            "config: accelerate's default"
+        why = "the accelerate config's mixed_precision" if mixed_precision else "the Trainer's --bf16/--fp16 (off " \
+            "unless your command line set them; hfscale writes them from precision): set yours"
         draft.set(("precision",), value, f"auto: {why}")
     else:
         value = "bf16" if on["bf16"] else "fp16" if on["fp16"] else "no"
@@ -164,11 +223,10 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
         if old in zero:
             if zero.pop(old) is True and new not in zero:
                 zero[new] = {"device": "cpu"}
-    if "cpu_offload_use_pin_memory" in zero:
-        pin = zero.pop("cpu_offload_use_pin_memory")
-        for name in _OLD_OFFLOAD.values():
-            if isinstance(zero.get(name), dict):
-                zero[name].setdefault("pin_memory", pin)
+    if "cpu_offload_use_pin_memory" in zero:  # DeepSpeed declares it but sets nothing from it (set_new_param False)
+        zero.pop("cpu_offload_use_pin_memory")
+        draft.notes.append(f"{source}: left out zero_optimization.cpu_offload_use_pin_memory: DeepSpeed reads nothing "
+                           "from it")
     if section is not None:
         zero = {section.canonical(k): v for k, v in zero.items()}
     stage = zero.pop("stage", 0)
@@ -252,9 +310,18 @@ def _scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None:
     if kind not in SCHEDULES:
         draft.refuse(f"{source}: scheduler.type", f"{kind!r}: hfscale writes {', '.join(SCHEDULES)}")
         return
-    warmup = params.pop("warmup_num_steps", 0)
+    if "warmup_num_steps" not in params:  # deepspeed/runtime/lr_schedules.py: 1000 steps, peak lr 0.001
+        draft.set(T + ("warmup_steps",), 1000, "absent from the scheduler: DeepSpeed's default warmup_num_steps")
+    warmup = params.pop("warmup_num_steps", 1000)
     total = params.pop("total_num_steps", None)
     lr = params.pop("warmup_max_lr", None)
+    if lr is None and kind != "WarmupCosineLR":
+        if draft.get(T + ("learning_rate",)) in (None, 0.001):
+            draft.set(T + ("learning_rate",), 0.001, "absent from the scheduler: DeepSpeed's default warmup_max_lr")
+        else:
+            draft.refuse(f"{source}: scheduler.params", f"no warmup_max_lr: DeepSpeed's {kind} peaks at its default "
+                         f"0.001, not at the optimizer's lr {draft.get(T + ('learning_rate',))}; hfscale writes one "
+                         "learning rate to both: write warmup_max_lr")
     draft.set(DS + ("scheduler",), {"type": kind}, key="scheduler")
     schedule = SCHEDULES[kind] if kind != "WarmupLR" or warmup not in (0, AUTO) else "constant"
     draft.set(T + ("lr_scheduler_type",), schedule)
@@ -284,8 +351,6 @@ def _auto_or(path: tuple[str, ...], value: Any, draft: Draft, key: str | None = 
     if value != AUTO:
         draft.set(path, value, key=key)
         return
-    from .config import TrainingConfig
-
     draft.set(path, TrainingConfig.model_fields[path[-1]].default, f"auto: the Trainer's {path[-1]}; hfscale's default")
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .accelerate_source import accelerate_keys, fsdp2_mapping
+from .accelerate_source import accelerate_keys
 from .errors import ConfigError, Problem
 from .extra_keys import check_extra
 from .hostfile import parse_hostfile
 from .import_deepspeed import import_deepspeed
+from .import_fsdp import import_fsdp
 from .import_draft import Draft, as_bool, render_draft
 from .load import _read, load_text
 from .yamlsource import parse
@@ -26,11 +27,6 @@ from .yamlsource import parse
 BACKENDS = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MULTI_GPU": "ddp", "NO": "ddp"}
 # accelerate launch's multi_gpu path serves these too (commands/launch.py, _validate_launch_command)
 SAME_AS_MULTI_GPU = ("MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
-FSDP_KEYS = {"reshard_after_forward", "offload_params", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
-             "min_num_params", "state_dict_type", "activation_checkpointing", "activation_checkpointing_offload",
-             "cpu_ram_efficient_loading"}
-# accelerate's values where its file leaves a key out and hfscale's default differs
-FSDP_ABSENT = {"auto_wrap_policy": "NO_WRAP"}
 # keys hfscale writes itself (render_accelerate), with the value that needs no mention
 WRITTEN = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0, "main_training_function": "main",
            "use_cpu": False, "rdzv_backend": "static", "same_network": True, "downcast_bf16": "no"}
@@ -96,7 +92,9 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     env = acc.pop("compute_environment", "LOCAL_MACHINE")
     if env != "LOCAL_MACHINE":
         draft.refuse(f"{where}: compute_environment", f"{env!r}: hfscale launches on your machines (LOCAL_MACHINE)")
+    _legacy(acc, draft, where)
     kind = acc.pop("distributed_type", "NO")
+    kind = kind if isinstance(kind, str) else repr(kind)
     backend = BACKENDS.get(kind)
     if kind in SAME_AS_MULTI_GPU:
         backend = "ddp"
@@ -107,29 +105,30 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
         backend = "ddp"
     draft.set(("distributed", "backend"), backend, key="distributed_type")
     precision = acc.pop("mixed_precision", None)
+    if precision not in (None, "no", "bf16", "fp16"):
+        draft.refuse(f"{where}: mixed_precision", f"{precision!r}: hfscale writes bf16, fp16 or no")
+        precision = None
     procs = acc.get("num_processes")
     world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
     _cluster(acc, hostfile, out_dir, draft, where)
     plugin = acc.pop("deepspeed_config", None) or {}
     fsdp = acc.pop("fsdp_config", None) or {}
+    if not isinstance(plugin, dict):
+        draft.refuse(f"{where}: deepspeed_config", f"must be a mapping, got {type(plugin).__name__}")
+        plugin = {}
     if backend == "deepspeed":
+        if precision is not None and (deepspeed is not None or "deepspeed_config_file" in plugin):
+            draft.refuse(f"{where}: mixed_precision", "beside deepspeed_config_file: accelerate's DeepSpeedPlugin "
+                         "refuses the pair (it would be ignored); set bf16/fp16 in the JSON")
         _deepspeed(plugin, deepspeed, precision, draft, where, world)
     else:
-        if precision not in (None, "no", "bf16", "fp16"):
-            draft.refuse(f"{where}: mixed_precision", f"{precision!r}: hfscale writes bf16, fp16 or no")
         draft.set(("precision",), precision or "no", key="mixed_precision")
         if plugin:
             draft.refuse(f"{where}: deepspeed_config", f"DeepSpeed settings, but distributed_type is {kind}")
         if deepspeed is not None:
             draft.refuse(deepspeed.path, f"a DeepSpeed config, but distributed_type is {kind}")
     if fsdp:
-        _fsdp(fsdp, draft, where, backend)
-    if "dynamo_backend" in acc:  # accelerate's loader turns this old key into dynamo_config (config_args.py)
-        legacy = acc.pop("dynamo_backend")
-        if legacy != "NO" and "dynamo_config" not in acc:
-            acc["dynamo_config"] = {"dynamo_backend": legacy}
-        elif legacy == "NO":
-            draft.notes.append(f"{where}: left out dynamo_backend: NO, accelerate's old spelling of no dynamo_config")
+        import_fsdp(fsdp, draft, where, backend)
     _parallelism(acc.pop("parallelism_config", None) or {}, draft, where, backend)
     _rest(acc, draft, where)
     if backend != "deepspeed" or draft.get(("batch", "micro_batch_size")) is None:
@@ -147,7 +146,22 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     return text
 
 
+def _legacy(acc: dict[str, Any], draft: Draft, where: str) -> None:
+    """Old keys as accelerate's loader converts them (commands/config/config_args.py, from_yaml_file)."""
+    if "fp16" in acc and "mixed_precision" not in acc:
+        acc["mixed_precision"] = "fp16" if acc.pop("fp16") else "no"
+        draft.notes.append(f"{where}: fp16 is accelerate's old spelling of mixed_precision: {acc['mixed_precision']}")
+    if "dynamo_backend" in acc:
+        legacy = acc.pop("dynamo_backend")
+        acc["dynamo_config"] = {} if legacy == "NO" else {"dynamo_backend": legacy}  # the loader replaces it
+        draft.notes.append(f"{where}: dynamo_backend {legacy} is accelerate's old spelling of dynamo_config"
+                           f"{'' if legacy == 'NO' else ' dynamo_backend'}")
+
+
 def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Draft, where: str) -> None:
+    for key in ("num_machines", "num_processes"):
+        if key in acc and not (isinstance(acc[key], int) and not isinstance(acc[key], bool)):
+            draft.refuse(f"{where}: {key}", f"must be a whole number, got {acc.pop(key)!r}")
     machines = acc.pop("num_machines", 1)
     if "num_processes" not in acc:
         draft.notes.append(f"{where} has no num_processes (accelerate launch then takes --num_processes from its "
@@ -213,9 +227,11 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
             ds["fp16"] = {"enabled": True, "auto_cast": True}
         elif precision == "bf16":
             ds["bf16"] = {"enabled": True}
-        for key in ("gradient_accumulation_steps", "gradient_clipping"):
-            if key in plugin:
-                ds[key] = plugin.pop(key)
+        if "gradient_accumulation_steps" in plugin:
+            ds["gradient_accumulation_steps"] = plugin.pop("gradient_accumulation_steps")
+        clip = plugin.pop("gradient_clipping", None)
+        if clip:  # accelerate writes it only when truthy: 0 leaves DeepSpeed's default, 1.0
+            ds["gradient_clipping"] = clip
         source = f"{where} (deepspeed_config)"
     launch_keys = accelerate_keys()
     section = launch_keys.keys["deepspeed_config"].section if launch_keys and "deepspeed_config" in launch_keys.keys \
@@ -225,7 +241,7 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
         draft.notes.append(f"{where}: left out deepspeed_config.{', '.join(unread)}: not an argument of accelerate "
                            "launch, which never reads it")
     for key in plugin:
-        if key not in unread:
+        if key not in unread and not (deepspeed is not None and key in PLUGIN):  # those are refused above
             draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
     save_16bit = as_bool(plugin_save) if plugin_save is not None else False
     import_deepspeed(ds, draft, source, precision, world, save_16bit is True)
@@ -235,66 +251,14 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
         draft.notes.append("left out zero3_init_flag: it is for ZeRO stage 3 only")
 
 
-# what each FSDP1 key dropped or renamed by accelerate's conversion meant, for the notes
-_FSDP1_MEANING = {
-    "fsdp_backward_prefetch": "FSDP2 prefetches the next all-gather in backward by itself",
-    "fsdp_forward_prefetch": "accelerate does not offer forward prefetch with FSDP2",
-    "fsdp_sync_module_states": "FSDP2 has no such switch; with cpu_ram_efficient_loading accelerate loads the "
-                               "weights on rank 0 and broadcasts them",
-    "fsdp_use_orig_params": "FSDP2 always trains the original parameters",
-}
-_SHARDING_NOTE = {
-    "HYBRID_SHARD": "FSDP2 shards across every rank; hybrid sharding (replicas across nodes) is "
-                    "distributed.parallelism.dp_replicate_size",
-    "HYBRID_SHARD_ZERO2": "FSDP2 shards across every rank; hybrid sharding (replicas across nodes) is "
-                          "distributed.parallelism.dp_replicate_size",
-    "NO_SHARD": "FSDP2 still shards parameters, gradients and optimizer state; for no sharding use backend ddp",
-}
-
-
-def _fsdp(fsdp: dict, draft: Draft, where: str, backend: str) -> None:
-    if backend != "fsdp":
-        draft.refuse(f"{where}: fsdp_config", f"FSDP settings, but the backend is {backend}")
-        return
-    # accelerate launch adds the fsdp_ prefix where the file leaves it out
-    prefixed = {k if str(k).startswith("fsdp") else f"fsdp_{k}": v for k, v in fsdp.items()}
-    named = {k if str(k).startswith("fsdp") else f"fsdp_{k}": k for k in fsdp}  # as written in the file
-    if str(prefixed.get("fsdp_version", 1)) != "2":
-        mapping = fsdp2_mapping()
-        if mapping is None:
-            draft.refuse(f"{where}: fsdp_config.fsdp_version", "FSDP1: hfscale writes FSDP2, and the installed "
-                         "accelerate has no to-fsdp2 conversion to convert it with")
-            return
-        converted, dropped = mapping.convert(prefixed)
-        draft.notes.append(f"{where}: FSDP1 (fsdp_version 1) converted to FSDP2 as `accelerate to-fsdp2` does")
-        for key in dropped:
-            draft.notes.append(f"{where}: left out {named[key]}: {mapping.dropped[key]} "
-                               f"({_FSDP1_MEANING.get(key, 'accelerate drops it')})")
-        strategy = prefixed.get("fsdp_sharding_strategy")
-        if strategy is not None:
-            new = converted.get(mapping.keys.get("fsdp_sharding_strategy", ""), strategy)
-            why = _SHARDING_NOTE.get(str(strategy), "the same sharding")
-            draft.notes.append(f"{where}: {named['fsdp_sharding_strategy']} {strategy} became reshard_after_forward "
-                               f"{str(new).lower()}: {why}")
-        prefixed = converted
-    values = {str(k).removeprefix("fsdp_"): v for k, v in prefixed.items()}
-    values.pop("version", None)
-    for key, value in values.items():
-        if key not in FSDP_KEYS:
-            draft.refuse(f"{where}: fsdp_config.{named.get('fsdp_' + key, 'fsdp_' + key)}",
-                         "not an FSDP2 setting hfscale writes")
-            continue
-        value = as_bool(value)
-        if key == "transformer_layer_cls_to_wrap":
-            value = [c.strip() for c in str(value).split(",") if c.strip()]
-        draft.set(("distributed", "fsdp", key), value, key=f"fsdp_config.{named.get('fsdp_' + key, 'fsdp_' + key)}")
-    for key, value in FSDP_ABSENT.items():
-        if key not in values:
-            draft.set(("distributed", "fsdp", key), value, "absent from the accelerate config: accelerate's default")
-
-
 def _parallelism(pc: dict, draft: Draft, where: str, backend: str) -> None:
+    if not isinstance(pc, dict):
+        draft.refuse(f"{where}: parallelism_config", f"must be a mapping, got {type(pc).__name__}")
+        return
     sp = sorted(str(k) for k in pc if str(k).removeprefix("parallelism_config_").startswith("sp_"))
+    sizes = [pc[k] for k in sp if str(k).endswith("sp_size")]
+    if sizes and all(v == 1 for v in sizes):
+        sp = []  # sequence parallelism of size 1: off, the keys pass through
     if sp:  # sequence parallelism splits the data-parallel world: hfscale's batch math has no such term
         draft.refuse(f"{where}: parallelism_config.{sp[0]}", f"sequence parallelism ({', '.join(sp)}, backend "
                      f"{backend}) is not something hfscale writes yet; launch this config with accelerate launch")

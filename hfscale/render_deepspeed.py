@@ -6,9 +6,9 @@ which the HF Trainer fills with the step count it computes). The
 TrainingArguments hfscale builds come from the same YAML, so the HF Trainer's consistency check
 finds them equal, and a plain ``accelerate launch`` script gets usable numbers too. The optimizer
 and LR scheduler belong to the training script and are left out unless
-``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed (optimizer offload
-needs DeepSpeed's optimizer: hfscale.deepspeed_rules says so); their parameters are written from
-``training``.
+``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed (with optimizer
+offload and none named, accelerate swaps the script's torch optimizer for DeepSpeed's CPU Adam);
+their parameters are written from ``training``.
 ``distributed.deepspeed.extra`` is merged in last (hfscale.deepspeed_rules refuses keys written here).
 """
 
@@ -70,7 +70,8 @@ def _scheduler(job: Job, ds: DeepSpeedSection) -> dict[str, Any] | None:
         return None
     t = job.config.training
     kind = ds.scheduler.type
-    params: dict[str, Any] = {"warmup_num_steps": t.warmup_steps, "warmup_type": "linear"}  # the Trainer's warm-up
+    # the Trainer's warm-up; DeepSpeed >= 0.19.6 refuses 0 steps, and transformers fills max(1, warmup) itself
+    params: dict[str, Any] = {"warmup_num_steps": max(1, t.warmup_steps), "warmup_type": "linear"}
     # no max_steps: the Trainer fills "auto" with the step count it computes (epochs x batches)
     total = t.max_steps if t.max_steps is not None else "auto"
     if kind == "WarmupCosineLR":

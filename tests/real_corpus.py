@@ -155,6 +155,24 @@ def deepspeed_loads(path: Path, world: int) -> str | None:
     return None
 
 
+def scheduler_builds(path: Path) -> str | None:
+    """Why DeepSpeed's own scheduler class refuses the JSON's scheduler section (DeepSpeedConfig
+    does not build it), or None; "auto" as the Trainer fills it."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    sched = json.loads(path.read_text()).get("scheduler")
+    if not sched:
+        return None
+    params = {k: (100 if v == "auto" else v) for k, v in sched.get("params", {}).items()}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    try:
+        getattr(lr_schedules, sched["type"])(optimizer, **params)
+    except Exception as e:  # noqa: BLE001 - any refusal of DeepSpeed's is the finding
+        return f"{sched['type']}: {type(e).__name__}: {e}"
+    return None
+
+
 def run_case(row: Row, acc_path: Path, ds_path: Path | None, tmp: Path, monkeypatch) -> Result:
     """One corpus case through import, check and config; the outcome and what differs."""
     from test_consumers import _deepspeed_plugin_as_launched
@@ -195,9 +213,9 @@ def run_case(row: Row, acc_path: Path, ds_path: Path | None, tmp: Path, monkeypa
         diffs = [d for d in diffs if not d.startswith("distributed_type:")] + same_launch(acc_path, gen / "accelerate_config.yaml")
     if back.get("distributed_type") == "DEEPSPEED":
         world = int(back["num_processes"])
-        why = deepspeed_loads(gen / DEEPSPEED_FILE, world)
+        why = deepspeed_loads(gen / DEEPSPEED_FILE, world) or scheduler_builds(gen / DEEPSPEED_FILE)
         if why:
-            diffs.append(f"DeepSpeedConfig refuses the written JSON: {why}")
+            diffs.append(f"DeepSpeed refuses the written JSON: {why}")
         source = acc_path
         if ds_path is not None:  # the pair as accelerate launch reads it: the JSON by absolute path
             merged = {**orig, "deepspeed_config": {**(orig.get("deepspeed_config") or {}),
@@ -267,11 +285,14 @@ def compare_fsdp(orig: dict, back: dict) -> list[str]:
 
     from accelerate.commands.to_fsdp2 import convert_config_to_fsdp2
 
+    version = (orig.get("fsdp_config") or {}).get("fsdp_version", 1)
     want = convert_config_to_fsdp2(copy.deepcopy(orig)).get("fsdp_config") or {}
     norm = {str(k).removeprefix("fsdp_"): v for k, v in want.items()}
     got = {str(k).removeprefix("fsdp_"): v for k, v in (back.get("fsdp_config") or {}).items()}
     defaults = {"auto_wrap_policy": None, "offload_params": False, "cpu_ram_efficient_loading": True,
-                "activation_checkpointing": False, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT",
+                "activation_checkpointing": False, "reshard_after_forward": True,
+                # accelerate's default layout: FULL for FSDP1, SHARDED for FSDP2 (utils/dataclasses.py)
+                "state_dict_type": "FULL_STATE_DICT" if str(version) == "1" else "SHARDED_STATE_DICT",
                 "activation_checkpointing_offload": False,  # accelerate's plugin: FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD
                 "version": 2}
     out = []

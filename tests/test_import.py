@@ -208,7 +208,8 @@ def test_auto_values_are_resolved_with_a_comment(tmp_path):
     assert "reduce_bucket_size: 500000000  # auto: the Trainer derives it from the model's hidden size" in text
     assert "micro_batch_size: 1  # auto: the Trainer's per_device_train_batch_size; set yours" in text
     assert "learning_rate: 5.0e-05  # auto: the Trainer's learning_rate; hfscale's default" in text
-    assert "precision: 'no'  # auto: no mixed_precision in the accelerate config: accelerate's default" in text
+    assert "precision: 'no'  # auto: the Trainer's --bf16/--fp16 (off unless your command line set them; hfscale " \
+        "writes them from precision): set yours" in text
     assert "runner:\n  type: pdsh" in text
 
 
@@ -285,3 +286,43 @@ def test_floats_and_sizes_deepspeed_accepts_are_accepted(tmp_path):
     assert r.returncode == 0, r.stderr
     doc = yaml.safe_load(r.stdout)["distributed"]["deepspeed"]
     assert doc["sub_group_size"] == 10**14 and doc["steps_per_print"] == 100000
+
+
+@pytest.mark.parametrize("accelerate, ds", [
+    ("distributed_type: [1]\n", None),
+    ("distributed_type: MULTI_GPU\nnum_processes: '4'\n", None),
+    ("distributed_type: DEEPSPEED\ndeepspeed_config: abc\n", None),
+    ("distributed_type: FSDP\nfsdp_config: abc\n", None),
+    ("distributed_type: FSDP\nfsdp_config: {fsdp_version: 1, fsdp_transformer_layer_cls_to_wrap: [A], "
+     "fsdp_sharding_strategy: [1]}\n", None),
+    ("distributed_type: FSDP\nparallelism_config: [a]\n", None),
+    ("distributed_type: DEEPSPEED\nmixed_precision: bogus\ndeepspeed_config: {zero_stage: 2}\n", None),
+    (None, {"bf16": True, "fp16": "auto"}),
+    (None, {"optimizer": {"type": "AdamW", "params": "auto"}}),
+    (None, {"scheduler": {"type": ["x"], "params": [1]}}),
+    (None, {"train_batch_size": 8, "gradient_accumulation_steps": 0}),
+    (None, {"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}}),
+    (None, {"sequence_parallel_size": 2, "train_micro_batch_size_per_gpu": 1}),
+])
+def test_odd_sources_are_exit_2_with_the_key_never_a_traceback(tmp_path, accelerate, ds):
+    acc = tmp_path / "acc.yaml"
+    acc.write_text(accelerate or (DATA / "ds_plain.yaml").read_text())
+    args = ["import", str(acc), "--out", "-"]
+    if ds is not None:
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+        args += ["--deepspeed", str(tmp_path / "ds.json")]
+    r = run_cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: {acc}: ")
+
+
+def test_fsdp1_numeric_strategy_and_its_default_layout(tmp_path):
+    """Older FSDP1 configs write the strategy as torch's enum number; FSDP1 saves a full state dict
+    by default, which FSDP2 would change: both carried over."""
+    (tmp_path / "acc.yaml").write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n"
+                                       "  fsdp_sharding_strategy: 2\n  fsdp_version: 1\n")
+    r = run_cli("import", str(tmp_path / "acc.yaml"), "--out", "-")
+    assert r.returncode == 0, r.stderr
+    fsdp = yaml.safe_load(r.stdout)["distributed"]["fsdp"]
+    assert fsdp["reshard_after_forward"] is False and fsdp["state_dict_type"] == "FULL_STATE_DICT"
+    assert "fsdp_sharding_strategy SHARD_GRAD_OP became reshard_after_forward false" in r.stdout
