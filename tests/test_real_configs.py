@@ -50,6 +50,12 @@ def test_every_config_round_trips_or_is_refused_for_its_stated_reason(results):
     for name, why in REFUSED.items():
         assert why in refused[name]
     assert sum(r.outcome == "faithful" for r in results) == len(results) - len(REFUSED)
+    # JSONs for DeepSpeed's own launcher with no zero_optimization: accelerate refuses them, so they are
+    # compared as DeepSpeed alone reads them, and the import says what accelerate would do
+    raw = {r.row.file: r.notes for r in results if r.accelerate_refuses_original}
+    assert set(raw) == {"microsoft__DeepSpeedExamples/ds_config.json",
+                        "microsoft__DeepSpeedExamples/deepspeed_bsz24_config.json"}
+    assert all(any("accelerate's DeepSpeedPlugin refuses such a file" in n for n in notes) for notes in raw.values())
 
 
 def test_what_the_import_leaves_out_is_said(results):
