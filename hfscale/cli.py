@@ -189,8 +189,11 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
     """
     from .launch_plan import NOTHING_TO_TRAIN
     from .plan import build_plan
+    from .script_rules import extra_args_warnings
 
     job = _load(config_file)
+    for w in extra_args_warnings(job, script_args):  # a plain script's own values after --
+        click.echo(f"warning: {w}", err=True)
     ctx = _context(job, script_args, restart)
     try:
         plan = build_plan(job, ctx)

@@ -232,8 +232,8 @@ class TrainingConfig(Strict):
         "HfArgumentParser script (transformers' examples, TRL); none: nothing but script_args, for a plain loop "
         "that reads $HFSCALE_CONFIG itself.")
     script_args: tuple[Word, ...] = _seq(
-        description="Arguments for the script (numbers become text), e.g. --model_name_or_path; a TrainingArguments "
-        "flag this file determines may appear only with the same value.")
+        description="Arguments for the script (a number as written: 1.0e-3 stays 1.0e-3), e.g. --model_name_or_path; "
+        "a TrainingArguments flag this file determines may appear only with the same value.")
     output_dir: str = Field("output", description="Checkpoints and logs, relative to the working directory.")
     max_steps: PositiveInt | None = Field(None, description="Optimizer steps to run. Null: num_train_epochs.")
     num_train_epochs: float = Field(1.0, gt=0, le=1e6, description="Epochs, when max_steps is null.")
@@ -270,6 +270,10 @@ class WatchdogConfig(Strict):
     first_step: int | None = Field(
         None, ge=1, le=7 * 86400, description="Seconds allowed before the first step (loading, compiling). Null: "
         "not watched.")
+    script_reports_steps: bool = Field(
+        False, description="training.pass_args none only: the script calls hfscale.progress.step(n) after each "
+        "optimizer step, so the watchdog sees its steps (a Trainer script and the built-in entry point report "
+        "them through hfscale). Without it, first_step is refused: it would stop a healthy job.")
 
 
 class HfscaleConfig(Strict):

@@ -26,14 +26,22 @@ PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is prin
 # "host: " as pdsh prefixes a node's lines (pdsh's own lines: "pdsh@launcher: host: ")
 HOST_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): ")
 _RANK = re.compile(r"^\[(?:default)?rank\d+\]: ?")
-_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; its next, indented, line is the source
+_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; an indented source line follows
+# lines after a warning's first line in which its source line may still come: the ranks share one
+# pipe and write the two lines separately, so another rank's warning can come in between
+_SOURCE_WITHIN = 16
 _NOISE = [
     re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(?:INFO|WARNING|DEBUG)\]"),  # DeepSpeed's logger
     re.compile(r"^\[(?:transformers|accelerate|datasets|torch)\] "),  # transformers 5's logging format
     re.compile(r"^\[?[WI]\d{4} [\d:.]+ +(?:\d+ )?"),  # torch's c10 logging (torchrun's OMP_NUM_THREADS notice ...)
     re.compile(r"^(?:WARNING|INFO|DEBUG):[\w.]+:"),  # the logging module's default format
-    re.compile(r"^\{'(?:loss|grad_norm|learning_rate|hfscale/)"),  # the Trainer's log dicts (not the final summary)
+    # the Trainer's log dicts, its final summary included (the progress line shows the numbers)
+    re.compile(r"^\{'(?:loss|grad_norm|learning_rate|hfscale/|train_runtime)"),
     re.compile(r"\d+%\|.*\| *\d+/\d+ \["),  # tqdm bars
+    # tqdm without a total ("Generating train split: 5 examples [00:00, 427.55 examples/s]", datasets)
+    re.compile(r": *\d[\d.]*[kMGT]? ?[\w ]* \[(?:\d+:)?\d\d:\d\d, +(?:\?|[\d.]+[kMGT]?) ?\w*/\w+[^\]]*\]$"),
+    re.compile(r"^DeepSpeed [\w.]+ built successfully$"),  # DeepSpeed's JIT op builds (deepspeed.comm)
+    re.compile(r"^Time to load \w+ op: [\d.]+ seconds$"),
     re.compile(r"^\s*warnings\.warn\("),
 ]
 _ERROR = re.compile(r"Traceback \(most recent call last\)|\b\w*(?:Error|Exception)\b|\bFAILED\b|\berror\b", re.I)
@@ -52,7 +60,8 @@ class Console:
         self.tty = self.stream.isatty() if tty is None else tty
         self._lock = threading.Lock()
         self._live = ""  # the progress line now on the terminal (tty only)
-        self._after_warning: set[str] = set()  # sources whose last line was a warning's first line
+        # per source: [warnings whose source line has not come yet, lines left in which it may come]
+        self._after_warning: dict[str, list[int]] = {}
         self._in_trace: set[str] = set()
 
     def shown(self, line: str) -> bool:
@@ -67,10 +76,6 @@ class Console:
         source, text = (m["host"], _RANK.sub("", line[m.end():])) if m else ("", _RANK.sub("", line))
         if not text.strip():
             return False
-        if source in self._after_warning:
-            self._after_warning.discard(source)
-            if text[:1].isspace():
-                return False
         if "Traceback (most recent call last)" in text:
             self._in_trace.add(source)
             return True
@@ -78,8 +83,18 @@ class Console:
             if _TRACE_END.match(text):
                 self._in_trace.discard(source)
             return True
+        pending = self._after_warning.get(source)
+        if pending is not None:
+            indented = text[:1].isspace()  # a warning's source line
+            pending[0] -= indented
+            pending[1] -= 1
+            if pending[0] <= 0 or pending[1] <= 0:
+                del self._after_warning[source]
+            if indented:
+                return False
         if _WARNING.match(text):
-            self._after_warning.add(source)
+            pending = self._after_warning.setdefault(source, [0, 0])
+            pending[0], pending[1] = pending[0] + 1, _SOURCE_WITHIN
             return False
         if any(p.search(text) for p in _NOISE):
             return False

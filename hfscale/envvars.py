@@ -1,13 +1,15 @@
 """The job's environment: network presets, explicit values, names forwarded from the shell.
 
-Pure functions: the launching shell's environment comes in as a mapping, nothing is read here.
+Pure functions: the launching shell's environment comes in as a mapping, nothing is read here
+(but ``installed_torch``, the installed torch's version from its package metadata).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from .config import HfscaleConfig
 
@@ -85,6 +87,43 @@ def job_env(cfg: HfscaleConfig, shell_env: Mapping[str, str]) -> dict[str, str]:
     env.update(forwarded(cfg.env.forward, shell_env))
     env.update(cfg.env.vars)
     return env
+
+
+# The flight recorder keeps each rank's last collectives (the hang report reads them). torch 2.8 made
+# it backend-neutral (gloo too) and renamed its variables; since then the old NCCL names still work
+# but make every rank print "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated; use TORCH_FR_BUFFER_SIZE".
+# The new names alone are enough there: the recorder reads TORCH_FR_BUFFER_SIZE first, and
+# ProcessGroupNCCL's own buffer size (TORCH_NCCL_TRACE_BUFFER_SIZE, read without a deprecation)
+# defaults to the same 2000 entries (torch 2.13: FlightRecorder.hpp). Before 2.8 only the NCCL names exist.
+FLIGHT_RECORDER_RENAMED = (2, 8)
+_FLIGHT_NAMES = {"size": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
+                 "dump": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
+
+
+def flight_recorder_env(entries: str, dump_prefix: str, torch_version: str | None,
+                        given: Collection[str] = ()) -> dict[str, str]:
+    """The flight recorder's variables under the names ``torch_version`` reads (None: unknown, the
+    current names); a setting the job's own environment ``given`` holds under either name is left to it."""
+    m = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    old = m is not None and (int(m[1]), int(m[2])) < FLIGHT_RECORDER_RENAMED
+    out = {}
+    for what, value in (("size", entries), ("dump", dump_prefix)):
+        names = _FLIGHT_NAMES[what]
+        if not any(n in given for n in names):
+            out[names[1] if old else names[0]] = value
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def installed_torch() -> str | None:
+    """The version of the torch installed beside hfscale, from its package metadata (torch is not
+    imported); None when there is none."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def host_env(cfg: HfscaleConfig, host: str) -> dict[str, str]:

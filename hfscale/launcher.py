@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
-from .envvars import job_env, secret_names
+from .envvars import flight_recorder_env, installed_torch, job_env, secret_names
 from .job import Job
 from .resume import OutputScan
 from .rundir import CONFIG_COPY
+from .run_script import PLAIN_FLAG
 from .script_rules import SCRIPT_ENTRY, script_argv
 from .progress import FLIGHT_DIR
 from .shell import Cat, Secret, Word
@@ -70,17 +71,29 @@ def torchrun_expands(job: Job) -> bool:
     return not (cfg.runner.launcher == "accelerate" and cfg.distributed.backend == "ddp" and job.world_size == 1)
 
 
+def plain_needs_entry(job: Job) -> bool:
+    """Whether a plain script (pass_args: none) starts through ``hfscale.run_script --plain``: under
+    accelerate's DeepSpeed launcher, where a rank without a GPU must set up accelerate's process
+    state with a backend before the script's Accelerator (hfscale.run_script.accelerate_needs_backend)."""
+    return job.config.runner.launcher == "accelerate" and job.deepspeed is not None
+
+
 def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
     """(launcher flags that select the entry, [entry, *args]): hfscale's built-in entry point reading
     the resolved config from ``run_dir``; a Trainer script through ``hfscale.run_script`` with the
-    YAML's flags (hfscale.script_rules); a plain script with its own arguments only. Every ``$`` is
-    doubled where torchrun would expand it, so the script gets its arguments as written."""
+    YAML's flags (hfscale.script_rules); a plain script with its own arguments only (through
+    ``hfscale.run_script --plain`` where plain_needs_entry). Every ``$`` is doubled where torchrun
+    would expand it, so the script gets its arguments as written."""
     t = job.config.training
     if t.script is None:
         flag, target = ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY)]
     else:
         argv = script_argv(job, posixpath.join(run_dir, DEEPSPEED_FILE), ctx.extra_args)
-        flag, target = ([], argv) if t.pass_args == "none" else (["--module"], [SCRIPT_ENTRY, *argv])
+        if t.pass_args == "none" and not plain_needs_entry(job):
+            flag, target = [], argv
+        else:
+            plain = [PLAIN_FLAG] if t.pass_args == "none" else []
+            flag, target = ["--module"], [SCRIPT_ENTRY, *plain, *argv]
     if torchrun_expands(job):
         target = [w.replace("$", "$$") for w in target]
     return flag, target
@@ -170,10 +183,8 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secr
     if watched(job, ctx):
         # the flight recorder (gloo and NCCL) keeps each rank's last collectives for the hang report;
         # NCCL also writes it here when its own watchdog times out
-        for name, value in (("TORCH_FR_BUFFER_SIZE", FLIGHT_ENTRIES), ("TORCH_NCCL_TRACE_BUFFER_SIZE", FLIGHT_ENTRIES),
-                            ("TORCH_FR_DUMP_TEMP_FILE", posixpath.join(run_dir, FLIGHT_DIR, "nccl_rank_"))):
-            if name not in values:
-                env[name] = value
+        env.update(flight_recorder_env(FLIGHT_ENTRIES, posixpath.join(run_dir, FLIGHT_DIR, "nccl_rank_"),
+                                       installed_torch(), values))
     if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently
         # with gloo (pytorch/pytorch#135712); a separate store per round avoids it

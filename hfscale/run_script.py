@@ -1,4 +1,4 @@
-"""Start a user's Trainer script as one rank, adding the two flags only the rank can decide.
+"""Start a user's script as one rank: a Trainer script with the two flags only the rank can decide.
 
     python -m hfscale.run_script SCRIPT [ARGS...]     # as each rank (accelerate launch --module, torchrun -m)
 
@@ -22,13 +22,33 @@ exception or ``sys.exit(N)`` from SCRIPT ends the process as it would without hf
 It does not run SCRIPT when the newest checkpoint is already at ``--max_steps`` (the Trainer would
 take one more step and save it; exit 0), and never lets it start over in an output_dir that holds
 checkpoints of which none is complete: at the job's first start (not a restart) it exits with
-code 2 and says why. Plain Python until SCRIPT imports torch.
+code 2 and says why.
+
+On the CPU, a rank of a DeepSpeed job of more than one process (``--deepspeed`` and ``--use_cpu``,
+WORLD_SIZE > 1) joins torch's process group and DeepSpeed's communication layer before SCRIPT runs:
+``from_pretrained`` builds the model under ``deepspeed.zero.Init`` once TrainingArguments name a
+stage-3 config, and its ``DeepSpeedConfig`` reads the world size from that layer (1 when it is not
+initialised, so DeepSpeed rejects the batch sizes hfscale computed); with ``--use_cpu``,
+TrainingArguments set up torch's gloo group only. Should DeepSpeed's batch assertion still end
+SCRIPT, rank 0 says which world size DeepSpeed read against the job's WORLD_SIZE.
+
+    python -m hfscale.run_script --plain SCRIPT [ARGS...]     # training.pass_args: none
+
+runs SCRIPT with its own ARGS only. On a rank without a GPU that ``accelerate launch`` started
+with a DeepSpeed config (ACCELERATE_USE_DEEPSPEED), it first sets up accelerate's process state with
+the gloo backend, as ``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])``
+would: accelerate picks no backend on the CPU unless it is told to use the CPU (which turns
+DeepSpeed off), so every rank would train alone, each on all the data. SCRIPT's ``Accelerator``
+then finds that state (the script itself must not initialise torch's default group again).
+
+Plain Python until SCRIPT imports torch, except where a process group is set up first.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import runpy
 import sys
 from typing import Mapping, Sequence
@@ -40,6 +60,10 @@ from .trainer_args import given_flags
 EXIT_BAD_INPUT = 2
 RESUME_FLAG = "--resume_from_checkpoint"
 CPU_FLAG = "--use_cpu"
+PLAIN_FLAG = "--plain"
+USAGE = "usage: python -m hfscale.run_script [--plain] SCRIPT [ARGS...]"
+_TRUE = ("yes", "true", "t", "y", "1")  # HfArgumentParser's true words (transformers.hf_argparser.string_to_bool)
+_DDP_TIMEOUT = 1800  # TrainingArguments' ddp_timeout default, seconds
 
 
 def sees_gpu(env: Mapping[str, str]) -> bool:
@@ -53,6 +77,71 @@ def sees_gpu(env: Mapping[str, str]) -> bool:
 def _value(args: Sequence[str], name: str) -> str | None:
     given = given_flags(args, {name})
     return given[-1].words[0] if given and given[-1].words else None  # HfArgumentParser keeps the last
+
+
+def _on(args: Sequence[str], name: str) -> bool:
+    """Whether the boolean flag ``name`` is on in ``args`` (``--x``, ``--x true``; the last one counts)."""
+    given = given_flags(args, {name})
+    return bool(given) and (not given[-1].words or given[-1].words[0].lower() in _TRUE)
+
+
+def _world_size(env: Mapping[str, str]) -> int:
+    try:
+        return int(env.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 1
+
+
+def joins_group_first(args: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Whether this rank joins the process group before SCRIPT runs: a DeepSpeed job (``--deepspeed``)
+    of more than one process on the CPU (``--use_cpu``). On a GPU, accelerate initialises DeepSpeed's
+    communication layer itself when TrainingArguments sets up the device."""
+    return _value(args, "deepspeed") is not None and _on(args, "use_cpu") and _world_size(env) > 1
+
+
+def join_group(args: Sequence[str]) -> None:
+    """torch's default group (gloo, or ``--ddp_backend``; ``--ddp_timeout``) and DeepSpeed's
+    communication layer on it, as the built-in entry point has them before it builds a model."""
+    import datetime
+
+    import deepspeed
+
+    timeout = _value(args, "ddp_timeout")
+    seconds = int(timeout) if timeout and timeout.isdigit() else _DDP_TIMEOUT
+    deepspeed.init_distributed(dist_backend=_value(args, "ddp_backend") or "gloo", auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=seconds), verbose=False)
+
+
+def accelerate_needs_backend(env: Mapping[str, str]) -> bool:
+    """Whether a plain script's Accelerator would find no backend: a rank without a GPU, started by
+    ``accelerate launch`` with a DeepSpeed config, one of more than one process. accelerate takes
+    a backend on the CPU only when told to use the CPU (ACCELERATE_USE_CPU, which also turns
+    DeepSpeed off); without one, every rank counts itself as the only process."""
+    return (env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+            and env.get("ACCELERATE_USE_CPU", "").lower() not in _TRUE
+            and not sees_gpu(env) and _world_size(env) > 1)
+
+
+def set_up_accelerate() -> None:
+    """accelerate's process state with the gloo backend (and through it torch's group and DeepSpeed's
+    communication layer), as InitProcessGroupKwargs(backend="gloo") in the script would set it up."""
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")
+
+
+def batch_hint(error: AssertionError, env: Mapping[str, str]) -> str | None:
+    """What DeepSpeed's batch assertion means, when it is one, for a job hfscale sized."""
+    text = str(error)
+    if "train_batch_size" not in text:
+        return None
+    seen = re.search(r"!= \d+ \* \d+ \* (\d+)", text)
+    read = f" ({seen.group(1)})" if seen else ""
+    return (f"hfscale: DeepSpeed compared train_batch_size in its config with micro batch x accumulation x the world "
+            f"size it read from its communication layer{read}; this job has WORLD_SIZE {_world_size(env)}, and the "
+            "JSON hfscale wrote agrees with it. A world size of 1 there means a DeepSpeedConfig (deepspeed.zero.Init "
+            "in from_pretrained) was built before torch's process group and deepspeed.init_distributed() were set "
+            "up in this process.")
 
 
 def plan_start(args: list[str], env: Mapping[str, str]) -> tuple[list[str] | None, str, int]:
@@ -82,26 +171,41 @@ def plan_start(args: list[str], env: Mapping[str, str]) -> tuple[list[str] | Non
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    plain = argv[:1] == [PLAIN_FLAG]
+    argv = argv[1:] if plain else argv
     if not argv or argv[0].startswith("-"):
-        print("usage: python -m hfscale.run_script SCRIPT [ARGS...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
     script = argv[0]
-    args, say, code = plan_start(argv[1:], os.environ)
-    if say and os.environ.get("RANK", "0") == "0":
-        print(say, file=sys.stderr if code else sys.stdout, flush=True)
-    if args is None:
-        return code
+    if plain:
+        args = argv[1:]
+    else:
+        planned, say, code = plan_start(argv[1:], os.environ)
+        if say and os.environ.get("RANK", "0") == "0":
+            print(say, file=sys.stderr if code else sys.stdout, flush=True)
+        if planned is None:
+            return code
+        args = planned
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    if os.environ.get("HFSCALE_RUN_DIR"):  # launched by hfscale: the hang watchdog needs the steps
+    if os.environ.get("HFSCALE_RUN_DIR") and not plain:  # launched by hfscale: the hang watchdog needs the steps
         from .trainer_hook import install
 
         install()
+    if plain and accelerate_needs_backend(os.environ):
+        set_up_accelerate()
+    elif not plain and joins_group_first(args, os.environ):
+        join_group(args)
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
+    except AssertionError as e:
+        hint = batch_hint(e, os.environ)
+        if hint and os.environ.get("RANK", "0") == "0":
+            print(hint, file=sys.stderr, flush=True)
+        raise
     return 0
 
 

@@ -2,7 +2,9 @@
 
 Stricter than ``yaml.safe_load`` where silence would hide a mistake: duplicate keys are an
 error, keys must be strings, and ``3e-4`` is a float (YAML 1.2) rather than the string
-PyYAML's YAML 1.1 rules make of it.
+PyYAML's YAML 1.1 rules make of it. Where a value is text for another program (a script's
+arguments, an environment variable: ``AS_WRITTEN``), an unquoted number is its text as written:
+``1.0e-3``, ``007`` and ``0x10`` reach the script as such, not as ``0.001``, ``7`` and ``16``.
 
 Bounded, for a document from anywhere (a colleague's YAML): at most ``MAX_NODES`` values once
 aliases are expanded (a few hundred bytes of nested aliases would otherwise expand to billions),
@@ -87,6 +89,32 @@ for _cls in (_PyLoader, _Loader, Dumper):
         re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
         list("-+0123456789"),
     )
+
+
+# The config's command-line words and environment values (config_base.Word, EnvValue): text for
+# another program, so a number there is passed as written ("*": any key or index).
+AS_WRITTEN: tuple[Path, ...] = (("training", "script_args", "*"), ("env", "vars", "*"),
+                                ("env", "per_host", "*", "*"), ("network", "env", "*"))
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _as_written(node: yaml.Node, data: Any, pattern: Path) -> Any:
+    """``data`` with each plain (unquoted) number at ``pattern`` below ``node`` replaced by its text
+    as written; containers on the way are copied (an alias may share them with other places)."""
+    if not pattern:
+        # a plain scalar: style None (PyYAML's parser) or "" (libyaml's)
+        plain_number = isinstance(node, yaml.ScalarNode) and not node.style and node.tag in _NUMBER_TAGS
+        return node.value if plain_number and isinstance(data, (int, float)) and not isinstance(data, bool) else data
+    head, rest = pattern[0], pattern[1:]
+    if isinstance(node, yaml.MappingNode) and isinstance(data, dict):
+        last = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}  # merged, then own: last wins
+        changed = {k: new for k, v in last.items() if (head == "*" or k == head) and k in data
+                   and (new := _as_written(v, data[k], rest)) is not data[k]}
+        return {**data, **changed} if changed else data
+    if isinstance(node, yaml.SequenceNode) and isinstance(data, list) and head == "*" and len(node.value) == len(data):
+        items = [_as_written(n, d, rest) for n, d in zip(node.value, data)]
+        return items if any(a is not b for a, b in zip(items, data)) else data
+    return data
 
 
 def dump(data: Any) -> str:
@@ -276,6 +304,8 @@ def parse(text: str) -> tuple[Document | None, list[Problem]]:
     lines: dict[Path, int] = {}
     problems: list[Problem] = []
     _line_map(root, (), lines, problems)
+    for pattern in AS_WRITTEN:
+        data = _as_written(root, data, pattern)
     return Document(data, lines, _value_problems(data, lines)), problems
 
 

@@ -57,7 +57,7 @@ PDSH = {
         "wandb": {"group": "g", "project": "p", "team": "t"},
         "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupCosineLR"}}},
     "accelerate": {"gpu_ids": "0"},
-    "watchdog": {"timeout": 300, "first_step": 900},
+    "watchdog": {"timeout": 300, "first_step": 900, "script_reports_steps": True},
     "precision": "bf16",
     "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 2},
     "gradient_clipping": 1.0,

@@ -260,6 +260,9 @@ spec:
             - accelerate.commands.launch
             - --config_file
             - /etc/hfscale/accelerate_config.yaml
+            - --module
+            - hfscale.run_script
+            - --plain
             - train.py
             env:
             - name: HF_TOKEN
@@ -313,7 +316,7 @@ def test_accelerate_on_several_nodes_takes_rank_and_master_from_the_operator():
     assert launcher_command(job, CTX) == [
         "python", "-m", "accelerate.commands.launch", "--config_file", "/etc/hfscale/accelerate_config.yaml",
         "--machine_rank", "$(RANK)", "--main_process_ip", "$(MASTER_ADDR)", "--main_process_port", "$(MASTER_PORT)",
-        "train.py",
+        "--module", "hfscale.run_script", "--plain", "train.py",
     ]
     specs = manifests(job)[-1]["spec"]["pytorchReplicaSpecs"]
     assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 2)

@@ -38,7 +38,7 @@ def test_local_accelerate_plan_exact():
     plan = build_plan(job_of(LOCAL), CTX)
     assert plan.main.argv == (
         "/opt/py/bin/python", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
-        "train.py", "--epochs", "2",
+        "--module", "hfscale.run_script", "--plain", "train.py", "--epochs", "2",
     )
     assert plan.main.cwd == "/work"
     assert dict(plan.main.env) == {
@@ -49,7 +49,6 @@ def test_local_accelerate_plan_exact():
         "HFSCALE_DS_CONFIG": f"{RUN}/ds_config.json",
         # the hang watchdog's flight recorder (gloo and NCCL keep each rank's last collectives)
         "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_FR_DUMP_TEMP_FILE": f"{RUN}/flight/nccl_rank_",
     }
     assert plan.cleanup.real_argv() == ["bash", "-c", stop_script("20261122-120000-abcdef")]
@@ -98,7 +97,7 @@ EXPORTS = (
     "DOLLAR='$(touch /tmp/pwned) $HOME `id`' JSON='{{\"a\": [1, 2]}}' PAREN='64(x2)' PCT='100%h %n' "
     "HFSCALE_JOB_ID=20261122-120000-abcdef HFSCALE_RUN_DIR={run} HFSCALE_CONFIG={run}/config.yaml "
     "PYTHONUNBUFFERED=1 HFSCALE_DS_CONFIG={run}/ds_config.json TORCH_FR_BUFFER_SIZE=2000 "
-    "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE={run}/flight/nccl_rank_"
+    "TORCH_FR_DUMP_TEMP_FILE={run}/flight/nccl_rank_"
 )
 ENV_HEAD = "# The ranks' environment, sourced on every node by hfscale's launch line (mode 0600: secrets).\n"
 NODES = """\
@@ -116,7 +115,8 @@ def test_pdsh_plan_exact():
     the environment and its own rank from files only you can read."""
     plan = build_plan(job_of(PDSH), CTX)
     launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
-                "--machine_rank \"$HFSCALE_NODE_RANK\" train.py --name 'x; rm -rf /'")
+                "--machine_rank \"$HFSCALE_NODE_RANK\" --module hfscale.run_script --plain train.py "
+                "--name 'x; rm -rf /'")
     # a line that starts after a stop (a slow ssh) finds the stop marker and starts nothing
     node = (f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node started'; exit 143; }}; "
             f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
@@ -320,7 +320,7 @@ def test_pdsh_docker_plan_exact():
     docker = shlex.split(script)[-1].split("/nodes.sh && ", 1)[1].split("; rc=$?", 1)[0]
     names = ["NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "UCX_NET_DEVICES", "A", "HFSCALE_JOB_ID",
              "HFSCALE_RUN_DIR", "HFSCALE_CONFIG", "PYTHONUNBUFFERED", "HFSCALE_DS_CONFIG", "TORCH_FR_BUFFER_SIZE",
-             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "HFSCALE_NODE_RANK"]
+             "TORCH_FR_DUMP_TEMP_FILE", "HFSCALE_NODE_RANK"]
     assert docker == (
         'docker run --rm --name hfscale-20261122-120000-abcdef-"$HFSCALE_NODE_RANK" '
         "--label hfscale.job=20261122-120000-abcdef --network host --ipc private --shm-size 32g --gpus all "
@@ -328,7 +328,7 @@ def test_pdsh_docker_plan_exact():
         "-v /data:/data:ro -v /ckpt:/ckpt " + " ".join(f"-e {n}" for n in names) +
         " -w /code --ulimit nofile=4096:4096 registry.local/train:1.0 "
         f"python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
-        '--machine_rank "$HFSCALE_NODE_RANK" train.py'
+        '--machine_rank "$HFSCALE_NODE_RANK" --module hfscale.run_script --plain train.py'
     )
     assert "x y" not in script and "A='x y'" in dict(plan.private)["env.sh"].real  # values never on an argv
     assert plan.cleanup.real_argv()[-1] == (

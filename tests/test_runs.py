@@ -50,7 +50,6 @@ def _shown(mode: str) -> list[str]:
 def test_the_terminal_keeps_errors_and_hfscale_lines_and_drops_library_noise():
     assert _shown("normal") == [
         "hfscale: resuming from out/checkpoint-10",
-        "{'train_runtime': '1.365', 'train_loss': '5.001', 'epoch': '0.00109'}",
         "node1: Traceback (most recent call last):",
         'node1:   File "train.py", line 3, in <module>',
         "node1: RuntimeError: CUDA out of memory",

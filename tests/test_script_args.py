@@ -250,8 +250,10 @@ def test_warnings_say_what_a_script_will_not_receive():
         "$HFSCALE_DS_CONFIG; an Accelerator reads them under accelerate launch only (else it trains DDP)",
         "training.pass_args (line 4): none: loop.py gets no flags for training.max_steps (line 4), "
         "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.load.load_job)",
-        "watchdog.timeout: the hang watchdog sees loop.py's steps only if it calls hfscale.progress.step(n) after "
-        "each optimizer step (one line; a Trainer gets hfscale.callbacks.ProgressCallback)",
+        "watchdog.timeout: the hang watchdog starts counting at the first step loop.py reports, so it watches "
+        "nothing unless loop.py reports its steps: add `from hfscale.progress import step` and `step(n)` after each "
+        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.callbacks.ProgressCallback())), "
+        "then set watchdog.script_reports_steps: true (or set watchdog.timeout: null)",
     ]
     assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
 

@@ -1,0 +1,154 @@
+"""What a real launch of a user script printed on the terminal that belongs in the node logs only:
+datasets' progress lines, DeepSpeed's op builds, the Trainer's final dict, a warning's source line
+when two ranks' warnings interleave, and torch's deprecation of hfscale's own flight recorder
+variable. Each line is still in the log files."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import textwrap
+
+from hfscale.console import Console
+from hfscale.launcher import LaunchContext
+from hfscale.plan import build_plan
+
+from conftest import job_of, run_cli
+
+# as `hfscale launch` of a 2-rank Trainer script (datasets, DeepSpeed ZeRO-2 on the CPU) printed them
+WARN = ("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: "
+        "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `torch.distributed.all_gather_single` "
+        "instead.")
+SOURCE = "  return func(*args, **kwargs)"
+NOISE = [
+    "Generating train split: 0 examples [00:00, ? examples/s]",
+    "Generating train split: 5 examples [00:00, 427.55 examples/s]",
+    "Generating train split: 120000 examples [00:03, 33912.40 examples/s]",
+    "Map (num_proc=4): 1500 examples [00:01, 1.23s/examples]",
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+    "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully",
+    "Time to load cpu_adam op: 2.714 seconds",
+    # the ranks share one pipe: the two lines of each rank's warning interleave
+    WARN, WARN, SOURCE, SOURCE,
+    "{'train_runtime': '1.282', 'train_samples_per_second': '37.44', 'train_steps_per_second': '4.679', "
+    "'train_loss': '5.123', 'epoch': '0.09375'}",
+    "[W1126 02:18:42.784923273 Utils.hpp:137] Warning: Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is "
+    "deprecated; use TORCH_FR_BUFFER_SIZE instead (function operator())",
+]
+KEPT = [
+    "hfscale: step 6/6 (100%) | loss 4.9962",
+    "Traceback (most recent call last):",
+    '  File "train.py", line 3, in <module>',
+    "    main()",
+    "RuntimeError: DeepSpeed op cpu_adam failed to build",
+    "loading my own data: 5 files",
+]
+
+
+def _shown(lines: list[str], mode: str = "normal", hosts: frozenset[str] | None = None) -> list[str]:
+    c = Console(mode, io.StringIO(), tty=False, hosts=hosts)
+    return [line for line in lines if c.shown(line)]
+
+
+def test_the_real_noise_stays_off_the_terminal_and_errors_do_not():
+    assert _shown(NOISE + KEPT) == KEPT
+    assert _shown([f"node1: {line}" for line in NOISE + KEPT], hosts=frozenset({"node0", "node1"})) == [
+        f"node1: {line}" for line in KEPT]
+    assert _shown(NOISE, "verbose") == NOISE
+
+
+def test_a_warnings_source_line_is_dropped_only_as_many_times_as_warnings_came():
+    lines = [WARN, WARN, SOURCE, "progress: 3 of 9", SOURCE, "    an indented line of the script's own"]
+    assert _shown(lines) == ["progress: 3 of 9", "    an indented line of the script's own"]
+    # a warning without a source line (no file to read it from) does not hide an indented line for long
+    assert _shown([WARN] + [f"line {i}" for i in range(16)] + ["    indented"])[-1] == "    indented"
+
+
+def test_a_trace_after_a_warning_is_shown_whole():
+    lines = [WARN, "Traceback (most recent call last):", '  File "t.py", line 1, in <module>', "ValueError: x"]
+    assert _shown(lines) == lines[1:]
+
+
+def test_a_launch_keeps_every_line_in_its_log_and_only_the_rest_on_the_terminal(tmp_path):
+    """A real `hfscale launch` of a plain script that prints the lines (accelerate launch, one process)."""
+    script = tmp_path / "noisy.py"
+    script.write_text("import sys\nlines = " + repr(NOISE + KEPT[-1:]) + "\n"
+                      "for line in lines:\n    print(line, file=sys.stderr if 'Warning' in line else sys.stdout, "
+                      "flush=True)\n")
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(textwrap.dedent("""
+        name: noisy
+        distributed: {backend: ddp}
+        precision: "no"
+        batch: {micro_batch_size: 1}
+        watchdog: {timeout: null}
+        training: {script: noisy.py, pass_args: none}
+    """))
+    r = run_cli("launch", str(cfg), cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    shown = (r.stdout + r.stderr).splitlines()
+    assert "loading my own data: 5 files" in shown
+    assert not [line for line in shown if any(n in line for n in ("Generating", "built successfully", "Time to load",
+                                                                   "train_runtime", "return func", "FutureWarning"))]
+    (log,) = (tmp_path / "runs").glob("noisy-*/logs/local.log")
+    logged = log.read_text().splitlines()
+    assert all(line in logged for line in NOISE), logged
+
+
+# --- the flight recorder variable hfscale sets
+
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+    dist.all_reduce(torch.ones(1))
+    import torch._C._distributed_c10d as c10d
+    print(len(json.loads(c10d._dump_fr_trace_json()).get("entries", [])))
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _rank(env: dict[str, str]) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    return subprocess.run([sys.executable, "-c", PROBE, _free_port()], env={**clean, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_ranks_environment_draws_no_deprecation_from_torch_and_keeps_the_flight_recorder(tmp_path):
+    """torch prints the deprecation on stderr when a gloo group starts (on the CPU too): with the old
+    name it does (so this test can fail), with hfscale's environment it does not, and the flight
+    recorder still holds the collective the watchdog's report reads."""
+    job = job_of("name: fr\nbatch: {micro_batch_size: 1}\n")
+    env = {k: v for k, v in build_plan(job, LaunchContext.of(str(tmp_path), sys.executable, "20261126-000000-aaaaaa",
+                                                            {})).main.env if k.startswith("TORCH_")}
+    assert set(env) == {"TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"}
+    old = _rank({"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
+    assert old.returncode == 0 and "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" in old.stderr, old.stderr
+    ours = _rank(env)
+    assert ours.returncode == 0, ours.stderr
+    assert "deprecated" not in ours.stderr and int(ours.stdout) >= 1
+    off = _rank({"TORCH_FR_BUFFER_SIZE": "0"})  # the variable is the one the recorder reads
+    assert int(off.stdout) == 0
+
+
+def test_torch_before_2_8_gets_the_names_it_reads():
+    from hfscale.envvars import flight_recorder_env
+
+    assert flight_recorder_env("2000", "/r/f/n_", "2.7.1+cu126") == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/r/f/n_"}
+    assert flight_recorder_env("2000", "/r/f/n_", "2.13.0+cpu") == flight_recorder_env("2000", "/r/f/n_", None) == {
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": "/r/f/n_"}
+    # the job's own setting, under either name, is left to it
+    assert flight_recorder_env("2000", "/r/f/n_", "2.13.0", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"}) == {
+        "TORCH_FR_DUMP_TEMP_FILE": "/r/f/n_"}
