@@ -42,6 +42,7 @@ def _key(node: ast.AST, f: _ModelFile) -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)  # _ModelFile objects are cached per file (engine_source._model_file)
 def _functions(f: _ModelFile) -> dict[str, ast.FunctionDef]:
     """Functions by name; a class by name stands for its ``__init__``."""
     out: dict[str, ast.FunctionDef] = {}
@@ -71,6 +72,7 @@ def _text(node: ast.AST, f: _ModelFile) -> str | None:
     return None
 
 
+@lru_cache(maxsize=None)
 def string_dicts(f: _ModelFile) -> dict[str, dict[str, str]]:
     """Module-level ``NAME = {"key": "text", ...}`` mappings (keys and texts)."""
     out: dict[str, dict[str, str]] = {}
