@@ -169,4 +169,5 @@ def extra_problems(extra: dict) -> tuple[Found, Found]:
     if keys is None:
         return [], [((), "DeepSpeed is not installed here, so its keys are not checked; the nodes' DeepSpeed "
                      "reads them when the job starts")]
-    return check_extra(extra, keys, owned()), [((name,), message) for name, message in ignored_keys(extra, keys)]
+    ignored = ignored_keys(extra, keys, "DeepSpeed")
+    return check_extra(extra, keys, owned()), [((name,), message) for name, message in ignored]

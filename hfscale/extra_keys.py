@@ -73,8 +73,8 @@ def check_extra(extra: Mapping[str, Any], keys: Section, owned: Mapping[tuple[st
     return out
 
 
-def ignored_keys(extra: Mapping[str, Any], keys: Section) -> list[tuple[str, str]]:
-    """(key, message) for each key of ``extra`` the library skips without reading it (a section
+def ignored_keys(extra: Mapping[str, Any], keys: Section, library: str) -> list[tuple[str, str]]:
+    """(key, message) for each key of ``extra`` that ``library`` skips without reading it (a section
     that ignores keys it does not know), with a did-you-mean among the keys it reads."""
     if not keys.ignores_unknown:
         return []
@@ -84,7 +84,7 @@ def ignored_keys(extra: Mapping[str, Any], keys: Section) -> list[tuple[str, str
             continue
         close = difflib.get_close_matches(str(name), list(keys.keys), n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        out.append((str(name), f"{name!r} is not a key DeepSpeed reads: it ignores it{hint}"))
+        out.append((str(name), f"{name!r} is not a key {library} reads: it ignores it{hint}"))
     return out
 
 

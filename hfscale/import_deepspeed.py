@@ -356,7 +356,7 @@ def _auto_or(path: tuple[str, ...], value: Any, draft: Draft, key: str | None = 
 
 def _extra(extra: dict, draft: Draft, source: str, keys: Section | None) -> None:
     if keys is not None:
-        skipped = [name for name, _ in ignored_keys(extra, keys)]
+        skipped = [name for name, _ in ignored_keys(extra, keys, "DeepSpeed")]
         if skipped:  # DeepSpeed reads none of them: leaving them out changes nothing
             draft.notes.append(f"{source}: left out {', '.join(skipped)}: not {'a key' if len(skipped) == 1 else 'keys'}"
                                " DeepSpeed reads (it ignores them)")

@@ -243,8 +243,7 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
     for key in plugin:
         if key not in unread and not (deepspeed is not None and key in PLUGIN):  # those are refused above
             draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
-    save_16bit = as_bool(plugin_save) if plugin_save is not None else False
-    import_deepspeed(ds, draft, source, precision, world, save_16bit is True)
+    import_deepspeed(ds, draft, source, precision, world, as_bool(plugin_save) is True)
     if init is not None and draft.get(("distributed", "deepspeed", "stage")) == 3:
         draft.set(("distributed", "deepspeed", "zero3_init"), as_bool(init), key="deepspeed_config.zero3_init_flag")
     elif init is not None:

@@ -17,8 +17,7 @@ from .envvars import flight_recorder_env, installed_torch, job_env, secret_names
 from .job import Job
 from .resume import OutputScan
 from .rundir import CONFIG_COPY
-from .run_script import PLAIN_FLAG
-from .script_rules import SCRIPT_ENTRY, script_argv
+from .script_rules import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
 from .progress import FLIGHT_DIR
 from .shell import Cat, Secret, Word
 

@@ -55,12 +55,12 @@ from typing import Mapping, Sequence
 
 from .resume import decide, first_start, scan_output
 from .shutdown import exit_cleanly
+from .script_rules import PLAIN_FLAG
 from .trainer_args import given_flags
 
 EXIT_BAD_INPUT = 2
 RESUME_FLAG = "--resume_from_checkpoint"
 CPU_FLAG = "--use_cpu"
-PLAIN_FLAG = "--plain"
 USAGE = "usage: python -m hfscale.run_script [--plain] SCRIPT [ARGS...]"
 _TRUE = ("yes", "true", "t", "y", "1")  # HfArgumentParser's true words (transformers.hf_argparser.string_to_bool)
 _DDP_TIMEOUT = 1800  # TrainingArguments' ddp_timeout default, seconds

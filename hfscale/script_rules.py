@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # job.py calls script_problems while it builds the Job
     from .job import Job
 
 SCRIPT_ENTRY = "hfscale.run_script"
+PLAIN_FLAG = "--plain"  # SCRIPT_ENTRY's mode for a plain script (pass_args none): its own arguments only
 EXTRA_ARGS = "arguments after --"
 # What only the built-in entry point reads; a script builds its own model and data.
 BUILTIN_ONLY = (("training", "model"), ("training", "data"), ("training", "peak_tflops"))
