@@ -80,22 +80,30 @@ class Frame:
         return f"{self.func} ({Path(self.file).name}:{self.line})"
 
 
+MAIN_OUTERMOST = ("<module>", "_run_module_as_main", "_run_code")  # a script, or python -m's runpy
+
+
 def main_stack(text: str) -> list[Frame]:
-    """The innermost-first frames of the main thread in a py-spy or faulthandler dump."""
-    threads: list[list[Frame]] = []
+    """The innermost-first frames of the main thread in a py-spy or faulthandler dump: the thread
+    py-spy names "MainThread"; else faulthandler's "Current thread" (the signal is sent to the
+    process, which Linux hands to its main thread); else the one whose outermost frame runs a
+    script or module; else the first."""
+    threads: list[tuple[str, list[Frame]]] = []
     for line in text.splitlines():
         m = _PYSPY.match(line) or _FAULT.match(line)
         if m:
             if not threads:
-                threads.append([])
-            threads[-1].append(Frame(m["func"].strip(), m["file"], int(m["line"])))
+                threads.append(("", []))
+            threads[-1][1].append(Frame(m["func"].strip(), m["file"], int(m["line"])))
         elif line.strip() and (line.startswith(("Thread", "Current thread")) or "(most recent call first)" in line):
-            threads.append([])
-    threads = [t for t in threads if t]
-    for t in threads:  # the main thread runs the script: its outermost frame is a module
-        if t[-1].func == "<module>":
-            return t
-    return threads[0] if threads else []
+            threads.append((line, []))
+    threads = [(head, t) for head, t in threads if t]
+    for pick in (lambda head, t: '"MainThread"' in head, lambda head, t: head.startswith("Current thread"),
+                 lambda head, t: t[-1].func in MAIN_OUTERMOST):
+        for head, t in threads:
+            if pick(head, t):
+                return t
+    return threads[0][1] if threads else []
 
 
 def collective(stack: list[Frame]) -> str | None:
@@ -120,8 +128,10 @@ class Verdict:
     line: str  # one line for the terminal
 
 
-def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int) -> Verdict:
-    """Which rank(s) hold the job up, from their last steps and their stacks."""
+def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
+            flight: dict[int, tuple[int, str, str]] | None = None) -> Verdict:
+    """Which rank(s) hold the job up, from their last steps, their stacks and, where the stacks
+    show no cause, their flight recorders' collective counts."""
     missing = tuple(r for r in range(world) if r not in ranks)
     if missing:
         return Verdict(missing, f"{_names(missing, ranks)} never finished a step")
@@ -150,9 +160,29 @@ def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int) -> V
         common = kinds.most_common(1)[0][0]
         odd = tuple(r for r in ranks if coll[r] != common)
         return Verdict(odd, f"{_names(odd, ranks)} in {coll[odd[0]]} while the others wait in {common} (step {low})")
+    behind = _behind_in_collectives(flight or {})
+    if behind is not None:
+        late, count, others, name = behind
+        return Verdict(late, f"{_names(late, ranks)} issued {count} collectives, the others {others} (the last: "
+                             f"{name}): {'it has' if len(late) == 1 else 'they have'} not reached the collective "
+                             f"the others wait in (step {low})")
     if inside:
         return Verdict((), f"every rank waits in {coll[inside[0]]} at step {low}: a lost peer or the network")
     return Verdict((), f"no rank finished a step since step {low}; no stack shows a cause")
+
+
+def _behind_in_collectives(flight: dict[int, tuple[int, str, str]]) -> tuple[tuple[int, ...], int, int, str] | None:
+    """(ranks with fewer collectives issued, their count, the others' count, the others' last
+    collective) when the flight recorders disagree on the count, else None."""
+    if len(flight) < 2:
+        return None
+    counts = {r: n for r, (n, _, _) in flight.items()}
+    low, high = min(counts.values()), max(counts.values())
+    if low == high:
+        return None
+    late = tuple(sorted(r for r, n in counts.items() if n == low))
+    ahead = next(r for r, n in counts.items() if n == high)
+    return late, low, high, flight[ahead][1]
 
 
 def _names(ranks_: tuple[int, ...], ranks: dict[int, Progress]) -> str:
@@ -239,6 +269,6 @@ def report(reason: str, verdict: Verdict, ranks: dict[int, Progress], changed: d
 def judge(dog: Watchdog, reason: str, now: float) -> tuple[Verdict, str]:
     """(the verdict, the report's text) once the stacks and flight recorders are on disk."""
     stacks = read_stacks(dog.watch.stacks_dir)
-    verdict = analyze(dog.ranks, stacks, dog.watch.world_size)
     flight = read_flight(str(Path(dog.watch.stacks_dir).parent / FLIGHT_DIR))
+    verdict = analyze(dog.ranks, stacks, dog.watch.world_size, flight)
     return verdict, report(reason, verdict, dog.ranks, dog.changed, stacks, now, flight)

@@ -187,3 +187,51 @@ def test_work_between_steps_is_progress(tmp_path):
         assert dog.poll(t) is None
     assert dog.poll(209) is None
     assert dog.poll(210) == "no rank finished a step for 60 s (the last was step 5)"
+
+
+# what an unchanged Trainer script under `python -m hfscale.run_script` dumps: hfscale's flight
+# recorder thread first, the main thread's outermost frame runpy's, not <module>
+FAULTHANDLER_RUNPY = """Thread 0x00007f9 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/work/hfscale/progress.py", line 120 in _flight_loop
+  File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner
+
+Current thread 0x00007fa (most recent call first):
+  File "/work/user/callbacks.py", line 12 in on_step_end
+  File "/venv/lib/python3.11/site-packages/transformers/trainer.py", line 2500 in _inner_training_loop
+  File "/work/user/train.py", line 40 in main
+  File "<frozen runpy>", line 88 in _run_code
+  File "<frozen runpy>", line 198 in _run_module_as_main
+"""
+PYSPY_RUNPY = """Process 200: python -m hfscale.run_script train.py
+Thread 201 (idle): "Thread-1 (_flight_loop)"
+    wait (/usr/lib/python3.11/threading.py:331)
+    _flight_loop (/work/hfscale/progress.py:120)
+Thread 200 (idle): "MainThread"
+    all_gather (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2800)
+    main (/work/user/train.py:40)
+    _run_code (<frozen runpy>:88)
+    _run_module_as_main (<frozen runpy>:198)
+"""
+
+
+def test_the_main_thread_is_found_under_python_m():
+    """Issue 23: the main thread is faulthandler's "Current thread" / py-spy's "MainThread", not
+    the first thread listed (hfscale's own _flight_loop)."""
+    fh = main_stack(FAULTHANDLER_RUNPY)
+    assert fh[0].func == "on_step_end" and collective(fh) is None
+    assert where(fh) == "on_step_end (callbacks.py:12)"
+    spy = main_stack(PYSPY_RUNPY)
+    assert spy[0].func == "all_gather" and collective(spy) == "all_gather"
+    v = analyze(_ranks(5, 5), {0: PYSPY_RUNPY, 1: FAULTHANDLER_RUNPY}, 2)
+    assert v.stuck == (1,) and "on_step_end (callbacks.py:12)" in v.line and "all_gather" in v.line
+
+
+def test_flight_recorder_counts_name_the_rank_when_stacks_are_silent():
+    """No stacks (none could be taken), but rank 0 issued collective #44 and rank 1 #43: rank 1 is late."""
+    flight = {0: (44, "nccl:all_gather", "scheduled"), 1: (43, "nccl:all_reduce", "completed")}
+    v = analyze(_ranks(5, 5), {}, 2, flight)
+    assert v.stuck == (1,)
+    assert "rank 1 on node1 issued 43 collectives, the others 44 (the last: nccl:all_gather)" in v.line
+    same = {0: (44, "nccl:all_gather", "scheduled"), 1: (44, "nccl:all_gather", "scheduled")}
+    assert analyze(_ranks(5, 5), {}, 2, same).stuck == ()
