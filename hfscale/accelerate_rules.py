@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import parallelism_rules
 from .config import HfscaleConfig
 from .config_accelerate import FsdpSection, ParallelismConfig
 
@@ -36,7 +37,7 @@ def owned() -> dict[tuple[str, ...], str]:
 
 
 # accelerate config keys that do nothing in the configs hfscale writes, and what they need
-IDLE = {"megatron_lm_config": "distributed_type MEGATRON_LM", "fp8_config": "mixed_precision fp8",
+IDLE = {"megatron_lm_config": "distributed_type MEGATRON_LM",
         "mpirun_config": "distributed_type MULTI_CPU", "tpu_name": "distributed_type XLA (TPU)",
         "tpu_zone": "distributed_type XLA (TPU)", "tpu_use_cluster": "distributed_type XLA (TPU)",
         "tpu_use_sudo": "distributed_type XLA (TPU)", "tpu_vm": "distributed_type XLA (TPU)",
@@ -51,7 +52,7 @@ FSDP1_ONLY = {"sharding_strategy", "backward_prefetch", "forward_prefetch", "use
 def problems(cfg: HfscaleConfig, world: int, procs_per_node: int) -> Found:
     """Problems of accelerate.gpu_ids, accelerate.extra's sections and distributed.parallelism,
     paths from the document root."""
-    out: Found = []
+    out: Found = fp8_problems(cfg)
     for key in cfg.accelerate.extra:
         if key in IDLE:
             out.append((("accelerate", "extra", key), f"does nothing here: accelerate reads it only with {IDLE[key]}, "
@@ -68,15 +69,44 @@ def problems(cfg: HfscaleConfig, world: int, procs_per_node: int) -> Found:
     if ids is not None and ids != "all" and len(ids.split(",")) != procs_per_node:
         out.append((("accelerate", "gpu_ids"), f"{len(ids.split(','))} GPU id(s) for {procs_per_node} process(es) "
                     "per node"))
-    p = cfg.distributed.parallelism
-    if p is not None:
-        if cfg.distributed.backend != "fsdp":
-            out.append((("distributed", "parallelism"), "accelerate's parallelism_config needs distributed.backend: "
-                        f"fsdp (FSDP2); backend is {cfg.distributed.backend}"))
-        if p.total != world:
-            out.append((("distributed", "parallelism"), f"dp_replicate_size {p.dp_replicate_size} x dp_shard_size "
-                        f"{p.dp_shard_size} x tp_size {p.tp_size} x cp_size {p.cp_size} = {p.total}, but the world "
-                        f"size is {world}"))
+    return out + parallelism_rules.problems(cfg, world)
+
+
+_TRUTH = {"y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"}  # accelerate's str_to_bool
+
+
+def fp8_problems(cfg: HfscaleConfig) -> Found:
+    """What accelerate refuses of precision fp8 and its fp8_config (accelerator.py, utils/launch.py),
+    and fp8 under torchrun, which never sets it up."""
+    fp8 = cfg.accelerate.extra.get("fp8_config")
+    here = ("accelerate", "extra", "fp8_config")
+    if cfg.precision != "fp8":
+        return [(here, "does nothing here: accelerate reads it only with mixed_precision fp8 (precision: fp8)")] \
+            if "fp8_config" in cfg.accelerate.extra else []
+    out: Found = []
+    if cfg.runner.launcher == "torchrun":
+        out.append((("precision",), "fp8 is set up for each rank by accelerate launch (ACCELERATE_MIXED_PRECISION, "
+                    "ACCELERATE_FP8_*), which torchrun does not run: the job would train in fp32; use "
+                    "runner.launcher: accelerate"))
+    fp8 = fp8 if isinstance(fp8, dict) else {}
+    backend = fp8.get("fp8_backend", fp8.get("backend"))
+    engine = cfg.distributed.backend
+    if backend == "MSAMP" and engine == "fsdp":
+        out.append((here + ("fp8_backend",), "MSAMP with FSDP: accelerate refuses it (\"accelerate + MS-AMP + FSDP is "
+                    "not supported\"); use TE or AO, or distributed.backend deepspeed"))
+    if backend == "AO" and engine == "fsdp" and (cfg.distributed.fsdp or FsdpSection()).cpu_ram_efficient_loading:
+        out.append((("distributed", "fsdp", "cpu_ram_efficient_loading"), "true with fp8_backend AO: accelerate "
+                    "refuses the pair (torchao with FSDP2 and cpu_ram_efficient_loading); set it false"))
+    name = "fp8_override_linear_precision" if "fp8_override_linear_precision" in fp8 else "override_linear_precision"
+    olp = fp8.get(name)
+    if isinstance(olp, list) and (len(olp) < 3 or any(str(v).lower() not in _TRUTH for v in olp[:3])):
+        out.append((here + (name,), f"{olp!r}: accelerate launch reads three values, fprop, dgrad and wgrad, each "
+                    "true or false"))
+    ds = cfg.distributed.deepspeed
+    if engine == "deepspeed" and ds is not None and "bf16" in ds.extra:
+        out.append((("distributed", "deepspeed", "extra", "bf16"), "with precision fp8, accelerate turns DeepSpeed's "
+                    "bf16 on only when the JSON has no bf16 section (DeepSpeedPlugin.set_mixed_precision); with "
+                    "this one DeepSpeed would train fp32 weights: remove it"))
     return out
 
 

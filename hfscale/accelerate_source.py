@@ -60,6 +60,39 @@ def _launch_groups(path: Path) -> tuple[dict[str, dict[str, Key]], set[str]]:
     return out, defaulted
 
 
+_FP8_RECIPES = ("TERecipeKwargs", "MSAMPRecipeKwargs", "AORecipeKwargs")
+
+
+def _fp8_keys(root: Path, sub: dict[str, Key]) -> dict[str, Key]:
+    """fp8_config's keys as a run reads them. accelerate launch copies them onto its --fp8_*
+    arguments without their choices (the file skips the parser) and hands each on as
+    ACCELERATE_FP8_<NAME> (utils/launch.py, setup_fp8_env: override_linear_precision as its three
+    values); the recipe classes read those (utils/dataclasses.py): the backend as
+    ``FP8BackendType(value)``, exactly as spelled ('TE': the command line's lower-case 'te' fails
+    there), fp8_format and amax_compute_algo in any case, and variables no argument names
+    (use_mxfp8_block_scaling)."""
+    f = _model_file(root, root / "utils" / "dataclasses.py")
+    out = dict(sub)
+    if "fp8_backend" in out and f.enums.get("FP8BackendType"):
+        out["fp8_backend"] = Key(frozenset({"str"}), tuple(f.enums["FP8BackendType"]))
+    if "fp8_override_linear_precision" in out:  # (fprop, dgrad, wgrad); checked by accelerate_rules
+        out["fp8_override_linear_precision"] = Key(frozenset({"list"}))
+    for name in ("fp8_format", "fp8_amax_compute_algo"):  # upper()/lower() before the check
+        if name in out:
+            out[name] = replace(out[name], any_case=True)
+    for cls in (f.classes.get(c) for c in _FP8_RECIPES):
+        fields = {s.target.id: s.annotation for s in cls.body if isinstance(s, ast.AnnAssign)
+                  and isinstance(s.target, ast.Name)} if cls else {}
+        for node in ast.walk(cls) if cls else ():  # env_prefix + "NAME"
+            if (isinstance(node, ast.BinOp) and isinstance(node.right, ast.Constant)
+                    and isinstance(node.right.value, str) and getattr(node.left, "id", "") == "env_prefix"):
+                name = node.right.value.lower()
+                if f"fp8_{name}" not in out and name in fields:
+                    kinds, choices, _ = _annotation(root, f, fields[name], 8)
+                    out[f"fp8_{name}"] = Key(kinds, choices)
+    return out
+
+
 @lru_cache(maxsize=1)
 def accelerate_keys() -> Section | None:
     """The keys of accelerate's config file (``ClusterConfig``), or None when accelerate is not
@@ -81,6 +114,8 @@ def accelerate_keys() -> Section | None:
     for name in defaulted & set(keys) - _HANDLED:
         keys[name] = replace(keys[name], unread=f"accelerate launch never reads it from a config file: its --{name} "
                              "argument has a default, and the file only fills arguments left unset")
+    if "fp8_config" in groups:
+        groups["fp8_config"] = _fp8_keys(root, groups["fp8_config"])
     for section, sub in groups.items():
         prefix = {"fsdp_config": "fsdp_", "fp8_config": "fp8_"}.get(section)  # (dynamo_config: any key, below)
         if prefix:  # accelerate launch adds the prefix where the file leaves it out (_validate_launch_command)

@@ -181,8 +181,8 @@ class DistributedConfig(Strict):
     deepspeed: DeepSpeedSection | None = Field(None, description="Settings for backend deepspeed.")
     fsdp: FsdpSection | None = Field(None, description="Settings for backend fsdp.")
     parallelism: ParallelismConfig | None = Field(
-        None, description="accelerate's parallelism_config (FSDP2): data-parallel replicas x shards x tensor x "
-        "context parallel ranks = world size. Null: every rank is a data-parallel rank.")
+        None, description="accelerate's parallelism_config: data-parallel replicas x shards x tensor x context "
+        "(FSDP2) x sequence (DeepSpeed) parallel ranks = world size. Null: every rank is a data-parallel rank.")
 
 
 class BatchConfig(Strict):
@@ -283,7 +283,8 @@ class HfscaleConfig(Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Nodes and rendezvous.")
     runner: RunnerConfig = Field(default_factory=RunnerConfig, description="How processes are started.")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Sharding engine.")
-    precision: Literal["bf16", "fp16", "no"] = Field("bf16", description="Mixed precision: bf16, fp16 or no (fp32).")
+    precision: Literal["bf16", "fp16", "fp8", "no"] = Field(
+        "bf16", description="Mixed precision: bf16, fp16, no (fp32) or fp8 (settings: accelerate.extra.fp8_config).")
     batch: BatchConfig = Field(description="Batch geometry.")
     gradient_clipping: float | None = Field(1.0, gt=0, le=1e6, description="Clip gradient norm to this value. Null: off.")
     network: NetworkConfig = Field(default_factory=NetworkConfig, description="Interconnect presets (NCCL/UCX).")

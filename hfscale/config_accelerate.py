@@ -34,13 +34,25 @@ class FsdpSection(Strict):
 
 
 class ParallelismConfig(Strict):
-    """accelerate's parallelism_config: how the ranks split into data-, tensor- and context-parallel
-    groups (FSDP2). Their product is the world size; the batch is per data-parallel rank."""
+    """accelerate's parallelism_config: how the ranks split into data-, tensor-, context- (FSDP2) and
+    sequence-parallel (DeepSpeed ALST/Ulysses) groups. Their product is the world size; the batch is
+    per data-parallel rank."""
 
     dp_replicate_size: PositiveInt = Field(1, description="Data-parallel replicas (each holding a whole shard group).")
     dp_shard_size: PositiveInt = Field(1, description="Ranks FSDP shards the model across, within a replica.")
     tp_size: PositiveInt = Field(1, description="Tensor-parallel ranks (they see the same batch).")
     cp_size: PositiveInt = Field(1, description="Context-parallel ranks: the sequence split across them.")
+    sp_size: PositiveInt = Field(1, description="Sequence-parallel ranks (DeepSpeed ALST/Ulysses, backend deepspeed): "
+                                 "each holds a slice of every sequence; they see the same samples.")
+    sp_backend: Literal["deepspeed"] = Field("deepspeed", description="Sequence-parallel backend; accelerate has "
+                                             "only deepspeed.")
+    sp_seq_length: PositiveInt | None = Field(None, description="Sequence length of every batch, when "
+                                              "sp_seq_length_is_variable is false.")
+    sp_seq_length_is_variable: bool = Field(True, description="Batches may differ in sequence length (the sequence "
+                                            "variables are derived on every forward).")
+    sp_attn_implementation: str = Field("sdpa", description="Attention under sequence parallelism: sdpa, "
+                                        "flash_attention_2, flash_attention_3 or a hub flash-attn kernel; the model "
+                                        "must be loaded with the same.")
 
     @property
     def data_parallel(self) -> int:
@@ -49,7 +61,7 @@ class ParallelismConfig(Strict):
 
     @property
     def total(self) -> int:
-        return self.data_parallel * self.tp_size * self.cp_size
+        return self.data_parallel * self.tp_size * self.cp_size * self.sp_size
 
 
 class AccelerateSection(Strict):

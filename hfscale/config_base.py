@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -18,13 +19,36 @@ MAX_INT = 2**31 - 1  # no count in a training job comes near; larger numbers are
 MAX_COUNT = 2**63 - 1
 
 
+_IPV4_SHORTHAND = re.compile(r"^(0[xX][0-9a-fA-F]+|[0-9]+)(\.(0[xX][0-9a-fA-F]+|[0-9]+)){0,3}$")
+
+
+def ipv4_shorthand(name: str) -> str | None:
+    """The dotted IPv4 address that ``name`` reads as where it is inet_aton's shorthand
+    ('1234' is 0.0.4.210, '10.1' is 10.0.0.1), as getaddrinfo (ssh, torch's TCPStore) reads it;
+    None for a canonical address or anything else."""
+    if not _IPV4_SHORTHAND.match(name):
+        return None
+    try:
+        ipaddress.IPv4Address(name)
+        return None  # already canonical
+    except ValueError:
+        pass
+    try:
+        return socket.inet_ntoa(socket.inet_aton(name))
+    except OSError:
+        return None
+
+
 def host_problem(name: str) -> str | None:
-    """Why ``name`` is neither an IP address nor an RFC 1123 host name, or None."""
+    """Why ``name`` is neither an IP address nor an RFC 1123 host name, or None. inet_aton's
+    shorthand ('1234') is an address to ssh and torch, so it is one here too (check warns)."""
     try:
         ipaddress.ip_address(name)
         return None
     except ValueError:
         pass
+    if ipv4_shorthand(name):
+        return None
     labels = name.split(".")
     if len(name) > 253 or not all(_LABEL.match(label) for label in labels) or labels[-1].isdigit():
         return (f"{name!r} is not a host name (RFC 1123: labels of letters, digits and inner '-', up to 63 "

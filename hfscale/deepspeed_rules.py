@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import parallelism_rules
 from .config import HfscaleConfig
 from .config_deepspeed import (
     ActivationCheckpointingConfig,
@@ -81,7 +82,7 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
     """(problems, warnings) of the DeepSpeed section, paths from the document root."""
     ds = cfg.distributed.deepspeed
     if cfg.distributed.backend != "deepspeed" or ds is None:
-        return [], []
+        return [], parallelism_rules.warnings(cfg)
     base = ("distributed", "deepspeed")
     out: Found = []
     notes: Found = []
@@ -102,7 +103,7 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
         notes.append((base + ("round_robin_gradients",), "speeds up copying gradients to the CPU; without "
                       "offload_optimizer.device: cpu it does nothing"))
     out += _schedule_problems(cfg, ds, base)
-    return out, notes + schedule_warnings(cfg)
+    return out, notes + schedule_warnings(cfg) + parallelism_rules.warnings(cfg)
 
 
 def _offload_problems(ds: DeepSpeedSection, base: tuple) -> Found:

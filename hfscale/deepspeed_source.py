@@ -292,6 +292,9 @@ def deepspeed_keys() -> Section | None:
             keys[name] = Key(frozenset({"dict"}), section=read_model(root, path, cls))
     for name in read - set(keys):  # read by DeepSpeedConfig, its form not declared: any value
         keys[name] = Key()
+    # deepspeed.initialize (deepspeed/__init__.py) builds a (data_parallel_size, sequence_parallel_size)
+    # mesh of the processes when the config has both
+    keys.setdefault("data_parallel_size", Key())
     for name, message in deepspeed_removed_keys().items():
         keys[name] = Key(unread=f"DeepSpeed refuses it: {message}")
     return Section(keys, ignores_unknown=True)  # DeepSpeedConfig reads what it knows, ignores the rest

@@ -39,6 +39,7 @@ class Key:
     deprecated: bool = False  # with renamed_to: DeepSpeed still reads it, under a new name
     transformed: bool = False  # deprecated, and its value means something else under the new name
     unread: str | None = None  # why the library never reads this key where it stands
+    any_case: bool = False  # the library folds the value's case before comparing it with the choices
 
 
 @dataclass(frozen=True)

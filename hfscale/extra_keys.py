@@ -69,7 +69,8 @@ def check_extra(extra: Mapping[str, Any], keys: Section, owned: Mapping[tuple[st
             sub_owned = {k[len(canonical):]: v for k, v in owned.items() if k[:len(canonical)] == canonical}
             out += [(path + p, m) for p, m in check_extra(value, key.section, sub_owned)]
             continue
-        out += [(path, m) for m in _value_problems(value, key.kinds, key.choices, key.bounds, key.section is not None)]
+        out += [(path, m) for m in _value_problems(value, key.kinds, key.choices, key.bounds, key.section is not None,
+                                                   key.any_case)]
     return out
 
 
@@ -105,10 +106,11 @@ def _owner(owned: Mapping[tuple[str, ...], str], path: tuple[str, ...]) -> str |
     return ".".join(common) or below[0]
 
 
-def _value_problems(value: Any, kinds, choices, bounds, section: bool) -> list[str]:
+def _value_problems(value: Any, kinds, choices, bounds, section: bool, any_case: bool = False) -> list[str]:
     if section and value is not None:
         return [f"must be a mapping, got {_kind(value)}"]
-    if choices and value not in choices:
+    folded = any_case and isinstance(value, str) and value.lower() in {str(c).lower() for c in choices or ()}
+    if choices and value not in choices and not folded:
         return [f"must be one of {', '.join(repr(c) for c in choices)}; got {value!r}"]
     if kinds is not None and not _fits(value, kinds):
         words = sorted(kinds - {"int"} if "float" in kinds else kinds)  # a number covers whole numbers

@@ -132,10 +132,6 @@ def _shapes(ds: dict, draft: Draft, source: str) -> dict:
         value = node.get(key)
         if isinstance(value, str):
             node[key] = next((k for k, names in _DTYPES.items() if value.lower() in names), value)
-    for name in ("sequence_parallel_size", "data_parallel_size"):
-        if ds.get(name, 1) != 1:  # DeepSpeed divides the data-parallel world by them; hfscale's batch math does not
-            draft.refuse(f"{source}: {name}", f"{ds[name]!r}: sequence parallelism is not something hfscale writes "
-                         "yet (DeepSpeed's data-parallel world would not be hfscale's); launch this config as it is")
     return ds
 
 

@@ -29,6 +29,7 @@ class Draft:
     notes: list[str] = field(default_factory=list)  # printed at the top of the file
     source: str = ""  # the file being read now, for origins
     origins: dict[tuple[str, ...], str] = field(default_factory=dict)  # hfscale path -> "file: key as written"
+    renames: dict[str, tuple[dict[str, str], str]] = field(default_factory=dict)  # see rename
 
     def set(self, path: tuple[str, ...], value: Any, comment: str | None = None, key: str | None = None) -> None:
         """``value`` at ``path``; ``key``: the source key it comes from, as written in ``source``."""
@@ -41,6 +42,24 @@ class Draft:
         if key is not None:
             self.origins[path] = f"{self.source}: {key}"
 
+    def rename(self, source: str, names: dict[str, str], to: str, since: int = 0) -> None:
+        """Keys read from ``source`` are told under the names ``names`` maps them to, in file
+        ``to``: in the problems from index ``since`` on now, and in origins when a problem is
+        traced (accelerate's inline DeepSpeed keys, which hfscale reads as the DeepSpeed config
+        accelerate builds from them)."""
+        self.renames[source] = (names, to)
+        self.problems[since:] = [Problem(self._told(p.path), p.message, p.line) for p in self.problems[since:]]
+
+    def _told(self, where: str) -> str:
+        for source, (names, to) in self.renames.items():
+            if where.startswith(f"{source}: "):
+                key = where[len(source) + 2:]
+                for name in sorted(names, key=len, reverse=True):
+                    if key == name or key.startswith(name + "."):
+                        return f"{to}: {names[name]}{key[len(name):]}"
+                return f"{to}: {key}"
+        return where
+
     def origin_of(self, problem: Problem) -> Problem:
         """A problem found in the YAML the import wrote, told as a problem of the file and key it
         came from (that YAML was never written, so its lines mean nothing to the user)."""
@@ -48,7 +67,7 @@ class Draft:
         for n in range(len(parts), 0, -1):
             if parts[:n] in self.origins:
                 rest = ".".join(parts[n:])
-                return Problem(self.origins[parts[:n]] + (f".{rest}" if rest else ""), problem.message)
+                return Problem(self._told(self.origins[parts[:n]] + (f".{rest}" if rest else "")), problem.message)
         return Problem(f"{problem.path or '<document>'} (hfscale's key; no key of the sources sets it)", problem.message)
 
     def get(self, path: tuple[str, ...], default: Any = None) -> Any:

@@ -20,6 +20,8 @@ from .extra_keys import check_extra
 from .hostfile import parse_hostfile
 from .import_deepspeed import import_deepspeed
 from .import_fsdp import import_fsdp
+from .config_accelerate import ParallelismConfig
+from .deepspeed_source import deepspeed_keys
 from .import_draft import Draft, as_bool, render_draft
 from .load import _read, load_text
 from .yamlsource import parse
@@ -105,12 +107,13 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
         backend = "ddp"
     draft.set(("distributed", "backend"), backend, key="distributed_type")
     precision = acc.pop("mixed_precision", None)
-    if precision not in (None, "no", "bf16", "fp16"):
-        draft.refuse(f"{where}: mixed_precision", f"{precision!r}: hfscale writes bf16, fp16 or no")
+    if precision not in (None, "no", "bf16", "fp16", "fp8"):
+        draft.refuse(f"{where}: mixed_precision", f"{precision!r}: accelerate takes no, fp16, bf16 or fp8")
         precision = None
     procs = acc.get("num_processes")
     world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
     _cluster(acc, hostfile, out_dir, draft, where)
+    world //= _sequence_parallel(acc.get("parallelism_config"), world)  # the batch is per data-parallel rank
     plugin = acc.pop("deepspeed_config", None) or {}
     fsdp = acc.pop("fsdp_config", None) or {}
     if not isinstance(plugin, dict):
@@ -129,7 +132,7 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
             draft.refuse(deepspeed.path, f"a DeepSpeed config, but distributed_type is {kind}")
     if fsdp:
         import_fsdp(fsdp, draft, where, backend)
-    _parallelism(acc.pop("parallelism_config", None) or {}, draft, where, backend)
+    _parallelism(acc.pop("parallelism_config", None) or {}, draft, where)
     _rest(acc, draft, where)
     if backend != "deepspeed" or draft.get(("batch", "micro_batch_size")) is None:
         draft.set(("batch", "micro_batch_size"), 1, "accelerate's config has no batch size: the script's; set yours")
@@ -194,6 +197,18 @@ def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Dr
         draft.set(("accelerate", "gpu_ids"), str(ids), key="gpu_ids")
 
 
+# the DeepSpeed keys accelerate's DeepSpeedPlugin builds from its inline deepspeed_config keys
+INLINE_NAMES = {
+    "zero_optimization.stage": "deepspeed_config.zero_stage",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "deepspeed_config.zero3_save_16bit_model",
+    "gradient_accumulation_steps": "deepspeed_config.gradient_accumulation_steps",
+    "gradient_clipping": "deepspeed_config.gradient_clipping",
+    "bf16": "mixed_precision", "fp16": "mixed_precision",
+    **{f"zero_optimization.{part}.{field}": f"deepspeed_config.{part}_{field}"
+       for part in ("offload_optimizer", "offload_param") for field in ("device", "nvme_path")},
+}
+
+
 def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, draft: Draft, where: str,
                world: int) -> None:
     plugin = dict(plugin)
@@ -238,38 +253,51 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
         else None
     unread = [k for k in plugin if section is not None and not section.open and k not in section.keys]
     if unread:  # accelerate launch copies only its own --deepspeed arguments from this section
+        ds_keys = deepspeed_keys()
+        json_keys = [k for k in unread if ds_keys is not None and k in ds_keys.keys]
         draft.notes.append(f"{where}: left out deepspeed_config.{', '.join(unread)}: not an argument of accelerate "
-                           "launch, which never reads it")
+                           "launch, which never reads it" + (f" ({', '.join(json_keys)}: a key of DeepSpeed's JSON, "
+                           "where distributed.deepspeed.extra would write it)" if json_keys else ""))
     for key in plugin:
         if key not in unread and not (deepspeed is not None and key in PLUGIN):  # those are refused above
             draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
+    since = len(draft.problems)
     import_deepspeed(ds, draft, source, precision, world, as_bool(plugin_save) is True)
+    if precision == "fp8":  # accelerate adds bf16 {enabled: true} at run time, as hfscale's fp8 JSON leaves it to
+        draft.set(("precision",), "fp8", key="mixed_precision")
+    if deepspeed is None:  # errors name the accelerate YAML's keys, not the DeepSpeed config built from them
+        draft.rename(source, INLINE_NAMES, where, since)
     if init is not None and draft.get(("distributed", "deepspeed", "stage")) == 3:
         draft.set(("distributed", "deepspeed", "zero3_init"), as_bool(init), key="deepspeed_config.zero3_init_flag")
     elif init is not None:
         draft.notes.append("left out zero3_init_flag: it is for ZeRO stage 3 only")
 
 
-def _parallelism(pc: dict, draft: Draft, where: str, backend: str) -> None:
+def _parallelism(pc: dict, draft: Draft, where: str) -> None:
     if not isinstance(pc, dict):
         draft.refuse(f"{where}: parallelism_config", f"must be a mapping, got {type(pc).__name__}")
         return
-    sp = sorted(str(k) for k in pc if str(k).removeprefix("parallelism_config_").startswith("sp_"))
-    sizes = [pc[k] for k in sp if str(k).endswith("sp_size")]
-    if sizes and all(v == 1 for v in sizes):
-        sp = []  # sequence parallelism of size 1: off, the keys pass through
-    if sp:  # sequence parallelism splits the data-parallel world: hfscale's batch math has no such term
-        draft.refuse(f"{where}: parallelism_config.{sp[0]}", f"sequence parallelism ({', '.join(sp)}, backend "
-                     f"{backend}) is not something hfscale writes yet; launch this config with accelerate launch")
-        return
     for key, value in pc.items():
         short = str(key).removeprefix("parallelism_config_")
-        if short in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
+        if short in ParallelismConfig.model_fields:
+            if short == "sp_seq_length_is_variable" and isinstance(value, str):  # read as str(value).lower() == "true"
+                if value.lower() not in ("true", "false"):
+                    draft.notes.append(f"{where}: parallelism_config.{key} {value!r} reads as false in accelerate")
+                value = value.lower() == "true"
+            elif short == "sp_seq_length" and isinstance(value, str):  # an argument of type str, read with int()
+                digits = value.strip().isdigit() and len(value) < 19
+                value = None if value == "None" else int(value) if digits else value
             draft.set(("distributed", "parallelism", short), value, key=f"parallelism_config.{key}")
         else:
             extra = draft.get(("accelerate", "extra"), {})
             extra.setdefault("parallelism_config", {})[key] = value
             draft.set(("accelerate", "extra"), extra)
+
+
+def _sequence_parallel(pc: Any, world: int) -> int:
+    """The parallelism_config's sp_size where it divides the world (1 otherwise: check says why)."""
+    sp = pc.get("parallelism_config_sp_size", pc.get("sp_size", 1)) if isinstance(pc, dict) else 1
+    return sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 0 and world % sp == 0 else 1
 
 
 def _rest(acc: dict, draft: Draft, where: str) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from . import accelerate_rules, deepspeed_rules
 from .config import DeepSpeedSection, FsdpSection, HfscaleConfig, HostSpec
+from .config_base import ipv4_shorthand
 from .errors import ConfigError, Problem
 from .script_rules import script_problems
 from .yamlsource import dotted
@@ -62,8 +63,8 @@ class Job:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different samples: the world size, unless tensor or context parallelism
-        makes groups of ranks share them."""
+        """Ranks that see different samples: the world size, unless tensor, context or sequence
+        parallelism makes groups of ranks share them."""
         p = self.config.distributed.parallelism
         return p.data_parallel if p is not None and p.total == self.world_size else self.world_size
 
@@ -103,6 +104,15 @@ def _cluster_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...], hosts_key
         out.append((("runner", "type"), f"'local' runs on this node only but the cluster has {len(hosts)} hosts; "
                                         "use 'pdsh' or 'pdsh_docker'"))
     return out
+
+
+def _shorthand_warnings(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
+    """Addresses written in inet_aton's shorthand: valid to ssh and torch, and often a placeholder."""
+    named = [(("cluster", "master_addr"), cfg.cluster.master_addr)]
+    named += [(("cluster", "hosts", i, "host"), h.host) for i, h in enumerate(cfg.cluster.hosts or ())]
+    return [(path, f"{name!r} reads as the IPv4 address {ipv4_shorthand(name)} (inet_aton shorthand, as ssh and "
+                   "torch read it); if it is a template's placeholder, put the main node's address here")
+            for path, name in named if name and ipv4_shorthand(name)]
 
 
 def _launch_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...]) -> list[tuple[tuple, str]]:
@@ -167,8 +177,8 @@ def _engine_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
 
 def _batch(cfg: HfscaleConfig, world: int, world_how: str) -> tuple[int, int, list[tuple[tuple, str]]]:
     p = cfg.distributed.parallelism
-    if p is not None and p.total == world and (p.tp_size > 1 or p.cp_size > 1):
-        # tensor- and context-parallel ranks share their samples: the batch is per data-parallel rank
+    if p is not None and p.total == world and (p.tp_size > 1 or p.cp_size > 1 or p.sp_size > 1):
+        # tensor-, context- and sequence-parallel ranks share their samples: the batch is per data-parallel rank
         world, world_how = p.data_parallel, "data-parallel ranks: distributed.parallelism dp_replicate_size x dp_shard_size"
     b = cfg.batch
     per_step = b.micro_batch_size * world
@@ -245,6 +255,7 @@ def resolve(
     problems.sort(key=lambda p: (p.line is None, p.line or 0))
     if problems:
         raise ConfigError(source, problems)
-    warnings = list(extra_warnings) + [Problem(dotted(p), m, line_of(p)) for p, m in script_warnings + ds_warnings]
+    warnings = list(extra_warnings) + [Problem(dotted(p), m, line_of(p)) for p, m in
+                                       script_warnings + ds_warnings + _shorthand_warnings(cfg)]
     warnings.sort(key=lambda p: (p.line is None, p.line or 0))
     return replace(job, warnings=tuple(warnings))

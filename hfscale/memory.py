@@ -21,6 +21,11 @@ CONTEXT_BYTES = GiB  # CUDA context, cuBLAS workspaces and NCCL buffers of one p
 CONTEXT_LINE = "CUDA context + NCCL"
 ALLOCATOR_MARGIN = 0.10  # of what torch allocates: the caching allocator's fragmentation
 OFFLOAD_BUFFER_FACTOR = 1.5  # DeepSpeed's additional_buffer_factor for pinned CPU memory
+# 16-bit training precisions. fp8 counts as bf16: accelerate runs it under bf16 autocast, with
+# DeepSpeed's bf16 on and FSDP's parameters in bf16 (DeepSpeedPlugin / FullyShardedDataParallelPlugin
+# set_mixed_precision), and what fp8 layers save for backward is no larger. Not counted: the fp8
+# copies of the weights Transformer Engine or torchao cast while a layer runs.
+HALF = ("bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class Setting:
     micro_batch: int
     accumulation: int
     checkpointing: bool  # gradient (activation) checkpointing
-    precision: str  # bf16, fp16, no
+    precision: str  # bf16, fp16, fp8, no
     seq_len: int
     world: int  # ranks that shard the model states (data-parallel ranks)
     gpus_per_node: int
@@ -85,7 +90,7 @@ class Estimate:
 def model_states(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:
     """Weights, gradients, optimizer states and gathered parameters on one GPU."""
     P, L, N = shape.params(), shape.largest_layer_params(), s.world
-    half = s.precision in ("bf16", "fp16")
+    half = s.precision in HALF
     w = 2 if half else 4
     opt = 16 if half else 12  # master + 2 moments + fp32 gradient partition; fp32 training: the weights are the master
     if s.engine == "ddp":
@@ -143,7 +148,7 @@ def buckets(shape: Shape, s: Setting) -> tuple[int, str]:
 
 def activations(shape: Shape, s: Setting) -> list[tuple[str, int, str]]:
     """What the forward pass keeps for backward, and the loss's float logits."""
-    k = 2 if s.precision in ("bf16", "fp16") else 4
+    k = 2 if s.precision in HALF else 4
     tokens = s.micro_batch * s.seq_len
     layer = shape.layer_activation_bytes(k)
     if s.checkpointing:

@@ -101,9 +101,11 @@ def reshards(job: Job, ctx: LaunchContext) -> bool:
 
 def reshard_note(job: Job, saved: int, ckpt: str, ready: bool) -> str:
     how = "already converted" if ready else "converted by DeepSpeed's ds_to_universal before the job starts"
+    ranks = f"{job.world_size} processes" if job.data_parallel_size == job.world_size else \
+        f"{job.data_parallel_size} data-parallel ranks"
     batch = (f"the global batch stays {job.global_batch_size} (batch.global_batch_size; accumulation "
              f"{job.gradient_accumulation_steps})" if job.is_set(("batch", "global_batch_size")) else
-             f"the global batch is {job.global_batch_size} = micro x accumulation x {job.world_size} processes; set "
+             f"the global batch is {job.global_batch_size} = micro x accumulation x {ranks}; set "
              "batch.global_batch_size to keep the one the checkpoint was trained with")
     return (f"{ckpt} was saved by {saved} processes, this job has {job.world_size}: it resumes from its universal "
             f"checkpoint ({how}; the DeepSpeed JSON says checkpoint.load_universal); {batch}")

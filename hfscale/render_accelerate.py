@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from .config_accelerate import ParallelismConfig
 from .extra_keys import merge
 from .job import Job
 
@@ -54,6 +55,14 @@ def _fsdp(job: Job) -> dict[str, Any]:
     return out
 
 
+def _parallelism(p: ParallelismConfig) -> dict[str, Any]:
+    """The sizes; the sequence-parallel settings when sequence parallelism is on (accelerate launch
+    passes them to the ranks only then) or the YAML sets them."""
+    sizes = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+    return {f"parallelism_config_{k}": v for k, v in p.model_dump(exclude_none=True).items()
+            if k in sizes or p.sp_size > 1 or k in p.model_fields_set}
+
+
 def accelerate_config(job: Job, deepspeed_config_file: str) -> dict[str, Any]:
     """The accelerate config dict; ``deepspeed_config_file`` is the path written into it."""
     cfg = job.config
@@ -72,7 +81,7 @@ def accelerate_config(job: Job, deepspeed_config_file: str) -> dict[str, Any]:
         out.update(distributed_type="MULTI_GPU" if job.world_size > 1 else "NO", mixed_precision=cfg.precision)
     p = cfg.distributed.parallelism
     if p is not None:
-        out["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in p.model_dump().items()}
+        out["parallelism_config"] = _parallelism(p)
     if cfg.accelerate.gpu_ids is not None:
         out["gpu_ids"] = cfg.accelerate.gpu_ids
     out.update(downcast_bf16="no", machine_rank=0)

@@ -4,7 +4,8 @@ Rule: every value is an explicit number taken from the hfscale YAML, never ``"au
 exception: a DeepSpeed scheduler's ``total_num_steps`` while ``training.max_steps`` is null,
 which the HF Trainer fills with the step count it computes). The
 TrainingArguments hfscale builds come from the same YAML, so the HF Trainer's consistency check
-finds them equal, and a plain ``accelerate launch`` script gets usable numbers too. The optimizer
+finds them equal, and a plain ``accelerate launch`` script gets usable numbers too (under sequence
+parallelism ``train_batch_size`` is left for DeepSpeed to derive: see ``deepspeed_config``). The optimizer
 and LR scheduler belong to the training script and are left out unless
 ``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed (with optimizer
 offload and none named, accelerate swaps the script's torch optimizer for DeepSpeed's CPU Adam);
@@ -21,6 +22,7 @@ from .config_deepspeed import DeepSpeedSection, OffloadOptimizerConfig, OffloadP
 from .deepspeed_rules import NVME_ONLY, SECTIONS, ZERO_KEYS
 from .extra_keys import merge
 from .job import Job
+from .parallelism_rules import sequence_parallel_size
 
 
 def _offload(kind: str, off: OffloadOptimizerConfig | OffloadParamConfig) -> dict[str, Any]:
@@ -100,6 +102,16 @@ def deepspeed_config(job: Job, load_universal: bool = False) -> dict[str, Any]:
         "fp16": {"enabled": precision == "fp16"},
         "zero_optimization": _zero(ds),
     }
+    if sequence_parallel_size(cfg) > 1:
+        # DeepSpeed derives it, micro x accumulation x its data-parallel world (world size / sp_size), and
+        # accelerate writes the same just before deepspeed.initialize; a number here would meet the HF
+        # Trainer's check, which counts every rank (micro x accumulation x world size), and fail it
+        del out["train_batch_size"]
+    if precision == "fp8":
+        # accelerate's DeepSpeedPlugin.set_mixed_precision("fp8") adds bf16 {enabled: true} to a config
+        # without one (fp8 runs under bf16 autocast); written here, the Trainer would see bf16 on against
+        # its --bf16 false (the flag would turn fp8 off) and refuse the mismatch
+        del out["bf16"], out["fp16"]
     if ds.steps_per_print is not None:
         out["steps_per_print"] = ds.steps_per_print
     out["wall_clock_breakdown"] = False

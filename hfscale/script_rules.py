@@ -166,6 +166,8 @@ def _carried(job: "Job") -> dict[str, str]:
     out = {"per_device_train_batch_size": json_ + "train_micro_batch_size_per_gpu",
            "gradient_accumulation_steps": json_ + "gradient_accumulation_steps",
            "max_grad_norm": json_ + "gradient_clipping", "bf16": json_ + "bf16.enabled", "fp16": json_ + "fp16.enabled"}
+    if job.config.precision == "fp8":  # no bf16/fp16 in the JSON: accelerate launch is given the precision
+        out.update(bf16="accelerate launch's --mixed_precision fp8", fp16="accelerate launch's --mixed_precision fp8")
     if ds.optimizer is not None:  # render_deepspeed._optimizer
         out.update(learning_rate=json_ + "optimizer.params.lr", weight_decay=json_ + "optimizer.params.weight_decay",
                    adam_beta1=json_ + "optimizer.params.betas", adam_beta2=json_ + "optimizer.params.betas")

@@ -20,6 +20,7 @@ from .fit import Verdict, judge
 from .job import Job
 from .memory import Estimate, Setting, estimate
 from .model_shape import Shape, ShapeError, shape_of
+from .parallelism_rules import sequence_parallel_size
 from .trainer_args import given_flags
 
 GiB = 2**30
@@ -120,8 +121,10 @@ def setting_of(job: Job, seq_len: int) -> Setting:
     c = job.config
     ds, fs = job.deepspeed, job.fsdp
     p = c.distributed.parallelism
+    sp = sequence_parallel_size(c)  # each rank of a sequence-parallel group holds its slice of the sequence
     common = dict(micro_batch=c.batch.micro_batch_size, accumulation=job.gradient_accumulation_steps,
-                  precision=c.precision, seq_len=seq_len, gpus_per_node=job.procs_per_node, nodes=job.num_nodes)
+                  precision=c.precision, seq_len=-(-seq_len // sp), gpus_per_node=job.procs_per_node,
+                  nodes=job.num_nodes)
     if ds is not None:
         return Setting("deepspeed", ds.stage, ds.offload_optimizer.device != "none", ds.offload_param.device != "none",
                        checkpointing=c.training.gradient_checkpointing, world=job.world_size,
@@ -149,6 +152,8 @@ def sizing(job: Job, model: str | None = None, seq_len: int | None = None, gpu_m
     except ShapeError as e:
         raise SizingError(f"{model_from}: {e}") from None
     seq, seq_from = sequence_length(job, seq_len)
+    if (sp := sequence_parallel_size(job.config)) > 1:
+        seq_from += f"; per rank: {seq} / distributed.parallelism.sp_size {sp}"
     if given is not None:
         limit, limit_from = given, "--gpu-memory"
     elif job.config.cluster.gpu_memory is not None:

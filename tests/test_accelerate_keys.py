@@ -116,8 +116,14 @@ def test_extra_keys_are_checked_against_accelerates():
      "distributed.parallelism: dp_replicate_size 1 x dp_shard_size 1 x tp_size 3 x cp_size 1 = 3, but the world "
      "size is 8"),
     ({"distributed": {"backend": "deepspeed", "parallelism": {"dp_shard_size": 8}}},
-     "distributed.parallelism: accelerate's parallelism_config needs distributed.backend: fsdp (FSDP2); backend is "
-     "deepspeed"),
+     "distributed.parallelism: accelerate's parallelism_config needs distributed.backend: fsdp (FSDP2), or sp_size > 1 "
+     "with backend deepspeed (sequence parallelism); backend is deepspeed"),
+    ({"distributed": {"backend": "fsdp", "parallelism": {"tp_size": 8}}},
+     "distributed.parallelism.dp_shard_size: 1 and cp_size 1: accelerate refuses FSDP with no dimension to shard "
+     "across; give dp_shard_size (or cp_size) the ranks FSDP shards over"),
+    ({"distributed": {"backend": "fsdp", "parallelism": {"dp_replicate_size": 4, "tp_size": 2}}},
+     "distributed.parallelism.dp_shard_size: 1 with dp_replicate_size > 1 and tensor or context parallelism: "
+     "accelerate refuses pure data parallelism beside them; set dp_shard_size > 1"),
 ])
 def test_accelerate_cross_checks(change, message):
     doc = {**FSDP_TP, "batch": {"micro_batch_size": 1}, **change}
@@ -128,3 +134,79 @@ def test_extra_fsdp_settings_need_the_fsdp_backend():
     doc = {"name": "d", "batch": {"micro_batch_size": 1},
            "accelerate": {"extra": {"fsdp_config": {"fsdp_forward_prefetch": False}}}}
     assert _problems(doc) == ["accelerate.extra.fsdp_config: FSDP settings, but distributed.backend is deepspeed"]
+
+
+SP = {  # TRL's ALST/Ulysses layout (tests/data/real_configs/huggingface__trl/alst_ulysses_4gpu.yaml) in hfscale's words
+    "name": "sp", "cluster": {"nproc_per_node": 4},
+    "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 3},
+                    "parallelism": {"dp_shard_size": 2, "sp_size": 2, "sp_attn_implementation": "flash_attention_2"}},
+    "precision": "bf16", "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 3},
+    "training": {"script": "train.py"},
+}
+
+
+def _sp(parallelism: dict | None = None, **top) -> dict:
+    d = SP["distributed"]
+    return {**SP, "distributed": {**d, "parallelism": {**d["parallelism"], **(parallelism or {})}}, **top}
+
+
+def test_sequence_parallel_batch_is_per_data_parallel_rank(tmp_path):
+    """ALST/Ulysses: the 2 ranks of a sequence-parallel group share their samples, so 4 processes are
+    2 data-parallel ranks (accelerate's train_batch_size: micro x accumulation x dp_replicate x
+    dp_shard). Running it needs GPUs and flash attention: here only the config is checked."""
+    job = _load(SP, tmp_path)
+    assert (job.world_size, job.data_parallel_size, job.global_batch_size) == (4, 2, 12)
+    derived = _load({**SP, "batch": {"micro_batch_size": 2, "global_batch_size": 24}}, tmp_path)
+    assert derived.gradient_accumulation_steps == 6  # 24 / (2 x 2 data-parallel ranks), not / 4 processes
+    assert _problems({**SP, "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": 3,
+                                      "global_batch_size": 24}}) == [
+        "batch.global_batch_size: 24 != micro_batch_size 2 x gradient_accumulation_steps 3 x world size 2 "
+        "(data-parallel ranks: distributed.parallelism dp_replicate_size x dp_shard_size) = 12"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (_sp({"sp_size": 4}), "distributed.parallelism: dp_replicate_size 1 x dp_shard_size 2 x tp_size 1 x cp_size 1 x "
+     "sp_size 4 = 8, but the world size is 4: accelerate writes DeepSpeed's train_batch_size for dp_replicate_size x "
+     "dp_shard_size data-parallel ranks, and DeepSpeed checks it against world size / sp_size = 1"),
+    (_sp({"dp_shard_size": 1}), "distributed.parallelism: dp_replicate_size 1 x dp_shard_size 1 x tp_size 1 x "
+     "cp_size 1 x sp_size 2 = 2, but the world size is 4: accelerate writes DeepSpeed's train_batch_size for "
+     "dp_replicate_size x dp_shard_size data-parallel ranks, and DeepSpeed checks it against world size / sp_size = 2"),
+    (_sp({"dp_shard_size": 1, "tp_size": 2}), "distributed.parallelism.tp_size: 2 beside sp_size 2: DeepSpeed's "
+     "data-parallel world is world size / sp_size = 2, but accelerate writes train_batch_size for dp_replicate_size x "
+     "dp_shard_size = 1 ranks, and DeepSpeed's batch check fails"),
+    (_sp({"dp_shard_size": 1, "cp_size": 2}), "distributed.parallelism.sp_size: 2 beside cp_size 2: accelerate refuses "
+     "the pair (context and sequence parallelism are mutually exclusive); set one of them to 1"),
+    ({**_sp(), "distributed": {"backend": "fsdp", "parallelism": SP["distributed"]["parallelism"]}},
+     "distributed.parallelism.sp_size: 2: sequence parallelism (ALST/Ulysses) is DeepSpeed's; accelerate applies it "
+     "only with distributed_type DEEPSPEED, and backend is fsdp"),
+    (_sp({"sp_attn_implementation": "eager"}), "distributed.parallelism.sp_attn_implementation: 'eager': accelerate "
+     "takes flash_attention_2, flash_attention_3, sdpa or a hub flash-attn kernel (such as "
+     "kernels-community/flash-attn2) under sequence parallelism"),
+    (_sp({"sp_seq_length_is_variable": False}), "distributed.parallelism.sp_seq_length: required when "
+     "sp_seq_length_is_variable is false: DeepSpeed refuses a fixed sequence length it is not given"),
+    (_sp({"sp_seq_length_is_variable": False, "sp_seq_length": 1001}), "distributed.parallelism.sp_seq_length: 1001 "
+     "is not divisible by sp_size 2: DeepSpeed refuses every batch of that length"),
+    (_sp({"sp_backend": "torch"}),
+     "distributed.parallelism.sp_backend: must be one of 'deepspeed', got 'torch' (a string)"),
+    (_sp(runner={"launcher": "torchrun"}), "runner.launcher: torchrun: sequence parallelism reaches the ranks through "
+     "accelerate launch (PARALLELISM_CONFIG_* from the accelerate config), which torchrun does not run; the job would "
+     "train without it: use runner.launcher: accelerate"),
+    (_sp(training={"data": {"block_size": 1001}}), "training.data.block_size: 1001 is not divisible by "
+     "distributed.parallelism.sp_size 2: DeepSpeed refuses every batch of that length"),
+    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"sequence_parallel_size": 4}}}},
+     "distributed.deepspeed.extra.sequence_parallel_size: 4, but distributed.parallelism.sp_size is 2: DeepSpeed "
+     "divides its data-parallel world by it wherever it builds its config without accelerate's sequence-parallel "
+     "groups (deepspeed.zero.Init in from_pretrained), and its batch check fails; set distributed.parallelism.sp_size "
+     "(with backend deepspeed) instead"),
+    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"data_parallel_size": 4}}}},
+     "distributed.deepspeed.extra.data_parallel_size: 4, but the data-parallel ranks are world size 4 / sp_size 2 = "
+     "2: DeepSpeed builds its (data_parallel_size, sequence_parallel_size) mesh of the processes from it"),
+])
+def test_sequence_parallel_sizes_accelerate_or_deepspeed_refuse(change, message):
+    assert message in _problems(change)
+
+
+def test_sequence_parallel_keys_deepspeed_reads_are_accepted_when_they_agree():
+    doc = {**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {
+        "stage": 3, "extra": {"sequence_parallel_size": 2, "data_parallel_size": 2}}}}
+    assert _problems(doc) == []

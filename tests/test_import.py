@@ -105,18 +105,22 @@ def compare_deepspeed(orig: dict, back: dict, world: int) -> list[str]:
     o = {_canonical(k): v for k, v in _leaves(orig).items()}
     b = {_canonical(k): v for k, v in _leaves(back).items()}
     stage = b.get(("zero_optimization", "stage"), 0)
-    # what DeepSpeed derives when a key is absent (runtime/config.py, _set_batch_related_parameters)
-    derived = {("train_batch_size",): b[("train_micro_batch_size_per_gpu",)] * b[("gradient_accumulation_steps",)]
-               * world,
-               ("gradient_accumulation_steps",): b[("train_batch_size",)] // (b[("train_micro_batch_size_per_gpu",)]
-                                                                             * world),
-               ("train_micro_batch_size_per_gpu",): b[("train_batch_size",)] // (b[("gradient_accumulation_steps",)]
-                                                                                * world)}
+    # what DeepSpeed derives when a key is absent (runtime/config.py, _set_batch_related_parameters);
+    # ``world``: its data-parallel world (under sequence parallelism, world size / sp_size)
+    micro, ga, total = (b.get((k,)) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                             "train_batch_size"))
+    derived = {}
+    if micro and ga:
+        derived[("train_batch_size",)] = micro * ga * world
+    if total and micro:
+        derived[("gradient_accumulation_steps",)] = total // (micro * world)
+    if total and ga:
+        derived[("train_micro_batch_size_per_gpu",)] = total // (ga * world)
     out = []
     for path in sorted(set(o) | set(b), key=str):
         if o.get(path) == "auto":
             continue  # resolved by the import (its comment says from where)
-        if path not in o and derived.get(path, UNKNOWN) == b[path]:
+        if derived.get(path, UNKNOWN) == (b[path] if path in b else o[path]) and (path not in o or path not in b):
             continue  # what DeepSpeed derives itself when the key is absent
         if path in o and path in b:
             if not _same(o[path], b[path]):
@@ -146,6 +150,8 @@ def compare_accelerate(orig: dict, back: dict, first_host: str | None = None) ->
         if key in ("deepspeed_config", "fsdp_config", "mixed_precision"):
             continue  # compared through accelerate's plugins below
         a, b = orig.get(key, UNKNOWN), back.get(key, UNKNOWN)
+        if key == "parallelism_config" and a and b and isinstance(a, dict) and isinstance(b, dict):
+            a, b = _parallelism_as_launched(a), _parallelism_as_launched(b)
         spec = keys.keys.get(key)
         if a is not UNKNOWN and b is not UNKNOWN:
             if a != b and not (spec is not None and spec.unread):
@@ -161,6 +167,16 @@ def compare_accelerate(orig: dict, back: dict, first_host: str | None = None) ->
             continue  # accelerate launch never reads it from a file: dropped with a note
         out.append(f"{key}: {value!r} {'left out' if b is UNKNOWN else 'added'}")
     return out
+
+
+def _parallelism_as_launched(raw: dict) -> dict:
+    """parallelism_config as accelerate launch reads it: each of its arguments, its default where the
+    file has no value (commands/launch.py, ParallelismConfig Arguments)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    defaults = {a.dest: a.default for a in launch_command_parser()._actions
+                if a.dest.startswith("parallelism_config_")}
+    return {**defaults, **raw}
 
 
 def _fsdp(raw: dict) -> dict:
@@ -326,3 +342,20 @@ def test_fsdp1_numeric_strategy_and_its_default_layout(tmp_path):
     fsdp = yaml.safe_load(r.stdout)["distributed"]["fsdp"]
     assert fsdp["reshard_after_forward"] is False and fsdp["state_dict_type"] == "FULL_STATE_DICT"
     assert "fsdp_sharding_strategy SHARD_GRAD_OP became reshard_after_forward false" in r.stdout
+
+
+def test_inline_deepspeed_errors_name_the_accelerate_keys(tmp_path):
+    """accelerate builds a DeepSpeed config from deepspeed_config's own keys; a bad value is told
+    under the key the user wrote (deepspeed_config.zero_stage), not DeepSpeed's (zero_optimization.stage)."""
+    (tmp_path / "acc.yaml").write_text(
+        "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 5\n  offload_optimizer_device: disk\n"
+        "  offload_param_nvme_path: 7\n  gradient_accumulation_steps: 0\n  gradient_clipping: -1\n"
+        "mixed_precision: bf16\nnum_machines: 1\nnum_processes: 2\n")
+    r = run_cli("import", str(tmp_path / "acc.yaml"), "--out", "-", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    for said in ("acc.yaml: deepspeed_config.zero_stage: must be one of 0, 1, 2 or 3, got 5",
+                 "acc.yaml: deepspeed_config.offload_optimizer_device: must be one of 'none', 'cpu' or 'nvme'",
+                 "acc.yaml: deepspeed_config.gradient_accumulation_steps: must be >= 1, got 0",
+                 "acc.yaml: deepspeed_config.gradient_clipping: must be > 0.0, got -1"):
+        assert said in r.stderr, r.stderr
+    assert "zero_optimization" not in r.stderr and "Traceback" not in r.stderr

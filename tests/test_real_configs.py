@@ -17,9 +17,6 @@ from real_corpus import CORPUS, rows, survey, table
 
 # the refusals, each with why: a test fails when one more appears or one goes away unnoticed
 REFUSED = {
-    "huggingface__accelerate/multi_node.yaml": "'1234' is not a host name",  # the template's placeholder address
-    "huggingface__accelerate/fp8.yaml": "'fp8': hfscale writes bf16, fp16 or no",
-    "huggingface__trl/alst_ulysses_4gpu.yaml": "sequence parallelism",
     # DeepSpeed 0.19's CompileConfig forbids these older keys (extra inputs are not permitted)
     "axolotl-ai-cloud__axolotl/zero1_torch_compile.json": "compile.disable: unknown key 'disable'",
     "axolotl-ai-cloud__axolotl/zero2_torch_compile.json": "compile.disable: unknown key 'disable'",
@@ -107,7 +104,7 @@ def test_every_key_deepspeed_reads_is_known(tmp_path):
     # engine), or keys read only in other situations (a group of several ranks; the old boolean ZeRO form)
     assert set(keys) - seen - set(deepspeed_removed_keys()) <= {
         "activation_checkpointing", "aio", "autotuning", "flops_profiler", "optimizer", "scheduler",
-        "sequence_parallel_size", "allgather_size", "bfloat16"}
+        "sequence_parallel_size", "data_parallel_size", "allgather_size", "bfloat16"}
     removed = deepspeed_removed_keys()
     assert removed and all(keys[k].unread and removed[k] in keys[k].unread for k in removed)
     for name in removed:  # DeepSpeed refuses each one; so does hfscale, with DeepSpeed's words

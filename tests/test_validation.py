@@ -87,7 +87,7 @@ def test_wrong_types_are_not_coerced():
     )
     assert got == [
         ("batch.micro_batch_size", 2, "must be a whole number, got '4' (a string)"),
-        ("precision", 3, "must be one of 'bf16', 'fp16' or 'no', got True (a boolean)"),
+        ("precision", 3, "must be one of 'bf16', 'fp16', 'fp8' or 'no', got True (a boolean)"),
         ("cluster.hosts", 4, "must be a list, got {'host': 'a', 'slots': 1} (a mapping)"),
         ("cluster.master_port", 4, "must be a whole number, got 29500.5 (a number)"),
         ("distributed.deepspeed.overlap_comm", 5, "must be true or false, got 'yes' (a string)"),
@@ -306,3 +306,17 @@ def test_a_key_several_sections_have_is_not_guessed_into_another():
     ((path, line, message),) = problems("name: x\nbatch: {micro_batch_size: 1}\ntraining: {extra: {a: 1}}\n")
     assert (path, line) == ("training.extra", 3)
     assert message.startswith("unknown key 'extra'; allowed here: script, pass_args,") and "slurm" not in message
+
+
+def test_inet_aton_shorthand_is_an_address_with_a_warning():
+    """accelerate's multi_node.yaml template writes main_process_ip '1234': getaddrinfo (ssh, torch's
+    TCPStore) reads it as 0.0.4.210, so it is accepted as the engine accepts it, with a warning."""
+    job = load_text("name: x\nbatch: {micro_batch_size: 1}\nrunner: {type: pdsh}\n"
+                    "cluster: {master_addr: '1234', hosts: [{host: '10.1', slots: 1}, {host: b, slots: 1}]}\n",
+                    "t.yaml", Path("."))
+    assert job.master_addr == "1234"
+    said = {p.path: p.message for p in job.warnings}
+    assert "0.0.4.210" in said["cluster.master_addr"] and "10.0.0.1" in said["cluster.hosts[0].host"]
+    for bad in ("1234 ; reboot", "1.2.3.4.5", "99999999999", "1.2.3.256"):
+        got = problems(f"name: x\nbatch: {{micro_batch_size: 1}}\ncluster: {{master_addr: '{bad}'}}\n")
+        assert got[0][0] == "cluster.master_addr" and "is not a host name" in got[0][2], bad
