@@ -9,9 +9,10 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from typing import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping
 
-from .config import HfscaleConfig
+if TYPE_CHECKING:  # annotations only: a rank imports this module before torch starts (flight_recorder_on_node)
+    from .config import HfscaleConfig
 
 # Known-good starting points; every key can be overridden in network.env (null removes it).
 NETWORK_PRESETS: dict[str, dict[str, str]] = {
@@ -95,7 +96,11 @@ def job_env(cfg: HfscaleConfig, shell_env: Mapping[str, str]) -> dict[str, str]:
 # The new names alone are enough there: the recorder reads TORCH_FR_BUFFER_SIZE first, and
 # ProcessGroupNCCL's own buffer size (TORCH_NCCL_TRACE_BUFFER_SIZE, read without a deprecation)
 # defaults to the same 2000 entries (torch 2.13: FlightRecorder.hpp). Before 2.8 only the NCCL names exist.
+# The launching machine's torch picks the names; a node with another torch renames hfscale's own
+# values (flight_recorder_on_node, in each rank before torch starts).
 FLIGHT_RECORDER_RENAMED = (2, 8)
+FLIGHT_ENTRIES = "2000"  # collectives the flight recorder keeps per rank
+FLIGHT_DUMP_NAME = "nccl_rank_"  # NCCL's dump on its own timeout: <run dir>/flight/nccl_rank_<rank>
 _FLIGHT_NAMES = {"size": ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"),
                  "dump": ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")}
 
@@ -104,14 +109,34 @@ def flight_recorder_env(entries: str, dump_prefix: str, torch_version: str | Non
                         given: Collection[str] = ()) -> dict[str, str]:
     """The flight recorder's variables under the names ``torch_version`` reads (None: unknown, the
     current names); a setting the job's own environment ``given`` holds under either name is left to it."""
-    m = re.match(r"(\d+)\.(\d+)", torch_version or "")
-    old = m is not None and (int(m[1]), int(m[2])) < FLIGHT_RECORDER_RENAMED
     out = {}
     for what, value in (("size", entries), ("dump", dump_prefix)):
-        names = _FLIGHT_NAMES[what]
-        if not any(n in given for n in names):
-            out[names[1] if old else names[0]] = value
+        if not any(n in given for n in _FLIGHT_NAMES[what]):
+            out[_flight_name(what, torch_version)[0]] = value
     return out
+
+
+def _flight_name(what: str, torch_version: str | None) -> tuple[str, str]:
+    """(the name ``torch_version`` reads for ``what``, the other one); None: unknown, the current names."""
+    m = re.match(r"(\d+)\.(\d+)", torch_version or "")
+    new, old = _FLIGHT_NAMES[what]
+    return (old, new) if m is not None and (int(m[1]), int(m[2])) < FLIGHT_RECORDER_RENAMED else (new, old)
+
+
+def flight_recorder_on_node(env: Mapping[str, str], torch_version: str | None, entries: str,
+                            dump_prefix: str) -> dict[str, str | None]:
+    """Changes to a rank's environment (None: remove the variable) that move the flight recorder values
+    hfscale set (``entries``, ``dump_prefix``) to the names the node's torch reads, where the launching
+    machine's torch chose the other names: an old torch would lose the setting, a new one warn on every
+    rank. A value hfscale did not set, or one already set under the node's name, is left alone."""
+    changes: dict[str, str | None] = {}
+    for what, value in (("size", entries), ("dump", dump_prefix)):
+        if torch_version is None:  # no torch beside hfscale here: nothing to go by
+            break
+        name, other = _flight_name(what, torch_version)
+        if name not in env and env.get(other) == value:
+            changes.update({name: value, other: None})
+    return changes
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
-from .envvars import flight_recorder_env, installed_torch, job_env, secret_names
+from .envvars import FLIGHT_DUMP_NAME, FLIGHT_ENTRIES, flight_recorder_env, installed_torch, job_env, secret_names
 from .job import Job
 from .resume import OutputScan
 from .rundir import CONFIG_COPY
@@ -71,10 +71,11 @@ def torchrun_expands(job: Job) -> bool:
 
 
 def plain_needs_entry(job: Job) -> bool:
-    """Whether a plain script (pass_args: none) starts through ``hfscale.run_script --plain``: under
-    accelerate's DeepSpeed launcher, where a rank without a GPU must set up accelerate's process
-    state with a backend before the script's Accelerator (hfscale.run_script.accelerate_needs_backend)."""
-    return job.config.runner.launcher == "accelerate" and job.deepspeed is not None
+    """Whether a plain script (pass_args: none) starts through ``hfscale.run_script --plain``: a job of
+    more than one process (a rank without a GPU must tell accelerate to use the CPU, or set up its
+    process state, before the script's Accelerator: hfscale.run_script.plain_mode), and every job
+    under accelerate's DeepSpeed launcher."""
+    return job.world_size > 1 or (job.config.runner.launcher == "accelerate" and job.deepspeed is not None)
 
 
 def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
@@ -129,6 +130,9 @@ def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv:
     argv: list[Word]
     if cfg.runner.launcher == "accelerate":
         argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
+        if job.deepspeed is not None and cfg.precision == "fp8":
+            # accelerate refuses mixed_precision in the file beside deepspeed_config_file, but takes the flag
+            argv += ["--mixed_precision", "fp8"]
         if job.num_nodes > 1:
             argv += ["--machine_rank", rdzv.rank]
             if rdzv.master is not None:
@@ -151,9 +155,6 @@ def _join_endpoint(master: Word, port: Word) -> Word:
         return f"{master}:{port}"
     parts = [p for w in (master, ":", port) for p in (w.parts if isinstance(w, Cat) else (w,))]
     return Cat(tuple(parts))  # type: ignore[arg-type]
-
-
-FLIGHT_ENTRIES = "2000"  # collectives the flight recorder keeps per rank
 
 
 def watched(job: Job, ctx: LaunchContext) -> bool:
@@ -182,7 +183,7 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secr
     if watched(job, ctx):
         # the flight recorder (gloo and NCCL) keeps each rank's last collectives for the hang report;
         # NCCL also writes it here when its own watchdog times out
-        env.update(flight_recorder_env(FLIGHT_ENTRIES, posixpath.join(run_dir, FLIGHT_DIR, "nccl_rank_"),
+        env.update(flight_recorder_env(FLIGHT_ENTRIES, posixpath.join(run_dir, FLIGHT_DIR, FLIGHT_DUMP_NAME),
                                        installed_torch(), values))
     if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently

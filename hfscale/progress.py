@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import MutableMapping
 
 PROGRESS_DIR = "progress"
 STACKS_DIR = "stacks"
@@ -136,6 +137,23 @@ def _serve_flight_recorder(run_dir: Path, rank: str) -> object:
     thread = threading.Thread(target=_flight_loop, args=(fifo, out), name="hfscale-flight-recorder", daemon=True)
     thread.start()
     return thread
+
+
+def fit_flight_recorder(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before torch starts in a rank launched by hfscale: the flight recorder values hfscale set,
+    under the names this node's torch reads (the launching machine's torch chose them;
+    hfscale.envvars.flight_recorder_on_node)."""
+    run_dir = environ.get("HFSCALE_RUN_DIR")
+    if not run_dir:
+        return
+    from .envvars import FLIGHT_DUMP_NAME, FLIGHT_ENTRIES, flight_recorder_on_node, installed_torch
+
+    dump = os.path.join(run_dir, FLIGHT_DIR, FLIGHT_DUMP_NAME)
+    for name, value in flight_recorder_on_node(environ, installed_torch(), FLIGHT_ENTRIES, dump).items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
 
 
 def _flight_loop(fifo: Path, out: Path) -> None:

@@ -34,12 +34,28 @@ SCRIPT, rank 0 says which world size DeepSpeed read against the job's WORLD_SIZE
 
     python -m hfscale.run_script --plain SCRIPT [ARGS...]     # training.pass_args: none
 
-runs SCRIPT with its own ARGS only. On a rank without a GPU that ``accelerate launch`` started
-with a DeepSpeed config (ACCELERATE_USE_DEEPSPEED), it first sets up accelerate's process state with
-the gloo backend, as ``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])``
-would: accelerate picks no backend on the CPU unless it is told to use the CPU (which turns
-DeepSpeed off), so every rank would train alone, each on all the data. SCRIPT's ``Accelerator``
-then finds that state (the script itself must not initialise torch's default group again).
+runs SCRIPT with its own ARGS only. accelerate picks a backend on the CPU only when it is told to
+use the CPU (``ACCELERATE_USE_CPU``, which ``accelerate launch`` sets to False from the config's
+``use_cpu`` and torchrun not at all); without one, every rank of a job without GPUs counts itself
+the only process and trains alone on all the data. So on a rank without a GPU, of a job of more
+than one process, before SCRIPT runs (plain_mode):
+
+- under ``accelerate launch`` with a DeepSpeed config (ACCELERATE_USE_DEEPSPEED), it sets up
+  accelerate's process state with the gloo backend, as
+  ``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])`` would (ACCELERATE_USE_CPU
+  would turn DeepSpeed off). SCRIPT's ``Accelerator`` then finds that state (the script itself must
+  not initialise torch's default group again);
+- under ``accelerate launch`` with an FSDP config (ACCELERATE_USE_FSDP) it refuses (exit 2, nothing
+  run): accelerate trains FSDP on GPUs only; on the CPU it drops the FSDP plugin (MULTI_CPU is
+  plain DDP) or, without ACCELERATE_USE_CPU, leaves every rank alone;
+- otherwise (DDP under ``accelerate launch``; any backend under torchrun, where an Accelerator
+  reads no accelerate config) it sets ``ACCELERATE_USE_CPU=true``, so the script's Accelerator
+  (or TrainingArguments) takes accelerate's MULTI_CPU mode with gloo, the ranks form one group
+  and DDP syncs them. A script that uses torch.distributed itself is not affected.
+
+When SCRIPT ends normally and set up accelerate's state, the rank checks that accelerate counted
+WORLD_SIZE processes (a script that called ``PartialState()`` before its Accelerator trained
+alone): otherwise it says so and exits 1 instead of passing for a job that trained.
 
 Plain Python until SCRIPT imports torch, except where a process group is set up first.
 """
@@ -53,6 +69,7 @@ import runpy
 import sys
 from typing import Mapping, Sequence
 
+from .progress import fit_flight_recorder
 from .resume import decide, first_start, scan_output
 from .shutdown import exit_cleanly
 from .script_rules import PLAIN_FLAG
@@ -112,14 +129,47 @@ def join_group(args: Sequence[str]) -> None:
                                timeout=datetime.timedelta(seconds=seconds), verbose=False)
 
 
+def plain_mode(env: Mapping[str, str]) -> str | None:
+    """What a plain script's rank needs so that accelerate counts every rank: "deepspeed" (accelerate's
+    state with gloo first), "cpu" (ACCELERATE_USE_CPU=true), "fsdp" (refuse: accelerate has no FSDP on
+    the CPU), or None: a GPU, one process, or accelerate told to use the CPU already. accelerate takes
+    a backend on the CPU only when told to use the CPU; without one, every rank counts itself as the
+    only process."""
+    if sees_gpu(env) or _world_size(env) <= 1 or env.get("ACCELERATE_USE_CPU", "").lower() in _TRUE:
+        return None
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "deepspeed"
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return "fsdp"
+    return "cpu"
+
+
 def accelerate_needs_backend(env: Mapping[str, str]) -> bool:
-    """Whether a plain script's Accelerator would find no backend: a rank without a GPU, started by
-    ``accelerate launch`` with a DeepSpeed config, one of more than one process. accelerate takes
-    a backend on the CPU only when told to use the CPU (ACCELERATE_USE_CPU, which also turns
-    DeepSpeed off); without one, every rank counts itself as the only process."""
-    return (env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-            and env.get("ACCELERATE_USE_CPU", "").lower() not in _TRUE
-            and not sees_gpu(env) and _world_size(env) > 1)
+    """Whether a plain script's Accelerator would find no backend under accelerate's DeepSpeed launcher
+    on a rank without a GPU (ACCELERATE_USE_CPU would turn DeepSpeed off)."""
+    return plain_mode(env) == "deepspeed"
+
+
+FSDP_ON_CPU = ("hfscale: distributed.backend fsdp on a rank without a GPU: accelerate trains FSDP on GPUs only (on "
+               "the CPU it drops the FSDP plugin and trains DDP, or every rank alone), so this job would not train "
+               "as written. Run it on GPU nodes, or set distributed.backend: ddp or deepspeed for a CPU run.")
+
+
+def accelerate_processes() -> int | None:
+    """How many processes accelerate's state counts in this process; None when nothing set it up."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None)
+    return shared.get("num_processes") if shared else None
+
+
+def alone_message(counted: int | None, world_size: int) -> str | None:
+    """What to say when accelerate counted fewer processes than the job started (each trained alone)."""
+    if counted is None or world_size <= 1 or counted == world_size:
+        return None
+    return (f"hfscale: accelerate counted {counted} process(es) but the job started WORLD_SIZE {world_size}: each "
+            "rank trained on its own, on all the data. accelerate picks no backend on the CPU unless told to use "
+            "the CPU: make the Accelerator (or TrainingArguments) the first thing that sets up accelerate's state, "
+            "or pass cpu=True to an earlier PartialState().")
 
 
 def set_up_accelerate() -> None:
@@ -177,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return EXIT_BAD_INPUT
     script = argv[0]
+    fit_flight_recorder()
     if plain:
         args = argv[1:]
     else:
@@ -192,7 +243,15 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer_hook import install
 
         install()
-    if plain and accelerate_needs_backend(os.environ):
+    world_size = _world_size(os.environ)
+    mode = plain_mode(os.environ) if plain else None
+    if mode == "fsdp":
+        if os.environ.get("RANK", "0") == "0":
+            print(FSDP_ON_CPU, file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    if mode == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    elif mode == "deepspeed":
         set_up_accelerate()
     elif not plain and joins_group_first(args, os.environ):
         join_group(args)
@@ -206,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         if hint and os.environ.get("RANK", "0") == "0":
             print(hint, file=sys.stderr, flush=True)
         raise
+    alone = alone_message(accelerate_processes(), world_size) if plain else None
+    if alone:
+        if os.environ.get("RANK", "0") == "0":
+            print(alone, file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

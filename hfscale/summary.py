@@ -59,13 +59,17 @@ def memory_line(job: Job) -> str:
 
 
 def _watchdog(job: Job) -> str:
-    w = job.config.watchdog
+    w, t = job.config.watchdog, job.config.training
     if w.timeout is None:
         return "off"
-    first = f", or none in the first {w.first_step} s" if w.first_step else ""
-    what = f"no step for {w.timeout} s{first}: every rank's stack, the stuck rank named, the job stopped (exit 4)"
     if job.config.runner.type == "kubernetes":
         return "off: hfscale hands the job to Kubernetes"
+    if t.script is not None and t.pass_args == "none" and not w.script_reports_steps:
+        # hfscale.script_rules._watchdog_rules: the timeout counts from the first reported step
+        return (f"idle: {t.script} reports no steps (pass_args: none), and the watchdog counts from the first one "
+                "(hfscale.progress.step(n) in the script, then watchdog.script_reports_steps: true)")
+    first = f", or none in the first {w.first_step} s" if w.first_step else ""
+    what = f"no step for {w.timeout} s{first}: every rank's stack, the stuck rank named, the job stopped (exit 4)"
     if job.config.runner.type == "slurm":
         return f"a submitted job: off; launched inside an allocation (salloc): {what}"
     return what

@@ -27,6 +27,7 @@ from .config import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from .errors import ConfigError
 from .job import Job
 from .load import load_job
+from .progress import fit_flight_recorder
 from .shutdown import exit_cleanly
 
 BYTE_VOCAB = 256
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not a.config:
         ap.error("--config is required outside hfscale launch")
+    fit_flight_recorder()  # before torch starts
     try:
         job = load_job(a.config)
     except ConfigError as e:

@@ -97,7 +97,7 @@ POD_A = {
             "command": [
                 "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(MASTER_ADDR):$(MASTER_PORT)", "--rdzv-id", JOB_ID,
-                "--max-restarts", "2",
+                "--max-restarts", "2", "-m", "hfscale.run_script", "--plain",
                 "train.py", "--note", "$$$$(HOME) x; rm -rf /", "--lr", "1e-3", "y",
             ],
             "workingDir": "/code",
@@ -446,7 +446,7 @@ def test_kubernetes_expands_only_hfscales_own_references():
     assert expanded[:entry] == [
         "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"llama-sft-{JOB_ID}-master-0:29400", "--rdzv-id", JOB_ID,
-        "--max-restarts", "2"]
+        "--max-restarts", "2", "-m", "hfscale.run_script", "--plain"]
     # torchrun's own expansion of the worker's arguments ($$, ${local_rank}) is the last step
     from torch.distributed.elastic.utils.api import macros
 

@@ -368,7 +368,8 @@ def test_restarts_use_a_c10d_rendezvous_with_the_job_id():
     plan = build_plan(job, CTX)
     assert plan.main.argv == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
                               "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",
-                              "--rdzv-id", "20261122-120000-abcdef", "--max-restarts", "2", "t.py")
+                              "--rdzv-id", "20261122-120000-abcdef", "--max-restarts", "2", "-m",
+                              "hfscale.run_script", "--plain", "t.py")
     assert dict(plan.main.env)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 

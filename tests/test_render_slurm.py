@@ -62,7 +62,7 @@ on_notice() {{ preempted=1; echo "hfscale: preemption notice, the ranks save and
 trap on_notice USR1
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label bash -c 'cd /work && exec /opt/py/bin/python -m \
 torch.distributed.run --nnodes 2 --nproc_per_node 4 --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" \
---master_port 29600 train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $$5'"'"'' &
+--master_port 29600 -m hfscale.run_script --plain train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $$5'"'"'' &
 step=$!
 # wait returns early when a trapped signal arrives: wait again until the step has ended
 while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || break; done

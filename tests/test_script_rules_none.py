@@ -179,6 +179,22 @@ def test_the_rules_match_how_the_watchdog_judges_a_job_that_reports_nothing(tmp_
     assert Watchdog(watch(5, None), now=0).poll(10_000) is None
 
 
+def test_checks_summary_claims_no_watchdog_a_plain_script_cannot_feed():
+    from hfscale.summary import summary
+
+    def line(text: str) -> str:
+        return next(x for x in summary(job_of(text)).splitlines() if x.startswith("  watchdog"))
+
+    silent = PLAIN.replace("    watchdog: {script_reports_steps: true}\n", "")
+    assert line(silent) == (
+        "  watchdog     idle: loop.py reports no steps (pass_args: none), and the watchdog counts from the first one "
+        "(hfscale.progress.step(n) in the script, then watchdog.script_reports_steps: true)")
+    assert line(PLAIN) == ("  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job "
+                           "stopped (exit 4)")
+    assert line(silent.replace("pass_args: none", "pass_args: trainer").replace(", --data, d.txt]", "]")) == \
+        line(PLAIN)  # a Trainer script: hfscale adds the callback that reports
+
+
 # --- numbers as written
 
 

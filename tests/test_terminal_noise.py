@@ -152,3 +152,44 @@ def test_torch_before_2_8_gets_the_names_it_reads():
     # the job's own setting, under either name, is left to it
     assert flight_recorder_env("2000", "/r/f/n_", "2.13.0", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"}) == {
         "TORCH_FR_DUMP_TEMP_FILE": "/r/f/n_"}
+
+
+def test_a_node_with_another_torch_reads_hfscales_values_under_its_own_names():
+    """The launching machine's torch picks the names; each rank renames hfscale's own values (not the
+    job's) to what the node's torch reads, so neither an old torch loses them nor a new one warns."""
+    from hfscale.envvars import flight_recorder_on_node
+
+    dump = "/r/flight/nccl_rank_"
+    nccl = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}  # launched with torch 2.7
+    fr = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": dump}  # launched with torch 2.8 or later
+    assert flight_recorder_on_node(nccl, "2.13.0+cpu", "2000", dump) == {
+        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": None,
+        "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None}
+    assert flight_recorder_on_node(fr, "2.7.1+cu126", "2000", dump) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": None,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump, "TORCH_FR_DUMP_TEMP_FILE": None}
+    assert flight_recorder_on_node(fr, "2.13.0", "2000", dump) == flight_recorder_on_node(nccl, "2.6.0", "2000",
+                                                                                          dump) == {}
+    # the job's own values, and a name the node reads already, are left alone; no torch: nothing to go by
+    assert flight_recorder_on_node({"TORCH_NCCL_TRACE_BUFFER_SIZE": "5"}, "2.13.0", "2000", dump) == {}
+    assert flight_recorder_on_node({**nccl, "TORCH_FR_BUFFER_SIZE": "7"}, "2.13.0", "2000", dump) == {
+        "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": None}
+    assert flight_recorder_on_node(nccl, None, "2000", dump) == {}
+
+
+def test_a_rank_renames_the_old_names_before_torch_starts(tmp_path):
+    """A plain script's rank (hfscale.run_script), launched from a machine with torch 2.7: the installed
+    torch here reads the new names, draws no deprecation, and its recorder holds the collective."""
+    script = tmp_path / "probe.py"
+    script.write_text("import os\nprint(sorted(k for k in os.environ if k.startswith(('TORCH_FR', 'TORCH_NCCL'))))\n"
+                      + PROBE)
+    dump = f"{tmp_path}/flight/nccl_rank_"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    env.update(HFSCALE_RUN_DIR=str(tmp_path), TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
+               TORCH_NCCL_DEBUG_INFO_TEMP_FILE=dump, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-m", "hfscale.run_script", "--plain", str(script), _free_port()], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    names, entries = r.stdout.split("\n")[:2]
+    assert names == "['TORCH_FR_BUFFER_SIZE', 'TORCH_FR_DUMP_TEMP_FILE']"
+    assert "deprecated" not in r.stderr and int(entries) >= 1

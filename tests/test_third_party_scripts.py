@@ -7,7 +7,9 @@ through the real ``hfscale launch`` on 2 CPU ranks with DeepSpeed:
   conflicting ``--learning_rate`` in training.script_args is refused naming both places;
 - transformers' ``run_clm.py`` with ``--model_name_or_path`` and ``--train_file`` under ZeRO-3;
 - accelerate's ``deepspeed_with_config_support.py`` (``pass_args: none``) trains as one group of 2,
-  each rank on its own part of the data (accelerate picks no backend on the CPU by itself).
+  each rank on its own part of the data (accelerate picks no backend on the CPU by itself), under
+  DeepSpeed, and as DDP (MULTI_CPU) under accelerate launch and torchrun; an FSDP job without GPUs
+  is refused before the script runs (accelerate has no FSDP on the CPU).
 
 Nothing is downloaded: the scripts get a tiny GPT-2 and a byte-level BPE tokenizer written with
 ``save_pretrained``, and generated data, through their own flags. About 40 s per launch on 2 cores."""
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.run_script import accelerate_needs_backend, joins_group_first
+from hfscale.run_script import FSDP_ON_CPU, accelerate_needs_backend, joins_group_first, plain_mode
 
 from conftest import ROOT
 
@@ -161,15 +163,24 @@ def test_transformers_run_clm_loads_its_model_under_zero3(tmp_path, assets):
     assert shards(tmp_path / "out" / "checkpoint-4", 4) == ZERO3_SHARDS
 
 
-@pytest.mark.slow
-def test_an_unchanged_accelerate_loop_trains_as_one_group_of_two(tmp_path, assets):
+def loop_config(tmp_path: Path, port: int, assets: Path, backend: str = "deepspeed",
+                launcher: str = "accelerate") -> Path:
+    """accelerate's loop script (pass_args none), one epoch of the generated text, 2 examples a batch."""
     args = ["--model_name_or_path", str(assets / "model"), "--train_file", str(assets / "train.txt"),
             "--block_size", "32", "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
             "--num_train_epochs", "1", "--output_dir", "out", "--seed", "1"]
-    config = write_config(tmp_path, 29744, ACCELERATE_LOOP, args, stage=2, pass_args="none")
-    out = ok(launch(config), tmp_path)
+    path = write_config(tmp_path, port, ACCELERATE_LOOP, args, stage=2, pass_args="none")
+    doc = yaml.safe_load(path.read_text())
+    doc["runner"]["launcher"] = launcher
+    if backend != "deepspeed":
+        doc["distributed"] = {"backend": backend}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def assert_one_group_of_two(out: str, tmp_path: Path, distributed_type: str) -> None:
     for rank in (0, 1):  # accelerate's state, printed by every rank
-        assert (f"[RANK {rank}] Distributed environment: DistributedType.DEEPSPEED  Backend: gloo\n"
+        assert (f"[RANK {rank}] Distributed environment: DistributedType.{distributed_type}  Backend: gloo\n"
                 f"Num processes: 2\nProcess index: {rank}\n") in out
     assert "Num processes: 1" not in out
     # each rank its own part of the data: one epoch of N examples is N / (2 per batch x 2 ranks) steps
@@ -179,6 +190,32 @@ def test_an_unchanged_accelerate_loop_trains_as_one_group_of_two(tmp_path, asset
     # the evaluation gathers every rank's losses (with ranks on their own, gloo's allgather failed there)
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert math.isfinite(results["perplexity"]) and results["eval_loss"] > 0
+
+
+@pytest.mark.slow
+def test_an_unchanged_accelerate_loop_trains_as_one_group_of_two(tmp_path, assets):
+    out = ok(launch(loop_config(tmp_path, 29744, assets)), tmp_path)
+    assert_one_group_of_two(out, tmp_path, "DEEPSPEED")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, launcher", [("ddp", "accelerate"), ("ddp", "torchrun"), ("deepspeed", "torchrun")])
+def test_an_unchanged_accelerate_loop_trains_ddp_as_one_group_of_two(tmp_path, assets, backend, launcher):
+    """Without GPUs accelerate counts each rank alone unless told to use the CPU: the rank sets
+    ACCELERATE_USE_CPU, and the script's Accelerator takes MULTI_CPU (DDP over gloo). Under torchrun
+    the Accelerator reads no accelerate config, so a DeepSpeed job trains DDP too (check warns)."""
+    port = {"accelerate": 29745, "torchrun": 29746}[launcher] + (2 if backend == "deepspeed" else 0)
+    out = ok(launch(loop_config(tmp_path, port, assets, backend, launcher)), tmp_path)
+    assert_one_group_of_two(out, tmp_path, "MULTI_CPU")
+
+
+@pytest.mark.slow
+def test_an_accelerate_loop_under_fsdp_without_a_gpu_is_refused_before_it_runs(tmp_path, assets):
+    """accelerate has no FSDP on the CPU (it drops the plugin): the ranks stop before the script."""
+    r = launch(loop_config(tmp_path, 29749, assets, "fsdp", "accelerate"))
+    assert r.returncode != 0
+    assert FSDP_ON_CPU in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Distributed environment" not in r.stdout + r.stderr and not (tmp_path / "out").exists()
 
 
 def test_which_ranks_join_the_process_group_before_the_script():
@@ -193,6 +230,14 @@ def test_which_ranks_join_the_process_group_before_the_script():
     assert not accelerate_needs_backend({**launched, "WORLD_SIZE": "1"})
     assert not accelerate_needs_backend({**launched, "ACCELERATE_USE_DEEPSPEED": "false"})  # torchrun, DDP
     assert not accelerate_needs_backend({**launched, "ACCELERATE_USE_CPU": "true"})  # accelerate's own CPU mode
+    # a plain script's rank: what accelerate needs so that it counts every rank
+    two = {"WORLD_SIZE": "2", **NO_GPU}
+    assert plain_mode(launched) == "deepspeed"
+    assert plain_mode({**two, "ACCELERATE_USE_CPU": "False"}) == "cpu"  # accelerate launch, DDP config
+    assert plain_mode(two) == "cpu"  # torchrun: no accelerate variables at all
+    assert plain_mode({**two, "ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_CPU": "False"}) == "fsdp"
+    assert plain_mode({**two, "ACCELERATE_USE_CPU": "true"}) is None  # told to use the CPU already
+    assert plain_mode({**two, "WORLD_SIZE": "1"}) is None
 
 
 def _run_script(tmp_path: Path, text: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -207,6 +252,32 @@ def test_a_plain_script_gets_its_own_arguments_only(tmp_path):
     r = _run_script(tmp_path, "import sys; print('ARGV', sys.argv[1:])", "--plain", "--output_dir", "out", "--x")
     assert r.returncode == 0, r.stderr
     assert "ARGV ['--output_dir', 'out', '--x']" in r.stdout  # no --use_cpu, no resume decision
+
+
+def test_a_plain_rank_without_a_gpu_tells_accelerate_to_use_the_cpu(tmp_path):
+    r = _run_script(tmp_path, "import os; print('CPU', os.environ.get('ACCELERATE_USE_CPU'))", "--plain",
+                    env={"WORLD_SIZE": "2", "RANK": "0", "ACCELERATE_USE_CPU": "False"})
+    assert r.returncode == 0, r.stderr
+    assert "CPU true" in r.stdout
+
+
+def test_a_plain_rank_under_accelerates_fsdp_without_a_gpu_stops_before_the_script(tmp_path):
+    r = _run_script(tmp_path, "print('RAN')", "--plain",
+                    env={"WORLD_SIZE": "2", "RANK": "0", "ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_CPU": "False"})
+    assert r.returncode == 2 and "RAN" not in r.stdout
+    assert FSDP_ON_CPU in r.stderr
+
+
+def test_a_plain_rank_that_accelerate_counted_alone_fails(tmp_path):
+    """The guard behind plain_mode: a script whose first PartialState() is not told to use the CPU
+    counts one process; the rank says so and exits 1 instead of passing."""
+    r = _run_script(tmp_path, """
+        from accelerate import PartialState
+        print("COUNTED", PartialState().num_processes)
+    """, "--plain", env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert "COUNTED 1" in r.stdout
+    assert r.returncode == 1
+    assert "hfscale: accelerate counted 1 process(es) but the job started WORLD_SIZE 2" in r.stderr
 
 
 def test_deepspeeds_batch_assertion_says_which_world_size_it_read(tmp_path):
