@@ -22,6 +22,37 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+# Test tiers (markers in pyproject.toml; how to run them: CONTRIBUTING.md). A unit module starts no
+# process, no cluster and no process group: test_tiers.py reads these modules for that, and the
+# guard below fails a unit test that starts a process anyway. Every other module is integration;
+# a test using a cluster fixture (tests/cluster/fixtures.py) is also cluster.
+UNIT_MODULES = frozenset({
+    "test_accelerate_keys", "test_architecture", "test_checkpoint_files", "test_docs_reference", "test_follow",
+    "test_fuzz", "test_kubernetes", "test_memory_measured", "test_network", "test_render", "test_schedule",
+    "test_tiers", "test_validation",
+})
+CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "podman2"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+        item.add_marker(pytest.mark.unit if item.path.stem in UNIT_MODULES else pytest.mark.integration)
+
+
+def _no_process(*args, **kwargs):
+    raise AssertionError("a unit test started a process: move its module out of UNIT_MODULES (tests/conftest.py)")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("unit") is not None:
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _no_process)
+        monkeypatch.setattr(os, "fork", _no_process)
+        monkeypatch.setattr(os, "posix_spawn", _no_process)
+
 
 def job_of(text: str, name: str = "job.yaml"):
     """The validated Job of an (indented) YAML text, as ``hfscale`` loads a file called ``name``."""

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
+from doc_commands import NOT_HERE, commands, run_as_written
 
 EXAMPLES = sorted((ROOT / "examples").glob("*/config.yaml"))
 
@@ -76,6 +77,15 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to train: output/tiny_cpu/checkpoint-300 is at step 300, max_steps is 300" in again.stderr
     assert len(list((tmp_path / "runs").iterdir())) == 1  # nothing was started
+
+    # then what README.md and docs/ show about this run (runs, status, logs, report, export), as written
+    shown = {c.text: c for c in commands() if c.after_main_job and c.text not in NOT_HERE}
+    assert {"hfscale status runs/tiny_cpu-*", "hfscale export runs/tiny_cpu-* --out tiny-model"} <= set(shown)
+    for c in shown.values():
+        r = run_as_written(c, tmp_path, tmp_path / "doc-bin")
+        assert r.returncode == c.expect, f"{c}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
+    assert (tmp_path / "tiny-model" / "model.safetensors").is_file()
+    assert any((tmp_path / "runs").glob("tiny_cpu-*/report.html"))
 
 
 @pytest.mark.slow
