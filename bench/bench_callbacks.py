@@ -5,7 +5,7 @@ The same HF Trainer run (tiny GPT-2 built from a config, nothing downloaded; byt
 the Python standard library's ``.py`` files, as in tests/scripts/trainer_run.py; CPU; no
 checkpoint saving: ``save_strategy="no"``; ``logging_steps`` 10) is timed WITHOUT and WITH
 ``MetricsCallback(trainer=)``, ``StragglerCallback(trainer=)``, ``PreemptionCallback`` and
-``CheckpointCompleteCallback`` (as hfscale/train.py adds them). The issue's target: overhead <= 1 %.
+``CheckpointCompleteCallback`` (as hfscale/training/train.py adds them). The issue's target: overhead <= 1 %.
 
 How it is measured:
 
@@ -94,16 +94,16 @@ def _worker(a: argparse.Namespace) -> None:
         set_seed,
     )
 
-    from hfscale.callbacks import (
+    from hfscale.training.callbacks import (
         CheckpointCompleteCallback,
         MetricsCallback,
         PreemptionCallback,
         StragglerCallback,
     )
-    from hfscale.load import load_text
-    from hfscale.render_deepspeed import render_deepspeed
-    from hfscale.trainer_args import training_arguments
-    from hfscale.train import stdlib_bytes
+    from hfscale.rules.config_file import load_text
+    from hfscale.render.deepspeed import render_deepspeed
+    from hfscale.rules.trainer_args import training_arguments
+    from hfscale.training.train import stdlib_bytes
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -18,7 +18,7 @@ cannot run). Bytecode caching is left on (``PYTHONDONTWRITEBYTECODE`` is removed
 environment), as on a user's machine: else every run would compile hfscale's modules anew.
 
 It also checks that ``hfscale check`` imports none of the heavy libraries:
-  * in-process: a subprocess runs ``hfscale.cli.main(['check', CONFIG])`` and reports which of
+  * in-process: a subprocess runs ``hfscale.cli.commands.main(['check', CONFIG])`` and reports which of
     torch / transformers / deepspeed / accelerate ended up in ``sys.modules``;
   * as users run it: ``python -X importtime -m hfscale check CONFIG`` and the top-level
     packages it imported.
@@ -81,7 +81,7 @@ def accelerate_cmd(out_file: str) -> list[str]:
 
 IMPORT_PROBE = r"""
 import json, sys
-from hfscale.cli import main
+from hfscale.cli.commands import main
 try:
     main(["check", sys.argv[1]], standalone_mode=False)
 except SystemExit as e:  # _load exits 2 on a bad config

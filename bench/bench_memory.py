@@ -3,7 +3,7 @@
 For a grid (ZeRO stage 0-3 on one GPU, micro batch, gradient checkpointing, three Llama-style
 model sizes) each setting runs a few real DeepSpeed steps (bf16, AdamW) in its own process, so
 an out-of-memory ends that process only and every measurement starts from a clean allocator.
-Prints predicted (hfscale.memory's ``reserved``: everything but the CUDA context) vs measured,
+Prints predicted (hfscale.memory.estimate's ``reserved``: everything but the CUDA context) vs measured,
 the error, and whether hfscale said "fits" for a setting that ran out of memory (it never must).
 Goal (issue 15): median |error| <= 10 %, max <= 20 %.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hfscale.memory import Setting, estimate  # noqa: E402
-from hfscale.model_shape import shape_of  # noqa: E402
+from hfscale.memory.estimate import Setting, estimate  # noqa: E402
+from hfscale.memory.model_shape import shape_of  # noqa: E402
 
 SIZES = {
     "160M": {"model_type": "llama", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,

@@ -52,9 +52,9 @@ def timed(cmd: list[str], cwd: Path) -> float:
 
 def longest_argument(path: Path, tmp: Path) -> tuple[int, int]:
     sys.path.insert(0, str(ROOT))
-    from hfscale.launcher import LaunchContext
-    from hfscale.load import load_job
-    from hfscale.plan import build_plan
+    from hfscale.launch.node_command import LaunchContext
+    from hfscale.rules.config_file import load_job
+    from hfscale.launch.build import build_plan
 
     plan = build_plan(load_job(path), LaunchContext.of(str(tmp), sys.executable, "20261123-000000-abcdef", {}))
     argvs = [plan.main.real_argv()] + ([plan.cleanup.real_argv()] if plan.cleanup else [])

@@ -70,8 +70,8 @@ def one(tmp: Path, mode: str, rank: int, step: int, port: int) -> dict:
 
 
 def poll_cost(ranks: int) -> float:
-    from hfscale.launch_plan import Watch
-    from hfscale.watchdog import Watchdog
+    from hfscale.launch.spec import Watch
+    from hfscale.launch.watchdog import Watchdog
 
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d) / "progress"

@@ -1,3 +1,3 @@
-from .cli import main
+from hfscale.cli import main
 
 main(prog_name="hfscale")

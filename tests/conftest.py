@@ -56,7 +56,7 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: py
 
 def job_of(text: str, name: str = "job.yaml"):
     """The validated Job of an (indented) YAML text, as ``hfscale`` loads a file called ``name``."""
-    from hfscale.load import load_text
+    from hfscale.rules.config_file import load_text
 
     return load_text(textwrap.dedent(text), name, Path("."))
 

@@ -131,7 +131,7 @@ def _tiny_checkpoint(ckpt: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hfscale.resume import write_marker
+    from hfscale.checkpoints.resume import write_marker
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=32))
@@ -399,7 +399,7 @@ def run_family(family: list[str], cases: list[dict], scratch: Path) -> dict:
     an exception that escaped (a traceback), and the peak RSS so far."""
     from click.testing import CliRunner
 
-    from hfscale.cli import main
+    from hfscale.cli.commands import main
 
     if "export" in family:
         # the libraries export loads, imported before the clock starts: the 10 s bound is for what a

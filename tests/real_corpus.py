@@ -180,11 +180,11 @@ def run_case(row: Row, acc_path: Path, ds_path: Path | None, tmp: Path, monkeypa
     from test_consumers import _deepspeed_plugin_as_launched
     from test_import import compare_accelerate, compare_deepspeed
 
-    from hfscale.artifacts import DEEPSPEED_FILE, render_artifacts
-    from hfscale.errors import ConfigError
-    from hfscale.files import write_files
-    from hfscale.importer import follow, import_configs, read_source
-    from hfscale.load import load_job
+    from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
+    from hfscale.config.errors import ConfigError
+    from hfscale.core.atomic_files import write_files
+    from hfscale.cli.importing.importer import follow, import_configs, read_source
+    from hfscale.rules.config_file import load_job
 
     tmp.mkdir(parents=True, exist_ok=True)
     if not is_accelerate(load_any(CORPUS / row.file)):
@@ -295,7 +295,7 @@ def fp8_launch(orig: Path, gen: Path) -> list[str]:
 
 def ignored_by_deepspeed(diff: str) -> bool:
     """A top-level key DeepSpeedConfig never reads (it ignores keys it does not know)."""
-    from hfscale.deepspeed_source import deepspeed_keys
+    from hfscale.config.sources.deepspeed import deepspeed_keys
 
     return diff.split(":")[0].split(".")[0] not in deepspeed_keys().keys
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.artifacts import ACCELERATE_FILE, render_artifacts
-from hfscale.accelerate_source import accelerate_keys
-from hfscale.errors import ConfigError
-from hfscale.load import load_text
+from hfscale.render.artifacts import ACCELERATE_FILE, render_artifacts
+from hfscale.config.sources.accelerate import accelerate_keys
+from hfscale.config.errors import ConfigError
+from hfscale.rules.config_file import load_text
 
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.commands.launch import launch_command_parser

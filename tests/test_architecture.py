@@ -1,5 +1,6 @@
-"""The shape of the package, read from its source with ast: one module starts processes, the
-commands that only read configs import no heavy library, modules stay small, imports form no cycle."""
+"""The shape of the package, read from its source with ast: subpackages in layers (a module imports
+only its own layer or lower ones), one module starts processes, the commands that only read configs
+import no heavy library, modules stay small, imports form no cycle (type-checking imports counted)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,17 @@ SPAWN_CALLS = {"system", "popen", "fork", "forkpty", "posix_spawn", "posix_spawn
                "execvpe", "execl", "execle", "execlp", "execlpe", "spawnv", "spawnve", "spawnvp", "spawnl"}
 MAX_LINES = 400
 # the commands that only read configs: check, config, init, schema, import (and launch --dry-run's planning)
-CONFIG_ONLY = ["hfscale.cli", "hfscale.load", "hfscale.summary", "hfscale.model_config", "hfscale.template",
-               "hfscale.artifacts", "hfscale.files", "hfscale.plan", "hfscale.preflight", "hfscale.importer",
-               "hfscale.deepspeed_rules", "hfscale.accelerate_rules", "hfscale.engine_source",
-               "hfscale.accelerate_source", "hfscale.sizing", "hfscale.memory", "hfscale.fit", "hfscale.model_shape",
-               "hfscale.runs", "hfscale.console", "hfscale.cli_runs"]
+CONFIG_ONLY = ["hfscale.cli.commands", "hfscale.rules.config_file", "hfscale.cli.check_summary",
+               "hfscale.config.model_config", "hfscale.config.template", "hfscale.render.artifacts",
+               "hfscale.core.atomic_files", "hfscale.launch.build", "hfscale.launch.preflight",
+               "hfscale.cli.importing.importer", "hfscale.rules.deepspeed", "hfscale.rules.accelerate",
+               "hfscale.config.sources.engine", "hfscale.config.sources.accelerate", "hfscale.memory.plan_command",
+               "hfscale.memory.estimate", "hfscale.memory.fit", "hfscale.memory.model_shape", "hfscale.runs.registry",
+               "hfscale.launch.console", "hfscale.cli.runs"]
+# The layer contract, lowest first: a module of hfscale.<layer> may import its own layer and the ones
+# before it, never one after it (every import counts: top level, inside functions, TYPE_CHECKING).
+LAYERS = ["core", "config", "checkpoints", "rules", "render", "training", "launch", "runs", "memory", "cli"]
+MAX_TOP_LEVEL = 12  # entries directly in hfscale/: __init__.py, __main__.py and the layers
 
 
 def modules() -> dict[str, Path]:
@@ -49,8 +56,9 @@ def _type_checking_only(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def top_level_imports(module: str, path: Path) -> set[str]:
-    """Modules imported when ``module`` is imported (not inside functions, not for type checking)."""
+def top_level_imports(module: str, path: Path, type_checking: bool = False) -> set[str]:
+    """Modules imported when ``module`` is imported (not inside functions; for type checking too
+    when ``type_checking``)."""
     tree = ast.parse(path.read_text())
     out: set[str] = set()
     is_package = path.name == "__init__.py"
@@ -63,7 +71,7 @@ def top_level_imports(module: str, path: Path) -> set[str]:
                 base = _resolve(module, node, is_package)
                 for a in node.names:  # `from . import x`: the submodule x; `from .m import name`: m
                     out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
-            elif isinstance(node, ast.If) and not _type_checking_only(node):
+            elif isinstance(node, ast.If) and (type_checking or not _type_checking_only(node)):
                 visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
@@ -73,17 +81,71 @@ def top_level_imports(module: str, path: Path) -> set[str]:
     return out
 
 
+def all_imports(module: str, path: Path) -> dict[str, int]:
+    """Every hfscale module ``module`` imports anywhere (functions and TYPE_CHECKING too), with a line."""
+    out: dict[str, int] = {}
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node, is_package)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for n in names:
+            if n.split(".")[0] == "hfscale":
+                out.setdefault(n, node.lineno)
+    return out
+
+
 GRAPH = {m: {i for i in top_level_imports(m, p) if i in MODULES and i != m} for m, p in MODULES.items()}
+# what is needed to import or to type-check a module: the graph the cycle rule reads
+TYPED_GRAPH = {m: {i for i in top_level_imports(m, p, type_checking=True) if i in MODULES and i != m}
+               for m, p in MODULES.items()}
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_the_top_level_is_the_layers():
+    entries = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert entries == {"__init__.py", "__main__.py"} | set(LAYERS)
+    assert len(entries) <= MAX_TOP_LEVEL
+
+
+def test_every_subpackage_says_what_it_owns_and_may_import():
+    for module, path in MODULES.items():
+        if path.name == "__init__.py" and module != "hfscale":
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            assert "import" in doc and len(doc) > 80, module
+
+
+def test_a_module_imports_only_its_layer_or_lower_ones():
+    offenders = []
+    for module, path in MODULES.items():
+        mine = layer_of(module)
+        for imported, line in all_imports(module, path).items():
+            assert imported in MODULES, f"{module}:{line} imports {imported}, which is not a module of hfscale"
+            theirs = layer_of(imported)
+            if mine is None or theirs is None:  # hfscale itself (the version) and hfscale.__main__
+                assert imported in ("hfscale", "hfscale.cli") and module in ("hfscale.__main__", "hfscale.cli.commands"), module
+                continue
+            if theirs > mine:
+                offenders.append(f"{module}:{line} ({LAYERS[mine]}) imports {imported} ({LAYERS[theirs]})")
+    assert offenders == []
 
 
 def test_the_package_is_what_this_test_reads():
-    assert {"hfscale.cli", "hfscale.execute", "hfscale.runners.pdsh", "hfscale.callbacks.reporting"} <= set(MODULES)
+    assert {"hfscale.cli.commands", "hfscale.launch.execute", "hfscale.launch.runners.pdsh", "hfscale.training.callbacks.reporting"} <= set(MODULES)
 
 
 def test_only_execute_starts_processes():
     offenders = []
     for module, path in MODULES.items():
-        if module == "hfscale.execute":
+        if module == "hfscale.launch.execute":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -114,7 +176,7 @@ def closure(roots: list[str]) -> set[str]:
 
 def test_the_config_only_commands_import_no_heavy_library():
     reached = closure(CONFIG_ONLY)
-    assert "hfscale.config" in reached and "hfscale.runners.kubernetes" in reached  # the walk follows imports
+    assert "hfscale.config.model" in reached and "hfscale.launch.runners.kubernetes" in reached  # the walk follows imports
     heavy = sorted(f"{m} imports {i}" for m in reached for i in top_level_imports(m, MODULES[m])
                    if i.split(".")[0] in HEAVY)
     assert heavy == []
@@ -122,8 +184,8 @@ def test_the_config_only_commands_import_no_heavy_library():
 
 def test_the_heavy_modules_are_the_training_ones():
     heavy = {m for m in MODULES if any(i.split(".")[0] in HEAVY for i in top_level_imports(m, MODULES[m]))}
-    assert heavy == {"hfscale.callbacks.collectives", "hfscale.callbacks.reporting", "hfscale.callbacks.preemption",
-                     "hfscale.callbacks.checkpoints", "hfscale.callbacks.progress"}
+    assert heavy == {"hfscale.training.callbacks.collectives", "hfscale.training.callbacks.reporting", "hfscale.training.callbacks.preemption",
+                     "hfscale.training.callbacks.checkpoints", "hfscale.training.callbacks.steps"}
 
 
 def test_no_module_over_400_lines():
@@ -131,13 +193,13 @@ def test_no_module_over_400_lines():
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
 
 
-def test_no_import_cycles():
+def test_no_import_cycles_counting_type_checking_imports():
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles = []
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
-        for n in sorted(GRAPH[m]):
+        for n in sorted(TYPED_GRAPH[m]):
             if state.get(n) == 1:
                 cycles.append(path[path.index(n):] + [n])
             elif n not in state:

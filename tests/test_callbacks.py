@@ -1,4 +1,4 @@
-"""hfscale.callbacks inside a real HF Trainer on CPU: one process in this interpreter (fast), and the
+"""hfscale.training.callbacks inside a real HF Trainer on CPU: one process in this interpreter (fast), and the
 2-rank DeepSpeed ZeRO-2 job started with torchrun (slow, shared with test_resume.py)."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def hf():
 
 
 def test_metrics_in_a_real_trainer_reach_loggers_history_and_jsonl(hf, tmp_path, monkeypatch):
-    from hfscale.callbacks import METRICS_FILE, MetricsCallback
+    from hfscale.training.callbacks import METRICS_FILE, MetricsCallback
 
     monkeypatch.setenv("HFSCALE_JOB_ID", "20261124-120000-abcdef")  # as under hfscale launch
 
@@ -96,7 +96,7 @@ def test_metrics_in_a_real_trainer_reach_loggers_history_and_jsonl(hf, tmp_path,
 
 
 def test_without_trainer_metrics_join_the_trainers_own_log_entry(hf, tmp_path):
-    from hfscale.callbacks import METRICS_FILE, MetricsCallback
+    from hfscale.training.callbacks import METRICS_FILE, MetricsCallback
 
     before, after = hf.Recorder(), hf.Recorder()
     trainer = hf.make_trainer(tmp_path / "out", callbacks=[before])
@@ -117,7 +117,7 @@ def test_without_trainer_metrics_join_the_trainers_own_log_entry(hf, tmp_path):
 
 
 def test_straggler_single_process_reports_itself(hf, tmp_path):
-    from hfscale.callbacks import METRICS_FILE, StragglerCallback
+    from hfscale.training.callbacks import METRICS_FILE, StragglerCallback
 
     trainer = hf.make_trainer(tmp_path / "out")
     cb = StragglerCallback(threshold=1.2, trainer=trainer)
@@ -134,8 +134,8 @@ def test_straggler_single_process_reports_itself(hf, tmp_path):
 
 
 def test_preemption_single_process_saves_complete_checkpoint_and_stops(hf, tmp_path):
-    from hfscale.callbacks import CheckpointCompleteCallback, PreemptionCallback
-    from hfscale.resume import latest_checkpoint
+    from hfscale.training.callbacks import CheckpointCompleteCallback, PreemptionCallback
+    from hfscale.checkpoints.resume import latest_checkpoint
 
     class SignalAtStep3(hf.tf.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -164,7 +164,7 @@ def test_preemption_single_process_saves_complete_checkpoint_and_stops(hf, tmp_p
 
 
 def test_signal_after_the_last_step_boundary_still_counts(hf, tmp_path):
-    from hfscale.callbacks import PreemptionCallback
+    from hfscale.training.callbacks import PreemptionCallback
 
     class SignalAfterLastCheck(hf.tf.TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
@@ -185,7 +185,7 @@ def test_signal_after_the_last_step_boundary_still_counts(hf, tmp_path):
 
 
 def test_handlers_restored_after_normal_training(hf, tmp_path):
-    from hfscale.callbacks import PreemptionCallback
+    from hfscale.training.callbacks import PreemptionCallback
 
     original = signal.getsignal(signal.SIGTERM)
     trainer = hf.make_trainer(tmp_path / "out", max_steps=2)
@@ -198,8 +198,8 @@ def test_handlers_restored_after_normal_training(hf, tmp_path):
 
 
 def test_checkpoint_callback_takes_over_rotation(hf, tmp_path):
-    from hfscale.callbacks import CheckpointCompleteCallback
-    from hfscale.resume import MARKER, checkpoint_problem
+    from hfscale.training.callbacks import CheckpointCompleteCallback
+    from hfscale.checkpoints.resume import MARKER, checkpoint_problem
 
     trainer = hf.make_trainer(tmp_path / "out", save_steps=2, save_total_limit=2)
     cb = CheckpointCompleteCallback()
@@ -216,7 +216,7 @@ def test_checkpoint_callback_takes_over_rotation(hf, tmp_path):
 
 
 def test_importing_hfscale_resume_does_not_import_torch():
-    code = ("import sys, hfscale, hfscale.resume; "
+    code = ("import sys, hfscale, hfscale.checkpoints.resume; "
             "print(','.join(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          check=False)
@@ -272,7 +272,7 @@ def test_two_rank_deepspeed_metrics_and_straggler(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_rank_deepspeed_rotation_keeps_newest_complete(tmp_path_factory):
-    from hfscale.resume import checkpoint_problem
+    from hfscale.checkpoints.resume import checkpoint_problem
 
     ref = trainer_runs.reference(tmp_path_factory)
     assert ref.result["marked"] == [str(ref.out / f"checkpoint-{s}") for s in (4, 8, 12, 16)]
@@ -289,7 +289,7 @@ _EXIT_SCRIPT = """
 import atexit, sys, types
 import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
-import hfscale.callbacks as cb
+import hfscale.training.callbacks as cb
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 # registered first, so it runs last (atexit is LIFO): what is left once every other hook ran
@@ -323,7 +323,7 @@ def test_process_group_left_at_exit_after_training_ends(tmp_path, name, how, sti
 _EXIT_CLEANLY_SCRIPT = """
 import atexit, os, sys
 import torch.distributed as dist
-from hfscale.callbacks import exit_cleanly
+from hfscale.training.callbacks import exit_cleanly
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 real = dist.destroy_process_group
@@ -348,7 +348,7 @@ _DROPPED_SCRIPT = """
 import os
 from accelerate import Accelerator
 from transformers import TrainerControl, TrainerState
-from hfscale.callbacks import ProgressCallback
+from hfscale.training.callbacks import ProgressCallback
 
 def begin(rank0=True):
     ProgressCallback().on_train_begin(None, TrainerState(is_world_process_zero=rank0), TrainerControl())

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hfscale.checkpoint_files import content_problem, safetensors_whole, zip_whole
-from hfscale.resume import checkpoint_problem, decide, latest_checkpoint, scan_output
+from hfscale.checkpoints.files import content_problem, safetensors_whole, zip_whole
+from hfscale.checkpoints.resume import checkpoint_problem, decide, latest_checkpoint, scan_output
 
 
 def _pt(path: Path, n: int = 64) -> None:

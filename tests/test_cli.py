@@ -45,7 +45,7 @@ def test_check_prints_summary(tmp_path):
         "1.9 GiB more (stage3_max_live_parameters)",
         "  runner       pdsh (accelerate)",
         "  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job stopped (exit 4)",
-        "  entry        built-in entry point (python -m hfscale.train)",
+        "  entry        built-in entry point (python -m hfscale.training.train)",
     ]
 
 
@@ -108,7 +108,7 @@ def test_init_template_is_valid_and_complete(tmp_path):
     text = dest.read_text()
     assert run_cli("check", str(dest)).returncode == 0
     # every field of the model appears in the template, with its description as a comment
-    from hfscale.config import HfscaleConfig
+    from hfscale.config.model import HfscaleConfig
 
     for name, field in HfscaleConfig.model_fields.items():
         assert f"\n{name}:" in "\n" + text
@@ -121,12 +121,12 @@ def test_init_template_is_valid_and_complete(tmp_path):
 def test_init_to_stdout_round_trips():
     from pathlib import Path
 
-    from hfscale.load import load_text
-    from hfscale.template import EXAMPLE, render_template
+    from hfscale.rules.config_file import load_text
+    from hfscale.config.template import EXAMPLE, render_template
 
     r = run_cli("init", "-")
     assert r.returncode == 0 and r.stdout == render_template()
-    from hfscale.config import HfscaleConfig
+    from hfscale.config.model import HfscaleConfig
 
     assert load_text(r.stdout, "t", Path(".")).config == HfscaleConfig.model_validate(EXAMPLE)
 
@@ -170,7 +170,7 @@ def test_config_commands_do_not_import_heavy_libraries(tmp_path, argv):
     code = textwrap.dedent(
         f"""
         import sys
-        from hfscale.cli import main
+        from hfscale.cli.commands import main
         try:
             main({args!r}, standalone_mode=False)
         except SystemExit as e:

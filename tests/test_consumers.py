@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from hfscale.load import load_job
-from hfscale.render_accelerate import FORBIDDEN_BESIDE_DS_FILE
+from hfscale.rules.config_file import load_job
+from hfscale.render.accelerate import FORBIDDEN_BESIDE_DS_FILE
 
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
@@ -465,8 +465,8 @@ PROBE = textwrap.dedent(
     if spec["transformers"]:
         from transformers import GPT2Config, GPT2LMHeadModel
         from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-        from hfscale.load import load_job
-        from hfscale.trainer_args import training_arguments
+        from hfscale.rules.config_file import load_job
+        from hfscale.rules.trainer_args import training_arguments
 
         # Built before any TrainingArguments registers a ZeRO-3 config (no deepspeed.zero.Init here).
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256,

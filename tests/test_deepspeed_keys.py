@@ -3,7 +3,7 @@
 
 DeepSpeed's ``DeepSpeedConfig`` parses the generated files in a fresh interpreter with a fake
 process group of the job's world size (as in test_consumers). The key tree hfscale reads from
-DeepSpeed's source (hfscale.engine_source) is compared with the real pydantic classes."""
+DeepSpeed's source (hfscale.config.sources.engine) is compared with the real pydantic classes."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from hfscale.config_deepspeed import DeepSpeedSection
-from hfscale.deepspeed_source import deepspeed_keys
-from hfscale.engine_source import OPEN
-from hfscale.errors import ConfigError
-from hfscale.extra_keys import check_extra
-from hfscale.load import load_text
-from hfscale.render_deepspeed import deepspeed_config
+from hfscale.config.deepspeed import DeepSpeedSection
+from hfscale.config.sources.deepspeed import deepspeed_keys
+from hfscale.config.sources.engine import OPEN
+from hfscale.config.errors import ConfigError
+from hfscale.config.extra_keys import check_extra
+from hfscale.rules.config_file import load_text
+from hfscale.render.deepspeed import deepspeed_config
 
 # Two jobs that together set every typed key to a value other than its default.
 ZERO3 = {
@@ -219,8 +219,8 @@ def test_defaults_are_deepspeeds_own():
                                                        DeepSpeedZeroOffloadParamConfig)
     from deepspeed.profiling.config import DeepSpeedFlopsProfilerConfig
 
-    from hfscale.config import HfscaleConfig
-    from hfscale.config_deepspeed import (ActivationCheckpointingConfig, AioConfig, CommsLoggerConfig as H_Comms,
+    from hfscale.config.model import HfscaleConfig
+    from hfscale.config.deepspeed import (ActivationCheckpointingConfig, AioConfig, CommsLoggerConfig as H_Comms,
                                           FlopsProfilerConfig, MonitorConfig, OffloadOptimizerConfig,
                                           OffloadParamConfig, WandbMonitorConfig)
 
@@ -340,7 +340,7 @@ def test_bad_extra_keys_are_refused_with_a_did_you_mean():
         f"{base}.fp16.hysteresis: must be a whole number, got a string",
     ])
     # DeepSpeedConfig ignores a top-level key it does not know (its sections refuse one): a warning
-    from hfscale.deepspeed_rules import extra_problems
+    from hfscale.rules.deepspeed import extra_problems
 
     assert extra_problems({"optimizr": {}}) == ([], [(("optimizr",), "'optimizr' is not a key DeepSpeed reads: it "
                                                                      "ignores it; did you mean 'optimizer'?")])
@@ -441,7 +441,7 @@ def test_stage_table_agrees_with_what_deepspeed_reads():
     must then never read it there."""
     import deepspeed.runtime.zero.stage_1_and_2 as zero12
 
-    from hfscale.deepspeed_rules import ZERO_KEYS
+    from hfscale.rules.deepspeed import ZERO_KEYS
     from real_corpus import READ_WITHOUT_EFFECT, zero_reads
 
     assert "zero_quantized_gradients" not in Path(zero12.__file__).read_text()  # why it is excused below 3

@@ -136,8 +136,8 @@ def test_the_yaml_shown_for_an_example_file_is_that_file():
 
 
 def test_every_config_shown_checks():
-    from hfscale.errors import ConfigError
-    from hfscale.load import load_text
+    from hfscale.config.errors import ConfigError
+    from hfscale.rules.config_file import load_text
 
     checked, problems = 0, []
     for page, start, _, body in _yaml_blocks():

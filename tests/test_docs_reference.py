@@ -1,13 +1,13 @@
 """docs/config-reference.md is generated from the config model's field descriptions (the ones
-``hfscale init`` writes) by ``python -m hfscale.docs_reference``; it must match them."""
+``hfscale init`` writes) by ``python -m hfscale.config.docs_reference``; it must match them."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from hfscale.config import HfscaleConfig
-from hfscale.docs_reference import PAGE, anchor, main, render_reference, type_text
-from hfscale.template import render_template
+from hfscale.config.model import HfscaleConfig
+from hfscale.config.docs_reference import PAGE, anchor, main, render_reference, type_text
+from hfscale.config.template import render_template
 
 from conftest import ROOT
 from test_architecture import HEAVY, MODULES, closure, top_level_imports
@@ -15,13 +15,13 @@ from test_architecture import HEAVY, MODULES, closure, top_level_imports
 
 def test_the_page_is_up_to_date():
     page = (ROOT / PAGE).read_text(encoding="utf-8")
-    assert page == render_reference(), "stale: run python -m hfscale.docs_reference"
+    assert page == render_reference(), "stale: run python -m hfscale.config.docs_reference"
 
 
 def test_check_says_when_the_page_is_stale(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["--check"]) == 1
-    assert "stale: docs/config-reference.md (run: python -m hfscale.docs_reference)" in capsys.readouterr().out
+    assert "stale: docs/config-reference.md (run: python -m hfscale.config.docs_reference)" in capsys.readouterr().out
     assert main([]) == 0 and main(["--check"]) == 0
 
 
@@ -61,6 +61,6 @@ def test_every_link_on_the_page_has_its_heading():
 
 
 def test_the_generator_imports_no_heavy_library():
-    reached = closure(["hfscale.docs_reference"])
-    assert "hfscale.config" in reached
+    reached = closure(["hfscale.config.docs_reference"])
+    assert "hfscale.config.model" in reached
     assert sorted(f"{m}: {i}" for m in reached for i in top_level_imports(m, MODULES[m]) if i.split(".")[0] in HEAVY) == []

@@ -114,7 +114,7 @@ def _workers(job_id: str) -> list[int]:
             cmd = (p / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"HFSCALE_JOB_ID={job_id}".encode() in env and b"hfscale.train" in cmd and b"torch.distributed.run" not in cmd:
+        if f"HFSCALE_JOB_ID={job_id}".encode() in env and b"hfscale.training.train" in cmd and b"torch.distributed.run" not in cmd:
             pids.append(int(p.name))
     return pids
 
@@ -150,6 +150,6 @@ def test_killed_rank_restarts_and_resumes_from_last_complete_checkpoint(tmp_path
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:] + err[-3000:]
-    resumed = re.findall(r"hfscale.train: resuming from output/tiny_cpu/checkpoint-(\d+)", out)
+    resumed = re.findall(r"hfscale.training.train: resuming from output/tiny_cpu/checkpoint-(\d+)", out)
     assert resumed and int(resumed[-1]) >= 20
     assert "HFSCALE_TRAIN done step=60" in out

@@ -1,4 +1,4 @@
-"""Exporting a Trainer checkpoint as one Hugging Face model folder (hfscale.export).
+"""Exporting a Trainer checkpoint as one Hugging Face model folder (hfscale.checkpoints.export).
 
 2 CPU processes train a tiny GPT-2 (fp32, dropout 0) for 4 steps through ``hfscale launch`` with an
 unchanged HfArgumentParser Trainer script (tests/scripts/export_clm.py), under DeepSpeed ZeRO-1,
@@ -31,7 +31,7 @@ import torch
 import yaml
 
 from conftest import ROOT
-from hfscale.export import ExportError, export_model
+from hfscale.checkpoints.export import ExportError, export_model
 
 pytestmark = pytest.mark.slow
 MODEL = ("n_layer=2,n_head=2,n_embd=32,vocab_size=256,n_positions=64,bos_token_id=0,eos_token_id=0,"
@@ -143,7 +143,7 @@ def test_zero_1_2_use_the_master_weights_not_the_whole_model_file(trained, tmp_p
 
 def test_a_universal_conversion_beside_the_shards_is_not_read(trained, tmp_path):
     """After a resume at another world size the checkpoint also holds DeepSpeed's universal
-    conversion (hfscale.reshard); the export still reads the tag ``latest`` names, and gives the same."""
+    conversion (hfscale.checkpoints.reshard); the export still reads the tag ``latest`` names, and gives the same."""
     out = tmp_path / "out"
     shutil.copytree(trained("zero2") / "out", out)
     ckpt = out / "checkpoint-4"

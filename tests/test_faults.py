@@ -122,8 +122,7 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
 def test_the_lock_judges_a_holder_on_another_host_by_its_age_on_the_file_system(tmp_path):
     """A lock whose holder runs on another host: live while touched (by the file system's clock),
     taken over once untouched for the stale time; a lock that cannot be read is judged by age too."""
-    from hfscale import output_lock
-
+    from hfscale.launch import output_lock
     out = tmp_path / "out"
     out.mkdir()
     lock = out / "_hfscale-lock.json"
@@ -150,9 +149,9 @@ def test_the_lock_judges_a_holder_on_another_host_by_its_age_on_the_file_system(
 # ---- a torn metrics line -----------------------------------------------------------------------
 
 def test_a_record_appended_after_a_torn_line_starts_its_own_line_and_the_torn_one_is_counted(tmp_path):
-    from hfscale.callbacks.collectives import append_jsonl
-    from hfscale.records import MetricsLine
-    from hfscale.untrusted import read_json_lines
+    from hfscale.training.callbacks.collectives import append_jsonl
+    from hfscale.core.records import MetricsLine
+    from hfscale.core.untrusted import read_json_lines
 
     path = tmp_path / "hfscale_metrics.jsonl"
     append_jsonl(str(path), {"event": "metrics", "step": 2})
@@ -173,7 +172,7 @@ def _checkpoints(out: Path) -> None:
     """checkpoint-35 complete (its marker), checkpoint-40 without rank 1's RNG state."""
     import torch
 
-    from hfscale.resume import write_marker
+    from hfscale.checkpoints.resume import write_marker
 
     for step, ranks in ((35, (0, 1)), (40, (0, 2))):
         d = out / f"checkpoint-{step}"
@@ -234,7 +233,7 @@ def test_a_full_disk_is_named_with_the_path_the_space_and_the_checkpoint_a_relau
                for line in told), told
     free = next(line for line in told if line.endswith(f"free in {out}"))
     assert "KiB" in free or "bytes" in free
-    from hfscale.resume import scan_output
+    from hfscale.checkpoints.resume import scan_output
 
     scan = scan_output(str(out), None)
     assert scan.resume is not None
@@ -247,7 +246,7 @@ def test_torchs_own_words_for_a_failed_write_count_as_a_full_disk_only_when_the_
     """torch.save says "unexpected pos" or "basic_ios::clear", never "no space": on a nearly full disk
     that is a full disk; with room left (this machine's disk) hfscale does not claim it. A "no
     space" line about another disk is said to be about another disk."""
-    from hfscale.disk_full import LOW, Signs, free_bytes, told
+    from hfscale.launch.disk_full import LOW, Signs, free_bytes, told
 
     lines = ["node0: [rank0]: RuntimeError: [enforce fail at inline_container.cc:603] . unexpected pos 4544 vs 4436",
              "node0: [rank0]: RuntimeError: basic_ios::clear: iostream error"]

@@ -1,12 +1,12 @@
-"""Following a detached job's files (hfscale.follow): lines as the nodes complete them, and hosts
+"""Following a detached job's files (hfscale.launch.follow): lines as the nodes complete them, and hosts
 whose heartbeat stopped changing, timed by the caller's clock."""
 
 from __future__ import annotations
 
 import os
 
-from hfscale.follow import Follower
-from hfscale.launch_plan import Follow
+from hfscale.launch.follow import Follower
+from hfscale.launch.spec import Follow
 
 
 def _follow(tmp_path, hosts=("a", "b")) -> Follow:

@@ -21,16 +21,16 @@ from accelerate.utils import dataclasses as acc_dataclasses
 from accelerate.utils import launch as acc_launch
 
 from conftest import job_of
-from hfscale.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
-from hfscale.errors import ConfigError
-from hfscale.files import write_files
-from hfscale.importer import import_configs, read_source
-from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
-from hfscale.load import load_text
-from hfscale.memory import Setting, estimate
-from hfscale.model_shape import shape_of
-from hfscale.render_deepspeed import deepspeed_config
-from hfscale.trainer_args import training_arguments
+from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
+from hfscale.config.errors import ConfigError
+from hfscale.core.atomic_files import write_files
+from hfscale.cli.importing.importer import import_configs, read_source
+from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.rules.config_file import load_text
+from hfscale.memory.estimate import Setting, estimate
+from hfscale.memory.model_shape import shape_of
+from hfscale.render.deepspeed import deepspeed_config
+from hfscale.rules.trainer_args import training_arguments
 from real_corpus import CORPUS, fp8_launch
 
 FP8_CONFIG = {"fp8_backend": "TE", "fp8_format": "e4m3", "fp8_amax_history_len": 16, "fp8_amax_compute_algo": "MAX",

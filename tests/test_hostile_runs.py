@@ -30,7 +30,7 @@ from conftest import ROOT
 sys.path.insert(0, str(Path(__file__).parent))
 import hostile_runs as corpus  # noqa: E402
 
-from hfscale.untrusted import printable  # noqa: E402
+from hfscale.core.untrusted import printable  # noqa: E402
 
 FAMILIES = {"light": "runs,status,logs,follow,stop", "report": "report", "export": "export"}
 
@@ -52,7 +52,7 @@ def _detached(*argv: str) -> int:
 
 
 def _alive(pid: int) -> bool:
-    from hfscale.pid_identity import start_time
+    from hfscale.core.pid_identity import start_time
 
     return start_time(pid) is not None
 
@@ -63,7 +63,7 @@ def _pid_cases(root: Path, template: Path) -> tuple[list[dict], dict[str, int], 
     start time: the pid was reused), one recorded without a start time (an older state.json), one
     recorded exactly but in a state.json another uid wrote; and the control, recorded with its own
     start time (stop must signal it)."""
-    from hfscale.pid_identity import boot_id, start_time
+    from hfscale.core.pid_identity import boot_id, start_time
 
     notes = root / "hfscale-notes.txt"
     notes.write_text("x\n")
@@ -272,10 +272,10 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
     exception, nothing followed."""
     if os.geteuid() != 0 and variant in ("devzero", "other_uid"):
         pytest.skip("needs root (mknod, chown); CI is root")
-    from hfscale import output_lock
-    from hfscale.follow import Follower, LogTail
-    from hfscale.launch_plan import Follow, Watch
-    from hfscale.watchdog import Watchdog, read_flight, read_stacks
+    from hfscale.launch import output_lock
+    from hfscale.launch.follow import Follower, LogTail
+    from hfscale.launch.spec import Follow, Watch
+    from hfscale.launch.watchdog import Watchdog, read_flight, read_stacks
 
     run, out = tmp_path / "run", tmp_path / "out"
     for d in ("progress", "stacks", "flight", "alive", "logs"):
@@ -306,7 +306,7 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
             assert "in use by job" in str(e) or "cannot be read" in str(e)
         dog = Watchdog(Watch(str(run / "progress"), str(run / "stacks"), str(run / "r.txt"), 5, None, 1), 0.0)
         dog.poll(1.0)
-        from hfscale.records import TEXT_CAP
+        from hfscale.core.records import TEXT_CAP
 
         stacks = read_stacks(str(run / "stacks"))  # a stack is text: whatever it holds, at most its newest 4 MiB
         assert set(stacks) <= {0} and all(len(v) <= TEXT_CAP for v in stacks.values())
@@ -326,9 +326,10 @@ def test_crafted_checkpoint_files_give_a_reason_not_a_crash(tmp_path, monkeypatc
     in well under a second, never an exception or a huge allocation."""
     import struct
 
-    from hfscale import checkpoint_files, records
-    from hfscale.checkpoint_files import safetensors_whole, saved_step
-    from hfscale.resume import checkpoint_problem, write_marker
+    from hfscale.checkpoints import files as checkpoint_files
+    from hfscale.core import records
+    from hfscale.checkpoints.files import safetensors_whole, saved_step
+    from hfscale.checkpoints.resume import checkpoint_problem, write_marker
 
     ckpt = tmp_path / "checkpoint-4"
     corpus._tiny_checkpoint(ckpt)
@@ -360,7 +361,7 @@ def test_crafted_checkpoint_files_give_a_reason_not_a_crash(tmp_path, monkeypatc
 
 
 def test_export_refuses_a_checkpoint_holding_a_link_or_fifo_and_follows_links_in_a_folder_you_name(tmp_path):
-    from hfscale.export import ExportError, export_model
+    from hfscale.checkpoints.export import ExportError, export_model
 
     ckpt = tmp_path / "out" / "checkpoint-4"
     corpus._tiny_checkpoint(ckpt)
@@ -373,7 +374,7 @@ def test_export_refuses_a_checkpoint_holding_a_link_or_fifo_and_follows_links_in
     with pytest.raises(ExportError, match="'generation_config.json' is a link, not a regular file"):
         export_model(ckpt, tmp_path / "e1")
     (ckpt / "generation_config.json").unlink()
-    from hfscale.resume import write_marker
+    from hfscale.checkpoints.resume import write_marker
 
     write_marker(ckpt, 4, 1)
     os.mkfifo(ckpt / "zzz_model_states.pt")  # added after the marker was written: a read would wait for ever
@@ -396,7 +397,7 @@ def test_export_refuses_a_checkpoint_holding_a_link_or_fifo_and_follows_links_in
 
 
 def test_a_pid_is_checkable_only_in_its_own_boot_and_pid_namespace():
-    from hfscale.pid_identity import ProcessIdentity, liveness, this_process
+    from hfscale.core.pid_identity import ProcessIdentity, liveness, this_process
 
     me = this_process()
     assert liveness(me) == "alive"
@@ -406,8 +407,8 @@ def test_a_pid_is_checkable_only_in_its_own_boot_and_pid_namespace():
 
 
 def test_one_failed_read_of_the_lock_does_not_stop_its_heartbeat(tmp_path, monkeypatch):
-    from hfscale import output_lock
-    from hfscale.untrusted import Unreadable
+    from hfscale.launch import output_lock
+    from hfscale.core.untrusted import Unreadable
 
     taken = output_lock.acquire(tmp_path, "20261125-000001-aaaaaa", "/r")
     real = output_lock.read_bytes

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from hfscale.accelerate_source import accelerate_keys
-from hfscale.deepspeed_source import deepspeed_keys
-from hfscale.engine_source import UNKNOWN
+from hfscale.config.sources.accelerate import accelerate_keys
+from hfscale.config.sources.deepspeed import deepspeed_keys
+from hfscale.config.sources.engine import UNKNOWN
 from test_consumers import _deepspeed_plugin_as_launched
 
 DATA = ROOT / "tests" / "data" / "import"

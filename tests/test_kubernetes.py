@@ -10,10 +10,10 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hfscale.artifacts import render_artifacts
-from hfscale.launcher import LaunchContext, rank_env
-from hfscale.plan import resolved_config_yaml
-from hfscale.render_kubernetes import (
+from hfscale.render.artifacts import render_artifacts
+from hfscale.launch.node_command import LaunchContext, rank_env
+from hfscale.launch.build import resolved_config_yaml
+from hfscale.launch.runners.kubernetes_manifest import (
     CONFIG_DIR,
     job_name,
     k8s_literal,
@@ -97,7 +97,7 @@ POD_A = {
             "command": [
                 "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(MASTER_ADDR):$(MASTER_PORT)", "--rdzv-id", JOB_ID,
-                "--max-restarts", "2", "-m", "hfscale.run_script", "--plain",
+                "--max-restarts", "2", "-m", "hfscale.training.run_script", "--plain",
                 "train.py", "--note", "$$$$(HOME) x; rm -rf /", "--lr", "1e-3", "y",
             ],
             "workingDir": "/code",
@@ -173,7 +173,7 @@ def test_elastic_builtin_entry_exact():
                     "python", "-m", "torch.distributed.run", "--nnodes", "1:4", "--nproc_per_node", "4",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(PET_RDZV_ENDPOINT)", "--rdzv-id", JOB_ID,
                     "--max-restarts", "5",
-                    "-m", "hfscale.train", "--config", "/etc/hfscale/config.yaml",
+                    "-m", "hfscale.training.train", "--config", "/etc/hfscale/config.yaml",
                 ],
                 "env": hfscale_env(("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")),
                 "ports": [{"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"}],
@@ -261,7 +261,7 @@ spec:
             - --config_file
             - /etc/hfscale/accelerate_config.yaml
             - --module
-            - hfscale.run_script
+            - hfscale.training.run_script
             - --plain
             - train.py
             env:
@@ -316,7 +316,7 @@ def test_accelerate_on_several_nodes_takes_rank_and_master_from_the_operator():
     assert launcher_command(job, CTX) == [
         "python", "-m", "accelerate.commands.launch", "--config_file", "/etc/hfscale/accelerate_config.yaml",
         "--machine_rank", "$(RANK)", "--main_process_ip", "$(MASTER_ADDR)", "--main_process_port", "$(MASTER_PORT)",
-        "--module", "hfscale.run_script", "--plain", "train.py",
+        "--module", "hfscale.training.run_script", "--plain", "train.py",
     ]
     specs = manifests(job)[-1]["spec"]["pytorchReplicaSpecs"]
     assert (specs["Master"]["replicas"], specs["Worker"]["replicas"]) == (1, 2)
@@ -446,7 +446,7 @@ def test_kubernetes_expands_only_hfscales_own_references():
     assert expanded[:entry] == [
         "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"llama-sft-{JOB_ID}-master-0:29400", "--rdzv-id", JOB_ID,
-        "--max-restarts", "2", "-m", "hfscale.run_script", "--plain"]
+        "--max-restarts", "2", "-m", "hfscale.training.run_script", "--plain"]
     # torchrun's own expansion of the worker's arguments ($$, ${local_rank}) is the last step
     from torch.distributed.elastic.utils.api import macros
 
@@ -509,7 +509,7 @@ def test_values_yaml_readers_could_retype_are_quoted():
      "launcher: torchrun"),
 ])
 def test_settings_a_pod_cannot_honour_are_refused(change, message):
-    from hfscale.errors import ConfigError
+    from hfscale.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):  # refused when the config is loaded
         job_of(change(ONE_NODE))

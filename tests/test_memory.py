@@ -15,9 +15,9 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import ROOT
-from hfscale.fit import judge, micro_batches
-from hfscale.memory import CONTEXT_BYTES, Setting, estimate, model_states
-from hfscale.model_shape import ShapeError, shape_of
+from hfscale.memory.fit import judge, micro_batches
+from hfscale.memory.estimate import CONTEXT_BYTES, Setting, estimate, model_states
+from hfscale.memory.model_shape import ShapeError, shape_of
 
 CASES = {
     "gpt2": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "vocab_size": 500, "n_positions": 128,
@@ -292,11 +292,11 @@ def test_plan_reads_a_scripts_model_and_sequence_length(tmp_path):
 
 def test_a_job_naming_no_model_is_sized_as_the_model_the_entry_point_builds():
     """No training.model and no script: plan sizes the built-in entry point's default model, the
-    one hfscale.train.build_model makes (it once sized GPT-2 small, 124M, for a 2-layer model)."""
+    one hfscale.training.train.build_model makes (it once sized GPT-2 small, 124M, for a 2-layer model)."""
     from conftest import job_of
-    from hfscale.config import ModelConfig
-    from hfscale.sizing import model_config
-    from hfscale.train import build_model
+    from hfscale.config.model import ModelConfig
+    from hfscale.memory.plan_command import model_config
+    from hfscale.training.train import build_model
 
     cfg, source = model_config(job_of("name: d\nbatch: {micro_batch_size: 1}\n"), None)
     built, _ = build_model(ModelConfig(), seed=0, zero_init=False)
@@ -324,7 +324,7 @@ def test_the_reduce_bucket_is_counted_whole_even_for_a_small_model():
     """DeepSpeed allocates reduce_bucket_size elements whatever the model's size (stage_1_and_2:
     torch.empty(int(self.reduce_bucket_size)), twice with overlap_comm); the allgather and prefetch
     buckets hold at most the model. check (no model known) counts both whole, from the same formula."""
-    from hfscale.memory import bucket_bytes, buckets
+    from hfscale.memory.estimate import bucket_bytes, buckets
 
     shape = shape_of(CASES["llama-gqa"])
     P = shape.params()  # 154,944, far below the 5e8-element buckets

@@ -2,7 +2,7 @@
 
 The JSON lines were written by ``bench/bench_memory.py --json`` on an H200 (the calibration grid)
 and an H100 80GB (the held-out grid): torch.cuda.max_memory_reserved after a few real DeepSpeed
-steps, or "oom". The measurements do not depend on the estimate, so a change to hfscale.memory is
+steps, or "oom". The measurements do not depend on the estimate, so a change to hfscale.memory.estimate is
 scored here on the same runs, without a GPU.
 """
 
@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_memory  # noqa: E402
 
-from hfscale.memory import estimate  # noqa: E402
-from hfscale.model_shape import shape_of  # noqa: E402
+from hfscale.memory.estimate import estimate  # noqa: E402
+from hfscale.memory.model_shape import shape_of  # noqa: E402
 
 
 def scored(path: Path) -> tuple[list[float], int, int]:
@@ -58,7 +58,7 @@ def test_the_80gb_edge_is_told_apart() -> None:
 
 def test_without_the_step_term_the_calibration_grid_misses_the_goal(monkeypatch: pytest.MonkeyPatch) -> None:
     """The optimizer step's temporary is what the calibration run found; removing it fails the max."""
-    import hfscale.memory as memory
+    import hfscale.memory.estimate as memory
 
     monkeypatch.setattr(memory, "step_temporary", lambda shape, s: (0, ""))
     errors, _, _ = scored(RESULTS / "bench_memory_main_h200.jsonl")

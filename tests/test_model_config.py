@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from hfscale import model_config
-from hfscale.errors import ConfigError
+from hfscale.config import model_config
+from hfscale.config.errors import ConfigError
 
 from conftest import job_of, run_cli
 
@@ -86,7 +86,7 @@ def test_check_with_a_model_config_imports_neither_transformers_nor_torch(tmp_pa
     cfg.write_text(f"name: m\nbatch: {{micro_batch_size: 1}}\ntraining: {{model: {{config: {json.dumps(TINY)}}}}}\n")
     code = textwrap.dedent(f"""
         import sys
-        from hfscale.cli import main
+        from hfscale.cli.commands import main
         try:
             main(["check", {str(cfg)!r}])
         except SystemExit as e:

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from hfscale import netcheck
-from hfscale.netcheck import MARK
-from hfscale.network import Meeting, commands, parse, render_matrix, schedule, slow_links
+from hfscale.launch import netcheck
+from hfscale.launch.netcheck import MARK
+from hfscale.launch.network import Meeting, commands, parse, render_matrix, schedule, slow_links
 
 from conftest import job_of
 
@@ -45,7 +45,7 @@ def test_each_host_gets_only_its_own_rounds():
     job = job_of(f"name: n\ncluster:\n  hosts:{hosts}\nrunner: {{type: pdsh}}\nbatch: {{micro_batch_size: 1}}\n")
     cmds = commands(job, "/py", {f"n{i}": f"10.0.0.{i}" for i in range(4)}, 29601, 1000.0)
     script = cmds["n0"].real_argv()[-1]
-    assert script == ("/py -m hfscale.netcheck --me n0 --port 29601 --start 1000.000 --slot 2.0 --seconds 0.5 "
+    assert script == ("/py -m hfscale.launch.netcheck --me n0 --port 29601 --start 1000.000 --slot 2.0 --seconds 0.5 "
                       "--rounds 3 --plan 0:10.0.0.3,1:10.0.0.2,2:10.0.0.1")
     planned = sum(len(c.real_argv()[-1].split("--plan ")[1].split(",")) for c in cmds.values()
                   if not c.real_argv()[-1].endswith("--plan "))
@@ -86,7 +86,7 @@ def test_one_slow_pair_is_named_as_a_pair_and_errors_are_problems():
 
 
 def test_the_measurement_itself_on_loopback():
-    """hfscale.netcheck's two sides in one process: a round trip and both rates come back."""
+    """hfscale.launch.netcheck's two sides in one process: a round trip and both rates come back."""
     with socket.socket() as probe:  # a free port: a fixed one collides with a second test session
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -96,7 +96,7 @@ def test_the_measurement_itself_on_loopback():
 
 
 def test_more_hosts_than_the_fanout_are_refused():
-    from hfscale.network import refusal
+    from hfscale.launch.network import refusal
 
     hosts = "".join(f"\n        - {{host: n{i}, slots: 1}}" for i in range(5))
     job = job_of(f"name: n\ncluster:\n  hosts:{hosts}\nrunner: {{type: pdsh, fanout: 4}}\nbatch: {{micro_batch_size: 1}}\n")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.launch_plan import Follow, Watch
-from hfscale.launcher import LaunchContext, Rendezvous, launcher_argv
-from hfscale.plan import build_plan
-from hfscale.runners.stopping import dump_script, stop_script
-from hfscale.shell import Command, render
+from hfscale.launch.spec import Follow, Watch
+from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.build import build_plan
+from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.core.shell import Command, render
 
 from conftest import job_of, job_pids
 
@@ -38,7 +38,7 @@ def test_local_accelerate_plan_exact():
     plan = build_plan(job_of(LOCAL), CTX)
     assert plan.main.argv == (
         "/opt/py/bin/python", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
-        "--module", "hfscale.run_script", "--plain", "train.py", "--epochs", "2",
+        "--module", "hfscale.training.run_script", "--plain", "train.py", "--epochs", "2",
     )
     assert plan.main.cwd == "/work"
     assert dict(plan.main.env) == {
@@ -64,10 +64,10 @@ def test_local_torchrun_and_builtin_entry():
     job = job_of("name: demo\ncluster: {nproc_per_node: 4}\nrunner: {launcher: torchrun}\nbatch: {micro_batch_size: 1}\n")
     assert launcher_argv(job, "py", RUN, CTX, Rendezvous(rank="0")) == [
         "py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "4", "--node_rank", "0",
-        "--master_addr", "127.0.0.1", "--master_port", "29500", "-m", "hfscale.train", "--config", f"{RUN}/config.yaml",
+        "--master_addr", "127.0.0.1", "--master_port", "29500", "-m", "hfscale.training.train", "--config", f"{RUN}/config.yaml",
     ]
     acc = job_of("name: demo\nbatch: {micro_batch_size: 1}\n")
-    assert launcher_argv(acc, "py", RUN, CTX, Rendezvous(rank="0"))[-4:] == ["--module", "hfscale.train", "--config", f"{RUN}/config.yaml"]
+    assert launcher_argv(acc, "py", RUN, CTX, Rendezvous(rank="0"))[-4:] == ["--module", "hfscale.training.train", "--config", f"{RUN}/config.yaml"]
 
 
 PDSH = """
@@ -115,7 +115,7 @@ def test_pdsh_plan_exact():
     the environment and its own rank from files only you can read."""
     plan = build_plan(job_of(PDSH), CTX)
     launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
-                "--machine_rank \"$HFSCALE_NODE_RANK\" --module hfscale.run_script --plain train.py "
+                "--machine_rank \"$HFSCALE_NODE_RANK\" --module hfscale.training.run_script --plain train.py "
                 "--name 'x; rm -rf /'")
     # a line that starts after a stop (a slow ssh) finds the stop marker and starts nothing
     node = (f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node started'; exit 143; }}; "
@@ -328,7 +328,7 @@ def test_pdsh_docker_plan_exact():
         "-v /data:/data:ro -v /ckpt:/ckpt " + " ".join(f"-e {n}" for n in names) +
         " -w /code --ulimit nofile=4096:4096 registry.local/train:1.0 "
         f"python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
-        '--machine_rank "$HFSCALE_NODE_RANK" --module hfscale.run_script --plain train.py'
+        '--machine_rank "$HFSCALE_NODE_RANK" --module hfscale.training.run_script --plain train.py'
     )
     assert "x y" not in script and "A='x y'" in dict(plan.private)["env.sh"].real  # values never on an argv
     assert plan.cleanup.real_argv()[-1] == (
@@ -369,12 +369,12 @@ def test_restarts_use_a_c10d_rendezvous_with_the_job_id():
     assert plan.main.argv == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
                               "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",
                               "--rdzv-id", "20261122-120000-abcdef", "--max-restarts", "2", "-m",
-                              "hfscale.run_script", "--plain", "t.py")
+                              "hfscale.training.run_script", "--plain", "t.py")
     assert dict(plan.main.env)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
 def test_restarts_with_accelerate_are_refused():
-    from hfscale.errors import ConfigError
+    from hfscale.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="restarts need launcher: torchrun"):
         job_of("name: r\nrunner: {max_restarts: 1}\nbatch: {micro_batch_size: 1}\n")

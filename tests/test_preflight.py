@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hfscale.preflight import MARK, evaluate, gpu_memory_hint, probes, render_table
+from hfscale.launch.preflight import MARK, evaluate, gpu_memory_hint, probes, render_table
 
 from conftest import job_of, run_cli
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hfscale.presets import render_presets, stale_presets
+from hfscale.render.presets import render_presets, stale_presets
 
 REQUIRED = {"zero1", "zero2", "zero3", "zero3_offload", "fsdp", "ddp", "pdsh_2node"}
 
@@ -32,9 +32,9 @@ def test_a_changed_source_makes_a_preset_stale(repo_root, tmp_path):
     src.write_text(src.read_text().replace("stage: 2", "stage: 1"))
     (tmp_path / "ds_configs/stray.json").write_text("{}")
     assert stale_presets(tmp_path) == ["ds_configs/zero2.json", "ds_configs/stray.json"]
-    r = subprocess.run([sys.executable, "-m", "hfscale.presets", "--check"], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "hfscale.render.presets", "--check"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 1 and "stale preset: ds_configs/zero2.json" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "hfscale.presets"], cwd=tmp_path, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "hfscale.render.presets"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0 and (tmp_path / "ds_configs/zero2.json").read_text() == render_presets(tmp_path)[
         "ds_configs/zero2.json"]
 

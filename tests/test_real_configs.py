@@ -76,7 +76,7 @@ def test_every_key_deepspeed_reads_is_known(tmp_path):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from hfscale.deepspeed_source import deepspeed_keys, deepspeed_removed_keys
+    from hfscale.config.sources.deepspeed import deepspeed_keys, deepspeed_removed_keys
 
     seen: set[str] = set()
 

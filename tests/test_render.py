@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import textwrap
 
-from hfscale.artifacts import render_artifacts
-from hfscale.hostfile import parse_hostfile, render_hostfile
-from hfscale.render_accelerate import render_accelerate
-from hfscale.render_deepspeed import deepspeed_config
-from hfscale.trainer_args import training_arguments_kwargs
+from hfscale.render.artifacts import render_artifacts
+from hfscale.config.hostfile import parse_hostfile, render_hostfile
+from hfscale.render.accelerate import render_accelerate
+from hfscale.render.deepspeed import deepspeed_config
+from hfscale.rules.trainer_args import training_arguments_kwargs
 
 from conftest import job_of
 

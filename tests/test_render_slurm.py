@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import subprocess
 
-from hfscale.launcher import LaunchContext
-from hfscale.plan import build_plan
+from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.build import build_plan
 
 from conftest import job_of
 
@@ -62,7 +62,7 @@ on_notice() {{ preempted=1; echo "hfscale: preemption notice, the ranks save and
 trap on_notice USR1
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label bash -c 'cd /work && exec /opt/py/bin/python -m \
 torch.distributed.run --nnodes 2 --nproc_per_node 4 --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" \
---master_port 29600 -m hfscale.run_script --plain train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $$5'"'"'' &
+--master_port 29600 -m hfscale.training.run_script --plain train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $$5'"'"'' &
 step=$!
 # wait returns early when a trapped signal arrives: wait again until the step has ended
 while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || break; done
@@ -126,14 +126,14 @@ def test_minimal_slurm_job_and_accelerate_launcher():
         "#SBATCH --job-name=m", "#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1",
         "#SBATCH --output=/work/runs/m-20261122-120000-abcdef/slurm-%j.out", "#SBATCH --open-mode=append",
         "#SBATCH --signal=B:USR1@120", "#SBATCH --no-requeue"]
-    assert ('--machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --module hfscale.train' in script)
+    assert ('--machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --module hfscale.training.train' in script)
     assert "requeueing" not in script
 
 
 def test_bad_slurm_values_are_refused():
     import pytest
 
-    from hfscale.errors import ConfigError
+    from hfscale.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         plan_of("name: m\ncluster: {num_nodes: 2, hosts: [{host: a, slots: 1}]}\n"

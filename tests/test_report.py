@@ -1,4 +1,4 @@
-"""hfscale.report: the HTML page of a run directory.
+"""hfscale.runs.report: the HTML page of a run directory.
 
 Fast tests build a run directory and a training output_dir by hand (plan.txt, config.yaml,
 state.json, hfscale_metrics.jsonl, checkpoint-N/trainer_state.json) and read the page's HTML. The
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from hfscale.report import ReportError, read_run, write_report
+from hfscale.runs.report import ReportError, read_run, write_report
 
 
 TITLES = {"loss": "Loss", "learning-rate": "Learning rate", "grad-norm": "Gradient norm",
@@ -159,7 +159,7 @@ def test_relaunches_sharing_the_output_dir_are_plotted_as_launches(tmp_path):
     events = [metrics(s) for s in (2, 4, 6)] + [{**metrics(s, world=4), "time": 1.7e9 + 100 + s} for s in (4, 6, 8)]
     run = make_run(tmp_path, events=events, state={"cwd": str(tmp_path), "started": 1.7e9 + 50, "ended": 1.7e9 + 200})
     page = write_report(run, tmp_path / "elsewhere" / "r.html").read_text()
-    from hfscale.report import _memory_series, _series
+    from hfscale.runs.report import _memory_series, _series
 
     d = read_run(run)
     assert [(s[0], s[1]) for s in _series(d.metrics, lambda r: r["tokens_per_s"])] == [("", [2, 4, 6]), ("", [4, 6, 8])]
@@ -189,8 +189,8 @@ def test_relaunches_sharing_the_output_dir_are_plotted_as_launches(tmp_path):
 
 
 def test_the_output_dir_is_found_as_the_ranks_saw_it(tmp_path, monkeypatch):
-    from hfscale.report import _memory_series
-    from hfscale.runs import output_dir_of
+    from hfscale.runs.report import _memory_series
+    from hfscale.runs.registry import output_dir_of
 
     run = tmp_path / "launch" / "var" / "runs" / "j-1"
 
@@ -257,8 +257,8 @@ def test_without_matplotlib_the_error_says_what_to_install(tmp_path, monkeypatch
 def test_matplotlib_is_imported_only_when_a_report_is_written():
     from test_architecture import CONFIG_ONLY, MODULES, closure, top_level_imports
 
-    assert not any(i.split(".")[0] == "matplotlib" for i in top_level_imports("hfscale.report", MODULES["hfscale.report"]))
-    assert "hfscale.report" not in closure(CONFIG_ONLY)
+    assert not any(i.split(".")[0] == "matplotlib" for i in top_level_imports("hfscale.runs.report", MODULES["hfscale.runs.report"]))
+    assert "hfscale.runs.report" not in closure(CONFIG_ONLY)
     assert len((ROOT / "hfscale" / "report.py").read_text().splitlines()) < 400
 
 
@@ -347,7 +347,7 @@ def test_a_restart_is_told_apart_beyond_16_ranks_by_any_ranks_peak(tmp_path):
               {**metrics(4, world=world), "job": "20261125-1-aaaaaa", "mem_peak_mb_per_rank": peaks},
               {**metrics(6, world=world), "job": "20261125-1-aaaaaa", "mem_peak_mb_per_rank": fell}]
     run = make_run(tmp_path, events=events)
-    from hfscale.report import _series
+    from hfscale.runs.report import _series
 
     d = read_run(run)
     assert "mem_peak_mb_per_rank" not in d.metrics[0] and d.metrics[0]["mem_peak_mb_stats"] == (1000.0, 1016.0, 1031.0)

@@ -1,4 +1,4 @@
-"""hfscale.resume: which checkpoint a restarted job resumes from, and that the resumed job ends
+"""hfscale.checkpoints.resume: which checkpoint a restarted job resumes from, and that the resumed job ends
 exactly where an uninterrupted one does (preemption by SIGTERM, a damaged newest checkpoint, a rank
 killed under torchrun --max-restarts, rotation with save_total_limit=1)."""
 
@@ -15,7 +15,7 @@ import pytest
 from scripts import trainer_runs
 from scripts.trainer_runs import COMMON, Job, run
 
-from hfscale.resume import (
+from hfscale.checkpoints.resume import (
     MARKER,
     IncompleteCheckpointWarning,
     checkpoint_problem,

@@ -1,4 +1,4 @@
-"""hfscale.run_script, what each rank of a Trainer script runs: the flags only the rank can decide,
+"""hfscale.training.run_script, what each rank of a Trainer script runs: the flags only the rank can decide,
 the refusal to start over over incomplete checkpoints, and the script run as `python SCRIPT ARGS`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.run_script import plan_start, sees_gpu
+from hfscale.training.run_script import plan_start, sees_gpu
 
 from test_checkpoint_files import trainer_checkpoint
 
@@ -78,7 +78,7 @@ def script(tmp_path) -> Path:
 
 
 def _run(script: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hfscale.run_script", str(script), *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hfscale.training.run_script", str(script), *args], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})})
 
 

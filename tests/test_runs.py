@@ -1,4 +1,4 @@
-"""Living with runs: what the terminal shows (hfscale.console), and hfscale runs / status / logs /
+"""Living with runs: what the terminal shows (hfscale.launch.console), and hfscale runs / status / logs /
 stop on real runs of the built-in entry point (2 CPU processes)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, job_pids
-from hfscale.console import Console, progress_text
-from hfscale.rundir import read_cleanup
-from hfscale.runs import RunInfo, run_info
+from hfscale.launch.console import Console, progress_text
+from hfscale.launch.run_dir import read_cleanup
+from hfscale.runs.registry import RunInfo, run_info
 
 WARN = ("/usr/lib/python3/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` "
         "is deprecated.")
@@ -83,7 +83,7 @@ def test_a_traceback_ends_at_its_exception_line_with_or_without_prefixes():
 
 
 def test_the_progress_line():
-    from hfscale.records import Rank0Metrics as M
+    from hfscale.core.records import Rank0Metrics as M
 
     m = M(step=120, max_steps=300, loss=4.12301, tokens_per_s=18234.0, eta_s=65.2)
     assert progress_text(m) == "hfscale: step 120/300 (40%) | loss 4.1230 | 18.2k tokens/s | ETA 1m05s"
@@ -102,8 +102,8 @@ def test_the_progress_line():
 def test_scheduler_commands_for_stop_and_status(tmp_path):
     """What reaches scancel/squeue/kubectl comes from files only this user could write, checked by
     shape; the Kubernetes stop gets the objects' kinds, names and namespaces on stdin."""
-    from hfscale.run_stop import scheduler_command
-    from hfscale.runs import RunError
+    from hfscale.runs.stop import scheduler_command
+    from hfscale.runs.registry import RunError
 
     run = tmp_path / "runs" / "x-1"
     run.mkdir(parents=True, mode=0o700)
@@ -265,7 +265,7 @@ def test_a_launcher_gone_without_a_word_is_died(tmp_path):
     (run / "state.json").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename, "state": "running",
                                                 "started": time.time()}))
     assert run_info(run).state == "died"
-    from hfscale.untrusted import Unreadable
+    from hfscale.core.untrusted import Unreadable
 
     for bad in ('{"argv": ["pdsh"]', '{"argv": "pdsh -w h kill", "env": {}, "cwd": null}',
                 '{"argv": ["pdsh"], "env": {"A": 1}, "cwd": null}'):  # cut short; argv a string; a number in env
@@ -342,7 +342,7 @@ def test_report_and_export_of_a_run_by_name(finished, tmp_path):
 
 
 def test_a_runs_end_state_comes_from_what_ended_it_not_from_its_exit_code():
-    from hfscale.exitcodes import HUNG, state_of
+    from hfscale.core.exitcodes import HUNG, state_of
 
     assert state_of(0) == "finished" and state_of(0, submitted=True) == "submitted"
     assert state_of(143, signalled=True) == state_of(130, signalled=True) == "stopped"
@@ -353,8 +353,8 @@ def test_a_runs_end_state_comes_from_what_ended_it_not_from_its_exit_code():
 def test_logs_follow_prints_every_line_then_ends_with_the_run(tmp_path):
     """hfscale logs --follow on a run that ends: every line (a last one without its newline too),
     each prefixed with its node when there are several logs, and it returns once the run ended."""
-    from hfscale.follow import READ_LIMIT
-    from hfscale.runs import follow_logs
+    from hfscale.launch.follow import READ_LIMIT
+    from hfscale.runs.registry import follow_logs
 
     run = tmp_path / "runs" / "x-1"
     (run / "logs").mkdir(parents=True)
@@ -374,7 +374,7 @@ def test_logs_follow_prints_every_line_then_ends_with_the_run(tmp_path):
 def test_state_json_holds_a_launcher_only_when_a_launch_records_one(tmp_path):
     """A stop on a run directory without state.json must not record the stopping process as its
     launcher (which a later stop would then signal)."""
-    from hfscale.rundir import read_state, record_state, this_launcher
+    from hfscale.launch.run_dir import read_state, record_state, this_launcher
 
     record_state(tmp_path, stop_requested=1.7e9)
     assert read_state(tmp_path).model_dump(exclude_none=True) == {"stop_requested": 1.7e9}

@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from hfscale.errors import ConfigError
-from hfscale.launcher import LaunchContext
-from hfscale.plan import build_plan
-from hfscale.render_kubernetes import launcher_command
-from hfscale.trainer_args import (
+from hfscale.config.errors import ConfigError
+from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.build import build_plan
+from hfscale.launch.runners.kubernetes_manifest import launcher_command
+from hfscale.rules.trainer_args import (
     TrainerArg,
     given_flags,
     same_value,
@@ -127,7 +127,7 @@ def test_dry_run_shows_the_final_argv_of_the_script():
     plan = build_plan(job_of(SFT), LaunchContext.of("/work", "/py", JOB_ID, {}, ["--trust_remote_code"]))
     assert plan.main.argv == (
         "/py", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
-        "--module", "hfscale.run_script", "run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
+        "--module", "hfscale.training.run_script", "run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
         *FLAGS, "--trust_remote_code",
     )
     assert f"run_clm.py --model_name_or_path ./tiny --train_file data.txt {' '.join(FLAGS)} --trust_remote_code" \
@@ -138,7 +138,7 @@ def test_torchrun_passes_deepspeed_to_a_trainer_script():
     job = job_of(SFT.replace("cluster: {nproc_per_node: 2}", "cluster: {nproc_per_node: 2}\n    runner: {launcher: torchrun}"))
     argv = build_plan(job, CTX).main.argv
     assert argv[:8] == ("/py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--node_rank")
-    assert argv[argv.index("-m", 3):argv.index("-m", 3) + 3] == ("-m", "hfscale.run_script", "run_clm.py")
+    assert argv[argv.index("-m", 3):argv.index("-m", 3) + 3] == ("-m", "hfscale.training.run_script", "run_clm.py")
     assert argv[-2:] == ("--deepspeed", f"{RUN}/ds_config.json")
 
 
@@ -147,7 +147,7 @@ def test_kubernetes_container_gets_the_flags_with_the_configmap_paths():
                              "    runner: {type: kubernetes, kubernetes: {image: 'train:1'}}"))
     cmd = launcher_command(job, CTX)
     assert cmd[:7] == ["python", "-m", "accelerate.commands.launch", "--config_file",
-                       "/etc/hfscale/accelerate_config.yaml", "--module", "hfscale.run_script"]
+                       "/etc/hfscale/accelerate_config.yaml", "--module", "hfscale.training.run_script"]
     assert cmd[7:] == ["run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
                        *FLAGS[:-1], "/etc/hfscale/ds_config.json"]
 
@@ -156,7 +156,7 @@ def test_slurm_node_line_runs_the_script_through_run_script():
     job = job_of(SFT.replace("cluster: {nproc_per_node: 2}", "cluster: {num_nodes: 2, nproc_per_node: 2}\n"
                              "    runner: {type: slurm}"))
     sbatch = dict(build_plan(job, CTX).files)["job.sbatch"]
-    assert "--module hfscale.run_script run_clm.py --model_name_or_path ./tiny" in sbatch
+    assert "--module hfscale.training.run_script run_clm.py --model_name_or_path ./tiny" in sbatch
     assert f"--deepspeed {RUN}/ds_config.json" in sbatch
 
 
@@ -249,10 +249,10 @@ def test_warnings_say_what_a_script_will_not_receive():
         "runner.launcher (line 2): torchrun: a plain script gets the deepspeed settings only by reading "
         "$HFSCALE_DS_CONFIG; an Accelerator reads them under accelerate launch only (else it trains DDP)",
         "training.pass_args (line 4): none: loop.py gets no flags for training.max_steps (line 4), "
-        "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.load.load_job)",
+        "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.rules.config_file.load_job)",
         "watchdog.timeout: the hang watchdog starts counting at the first step loop.py reports, so it watches "
-        "nothing unless loop.py reports its steps: add `from hfscale.progress import step` and `step(n)` after each "
-        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.callbacks.ProgressCallback())), "
+        "nothing unless loop.py reports its steps: add `from hfscale.training.heartbeat import step` and `step(n)` after each "
+        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), "
         "then set watchdog.script_reports_steps: true (or set watchdog.timeout: null)",
     ]
     assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
@@ -268,7 +268,7 @@ def test_check_prints_warnings_on_stderr_and_the_entry(tmp_path):
 
 
 def test_a_checkpoint_named_by_hand_skips_the_launch_decision(tmp_path):
-    from hfscale.resume import scan_output
+    from hfscale.checkpoints.resume import scan_output
 
     from test_checkpoint_files import trainer_checkpoint
 

@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from hfscale.errors import ConfigError
-from hfscale.launch_plan import Watch
-from hfscale.launcher import LaunchContext
-from hfscale.plan import build_plan
-from hfscale.render_deepspeed import deepspeed_config
-from hfscale.watchdog import Watchdog
+from hfscale.config.errors import ConfigError
+from hfscale.launch.spec import Watch
+from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.build import build_plan
+from hfscale.render.deepspeed import deepspeed_config
+from hfscale.launch.watchdog import Watchdog
 
 from conftest import job_of, run_cli
 
@@ -102,7 +102,7 @@ def test_arguments_after_dashes_for_a_plain_script(tmp_path):
 def test_what_the_deepspeed_json_carries_follows_the_json_itself():
     """Each value named as carried by the DeepSpeed JSON is in the JSON hfscale renders, with the YAML's
     value; optimizer and scheduler parameters only when DeepSpeed owns them."""
-    from hfscale.script_rules import _carried
+    from hfscale.rules.script import _carried
 
     base = PLAIN.replace("deepspeed: {stage: 2}", "deepspeed: {stage: 2, optimizer: {type: AdamW}, "
                          "scheduler: {type: WarmupDecayLR}}")
@@ -147,8 +147,8 @@ def test_first_step_without_reported_steps_is_refused_and_says_the_line_to_add()
     assert _problems(text) == [
         "watchdog.first_step (line 7): loop.py runs with training.pass_args none, so hfscale sees its steps only "
         "if it reports them: the watchdog would stop the job after 8 s as 'never finished a step', healthy or not. "
-        "In loop.py, add `from hfscale.progress import step` and `step(n)` after each optimizer step (n: the step "
-        "number; a Trainer: trainer.add_callback(hfscale.callbacks.ProgressCallback())), then set "
+        "In loop.py, add `from hfscale.training.heartbeat import step` and `step(n)` after each optimizer step (n: the step "
+        "number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), then set "
         "watchdog.script_reports_steps: true; or remove watchdog.first_step"]
     ok = job_of(PLAIN.replace("{script_reports_steps: true}", "{first_step: 8, script_reports_steps: true}"))
     assert not [w for w in ok.warnings if w.path.startswith("watchdog")]
@@ -163,7 +163,7 @@ def test_timeout_without_reported_steps_is_a_warning_and_the_acknowledgement_is_
     trainer = PLAIN.replace("      pass_args: none\n", "").replace(", --data, d.txt]", "]")
     assert _problems(trainer) == [
         "watchdog.script_reports_steps (line 7): only with training.pass_args: none (hfscale adds "
-        "hfscale.callbacks.ProgressCallback to a Trainer script's Trainer and to the built-in entry point's)"]
+        "hfscale.training.callbacks.ProgressCallback to a Trainer script's Trainer and to the built-in entry point's)"]
 
 
 def test_the_rules_match_how_the_watchdog_judges_a_job_that_reports_nothing(tmp_path):
@@ -180,7 +180,7 @@ def test_the_rules_match_how_the_watchdog_judges_a_job_that_reports_nothing(tmp_
 
 
 def test_checks_summary_claims_no_watchdog_a_plain_script_cannot_feed():
-    from hfscale.summary import summary
+    from hfscale.cli.check_summary import summary
 
     def line(text: str) -> str:
         return next(x for x in summary(job_of(text)).splitlines() if x.startswith("  watchdog"))
@@ -188,7 +188,7 @@ def test_checks_summary_claims_no_watchdog_a_plain_script_cannot_feed():
     silent = PLAIN.replace("    watchdog: {script_reports_steps: true}\n", "")
     assert line(silent) == (
         "  watchdog     idle: loop.py reports no steps (pass_args: none), and the watchdog counts from the first one "
-        "(hfscale.progress.step(n) in the script, then watchdog.script_reports_steps: true)")
+        "(hfscale.training.heartbeat.step(n) in the script, then watchdog.script_reports_steps: true)")
     assert line(PLAIN) == ("  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job "
                            "stopped (exit 4)")
     assert line(silent.replace("pass_args: none", "pass_args: trainer").replace(", --data, d.txt]", "]")) == \
@@ -214,7 +214,7 @@ def test_unquoted_numbers_reach_the_script_as_written():
 
 def test_the_run_directorys_config_copy_keeps_the_text():
     """The resolved copy a script reads through $HFSCALE_CONFIG gives the same words back."""
-    from hfscale.plan import resolved_config_yaml
+    from hfscale.launch.build import resolved_config_yaml
 
     job = job_of(_with_args("--lr, 1.0e-3", "--id, 007"))
     again = job_of(resolved_config_yaml(job))
@@ -223,7 +223,7 @@ def test_the_run_directorys_config_copy_keeps_the_text():
 
 
 def test_an_alias_shared_with_another_key_is_left_intact():
-    from hfscale.yamlsource import parse
+    from hfscale.config.yaml_source import parse
 
     doc, problems = parse("name: x\nlr: &lr 1.0e-3\ntraining: {script_args: [--lr, *lr], learning_rate: *lr}\n")
     assert not problems

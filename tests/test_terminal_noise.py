@@ -11,9 +11,9 @@ import subprocess
 import sys
 import textwrap
 
-from hfscale.console import Console
-from hfscale.launcher import LaunchContext
-from hfscale.plan import build_plan
+from hfscale.launch.console import Console
+from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.build import build_plan
 
 from conftest import job_of, run_cli
 
@@ -143,7 +143,7 @@ def test_the_ranks_environment_draws_no_deprecation_from_torch_and_keeps_the_fli
 
 
 def test_torch_before_2_8_gets_the_names_it_reads():
-    from hfscale.envvars import flight_recorder_env
+    from hfscale.config.envvars import flight_recorder_env
 
     assert flight_recorder_env("2000", "/r/f/n_", "2.7.1+cu126") == {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/r/f/n_"}
@@ -157,7 +157,7 @@ def test_torch_before_2_8_gets_the_names_it_reads():
 def test_a_node_with_another_torch_reads_hfscales_values_under_its_own_names():
     """The launching machine's torch picks the names; each rank renames hfscale's own values (not the
     job's) to what the node's torch reads, so neither an old torch loses them nor a new one warns."""
-    from hfscale.envvars import flight_recorder_on_node
+    from hfscale.config.envvars import flight_recorder_on_node
 
     dump = "/r/flight/nccl_rank_"
     nccl = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}  # launched with torch 2.7
@@ -178,7 +178,7 @@ def test_a_node_with_another_torch_reads_hfscales_values_under_its_own_names():
 
 
 def test_a_rank_renames_the_old_names_before_torch_starts(tmp_path):
-    """A plain script's rank (hfscale.run_script), launched from a machine with torch 2.7: the installed
+    """A plain script's rank (hfscale.training.run_script), launched from a machine with torch 2.7: the installed
     torch here reads the new names, draws no deprecation, and its recorder holds the collective."""
     script = tmp_path / "probe.py"
     script.write_text("import os\nprint(sorted(k for k in os.environ if k.startswith(('TORCH_FR', 'TORCH_NCCL'))))\n"
@@ -187,7 +187,7 @@ def test_a_rank_renames_the_old_names_before_torch_starts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
     env.update(HFSCALE_RUN_DIR=str(tmp_path), TORCH_NCCL_TRACE_BUFFER_SIZE="2000",
                TORCH_NCCL_DEBUG_INFO_TEMP_FILE=dump, CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, "-m", "hfscale.run_script", "--plain", str(script), _free_port()], env=env,
+    r = subprocess.run([sys.executable, "-m", "hfscale.training.run_script", "--plain", str(script), _free_port()], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     names, entries = r.stdout.split("\n")[:2]

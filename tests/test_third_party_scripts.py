@@ -3,7 +3,7 @@ through the real ``hfscale launch`` on 2 CPU ranks with DeepSpeed:
 
 - TRL's ``sft.py`` loads its model with ``from_pretrained``: under ZeRO-3 that happens inside
   ``deepspeed.zero.Init``, whose DeepSpeedConfig reads the world size from DeepSpeed's communication
-  layer (hfscale.run_script joins it first on the CPU); a relaunch resumes; ZeRO-2 trains too; a
+  layer (hfscale.training.run_script joins it first on the CPU); a relaunch resumes; ZeRO-2 trains too; a
   conflicting ``--learning_rate`` in training.script_args is refused naming both places;
 - transformers' ``run_clm.py`` with ``--model_name_or_path`` and ``--train_file`` under ZeRO-3;
 - accelerate's ``deepspeed_with_config_support.py`` (``pass_args: none``) trains as one group of 2,
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.run_script import FSDP_ON_CPU, accelerate_needs_backend, joins_group_first, plain_mode
+from hfscale.training.run_script import FSDP_ON_CPU, accelerate_needs_backend, joins_group_first, plain_mode
 
 from conftest import ROOT
 
@@ -243,7 +243,7 @@ def test_which_ranks_join_the_process_group_before_the_script():
 def _run_script(tmp_path: Path, text: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(text))
-    return subprocess.run([sys.executable, "-m", "hfscale.run_script", *args[:1], str(script), *args[1:]],
+    return subprocess.run([sys.executable, "-m", "hfscale.training.run_script", *args[:1], str(script), *args[1:]],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, **NO_GPU, **(env or {})})
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.resume import checkpoint_problem
-from hfscale.schedule import rate
-from hfscale.config import TrainingConfig
+from hfscale.checkpoints.resume import checkpoint_problem
+from hfscale.checkpoints.lr_schedule import rate
+from hfscale.config.model import TrainingConfig
 
 from conftest import ROOT
 
@@ -84,7 +84,7 @@ def test_the_yaml_drives_an_unchanged_trainer_script_and_a_relaunch_resumes(tmp_
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     assert not (ckpt / "hfscale_complete.json").exists()  # the unchanged script writes no marker...
     assert checkpoint_problem(ckpt, 2) is None  # ...and its files show it complete
-    # the hang watchdog's steps: hfscale.run_script added ProgressCallback to the script's Trainer
+    # the hang watchdog's steps: hfscale.training.run_script added ProgressCallback to the script's Trainer
     steps = {p.name: p.read_text().split()[0] for p in (run_dir / "progress").glob("rank-*")}
     assert steps == {"rank-0": "20", "rank-1": "20"}
 
@@ -155,7 +155,7 @@ def test_builtin_entry_point_trains_zero3_on_cpu(tmp_path, zero3_init):
                        capture_output=True, text=True, timeout=400, env={**os.environ})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     built = "partitioned (zero.Init)" if zero3_init else "whole"
-    assert f"hfscale.train: model built {built}" in r.stdout
+    assert f"hfscale.training.train: model built {built}" in r.stdout
     assert "HFSCALE_TRAIN done step=30" in r.stdout
     losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", r.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from hfscale.errors import ConfigError
-from hfscale.load import load_job, load_text
+from hfscale.config.errors import ConfigError
+from hfscale.rules.config_file import load_job, load_text
 
 
 def problems(yaml_text: str, base: Path = Path(".")) -> list[tuple[str, int | None, str]]:

@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 
-from hfscale.launch_plan import Watch
-from hfscale.progress import Progress, read_progress
-from hfscale.watchdog import Watchdog, analyze, collective, main_stack, read_stacks, report, where
+from hfscale.launch.spec import Watch
+from hfscale.training.heartbeat import Progress, read_progress
+from hfscale.launch.watchdog import Watchdog, analyze, collective, main_stack, read_stacks, report, where
 
 PYSPY_WAITING = """Process 11655: python -u probe.py
 Python v3.11.7 (/usr/bin/python3.11)
@@ -111,8 +111,8 @@ def test_first_step_limit(tmp_path):
 
 
 def test_progress_files_from_the_rank_side(tmp_path):
-    """hfscale.progress.step as a rank calls it: the file, and faulthandler's stack file on SIGUSR2."""
-    code = ("import os, signal, time, hfscale.progress as p\n"
+    """hfscale.training.heartbeat.step as a rank calls it: the file, and faulthandler's stack file on SIGUSR2."""
+    code = ("import os, signal, time, hfscale.training.heartbeat as p\n"
             "p.step(5)\n"
             "os.kill(os.getpid(), signal.SIGUSR2)\n"
             "time.sleep(0.2)\n")
@@ -126,8 +126,7 @@ def test_progress_files_from_the_rank_side(tmp_path):
 
 
 def test_outside_hfscale_launch_nothing_is_written(tmp_path, monkeypatch):
-    from hfscale import progress
-
+    from hfscale.training import heartbeat as progress
     monkeypatch.delenv("HFSCALE_RUN_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
     progress.step(1)
@@ -161,7 +160,7 @@ def test_a_thousand_ranks(tmp_path):
 def test_flight_recorder_dumps_are_summarised(tmp_path):
     import json
 
-    from hfscale.watchdog import flight_line, read_flight
+    from hfscale.launch.watchdog import flight_line, read_flight
 
     def dump(*entries):
         return json.dumps([{"source": "_dump_fr_trace_json", "entries": [
@@ -189,7 +188,7 @@ def test_work_between_steps_is_progress(tmp_path):
     assert dog.poll(210) == "no rank finished a step for 60 s (the last was step 5)"
 
 
-# what an unchanged Trainer script under `python -m hfscale.run_script` dumps: hfscale's flight
+# what an unchanged Trainer script under `python -m hfscale.training.run_script` dumps: hfscale's flight
 # recorder thread first, the main thread's outermost frame runpy's, not <module>
 FAULTHANDLER_RUNPY = """Thread 0x00007f9 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
@@ -203,7 +202,7 @@ Current thread 0x00007fa (most recent call first):
   File "<frozen runpy>", line 88 in _run_code
   File "<frozen runpy>", line 198 in _run_module_as_main
 """
-PYSPY_RUNPY = """Process 200: python -m hfscale.run_script train.py
+PYSPY_RUNPY = """Process 200: python -m hfscale.training.run_script train.py
 Thread 201 (idle): "Thread-1 (_flight_loop)"
     wait (/usr/lib/python3.11/threading.py:331)
     _flight_loop (/work/hfscale/progress.py:120)

@@ -22,9 +22,9 @@ from accelerate.utils import DummyOptim, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import hfscale.progress
-from hfscale.load import load_job
-from hfscale.train import stdlib_bytes
+import hfscale.training.heartbeat
+from hfscale.rules.config_file import load_job
+from hfscale.training.train import stdlib_bytes
 
 
 def stdlib_blocks(block_size: int, n_blocks: int) -> torch.Tensor:
@@ -85,12 +85,12 @@ def main() -> None:
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             step += 1
-            hfscale.progress.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
+            hfscale.training.heartbeat.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
             if accelerator.is_main_process and (step % t.logging_steps == 0 or step == 1):
                 value = loss.item()  # one device sync
                 print(f"step {step}/{steps} loss {value:.4f}", flush=True)
                 # hfscale launch's progress line and hfscale runs (rank 0 only; nothing elsewhere)
-                hfscale.progress.report(step=step, max_steps=steps, loss=value)
+                hfscale.training.heartbeat.report(step=step, max_steps=steps, loss=value)
         if step >= steps:
             break
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
-from hfscale.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback  # hfscale
+from hfscale.training.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback  # hfscale
 
 
 class Blocks(torch.utils.data.Dataset):

@@ -6,7 +6,7 @@
     --mode stubborn  as hang, but rank --rank ignores SIGTERM, SIGINT and SIGHUP and sleeps outside
                      any collective (stuck, or a preemption handler that never gets to its step
                      boundary): only SIGKILL ends it
-    --mode stall     steps (all_reduce, then hfscale.progress.step) until step --step, where rank
+    --mode stall     steps (all_reduce, then hfscale.training.heartbeat.step) until step --step, where rank
                      --rank sleeps in stuck_here() for good; the others block in the next all_reduce
     --mode skip      --step + 5 steps, rank --rank skipping the all_reduce of step --step, then a
                      barrier: it ends in the barrier while the others wait in their last all_reduce
@@ -64,7 +64,7 @@ def stuck_here() -> None:
 
 
 if args.mode in ("stall", "skip"):
-    import hfscale.progress
+    import hfscale.training.heartbeat
 
     t = torch.zeros(1)
     steps = args.step + 5 if args.mode == "skip" else 10**9
@@ -73,7 +73,7 @@ if args.mode in ("stall", "skip"):
             stuck_here()
         if not (i == args.step and rank == args.rank and args.mode == "skip"):
             dist.all_reduce(t)
-        hfscale.progress.step(i)
+        hfscale.training.heartbeat.step(i)
         time.sleep(0.1)
     dist.barrier()
 if args.mode in ("crash", "hang", "stubborn"):

@@ -31,18 +31,18 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hfscale.callbacks import (
+from hfscale.training.callbacks import (
     CheckpointCompleteCallback,
     MetricsCallback,
     PreemptionCallback,
     StragglerCallback,
     exit_cleanly,
 )
-from hfscale.load import load_text
-from hfscale.render_deepspeed import render_deepspeed
-from hfscale.resume import latest_checkpoint
-from hfscale.train import stdlib_bytes
-from hfscale.trainer_args import training_arguments
+from hfscale.rules.config_file import load_text
+from hfscale.render.deepspeed import render_deepspeed
+from hfscale.checkpoints.resume import latest_checkpoint
+from hfscale.training.train import stdlib_bytes
+from hfscale.rules.trainer_args import training_arguments
 
 BLOCK = 64
 N_BLOCKS = 1024
@@ -53,7 +53,7 @@ GATHERS = [0]
 
 def _count_gathers() -> None:
     """Count the callbacks' all_gathers (they must happen only every N steps)."""
-    import hfscale.callbacks.collectives as hc
+    import hfscale.training.callbacks.collectives as hc
 
     original = hc.all_gather
 
@@ -240,4 +240,4 @@ if __name__ == "__main__":
     finally:
         if EXIT_FILE:  # how this rank ended, for tests that cannot see a worker's status through torchrun
             Path(EXIT_FILE).write_text(str(exit_code))
-    exit_cleanly(0)  # main() returned: everything is saved (see hfscale.shutdown)
+    exit_cleanly(0)  # main() returned: everything is saved (see hfscale.training.shutdown)

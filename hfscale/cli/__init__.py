@@ -1,0 +1,10 @@
+"""The command line: parse, call the library, print, map errors to exit codes (commands, runs, the summary
+``check`` prints: check_summary), and ``importing``: the ``hfscale import`` translation of existing Accelerate and
+DeepSpeed configs, which only this command uses.
+
+Layer 9 (top): may import every layer.
+"""
+
+from hfscale.cli.commands import main
+
+__all__ = ["main"]

@@ -1,0 +1,115 @@
+"""What ``hfscale check`` prints: the few numbers people check before they launch."""
+
+from __future__ import annotations
+
+from hfscale.rules.resolved import Job
+from hfscale.memory.estimate import bucket_bytes
+from hfscale.rules.trainer_args import trainer_args
+
+
+def summary(job: Job) -> str:
+    """The few numbers people check before they launch."""
+    cfg = job.config
+    if job.hosts:
+        names = ", ".join(h.host for h in job.hosts[:4]) + (", ..." if len(job.hosts) > 4 else "")
+        nodes = f"{job.num_nodes} ({names}) x {job.procs_per_node} processes"
+    elif job.scheduled:
+        nodes = f"{job.num_nodes} (allocated by {cfg.runner.type}) x {job.procs_per_node} processes"
+    else:
+        nodes = f"1 (local) x {job.procs_per_node} processes"
+    backend = cfg.distributed.backend
+    if job.deepspeed is not None:
+        ds = job.deepspeed
+        engine = f"deepspeed ZeRO-{ds.stage}"
+        offloads = [f"{k}={getattr(ds, 'offload_' + k).device}" for k in ("optimizer", "param")
+                    if getattr(ds, "offload_" + k).device != "none"]
+        if offloads:
+            engine += f" (offload {', '.join(offloads)})"
+    else:
+        engine = backend
+    b = cfg.batch
+    rows = [
+        ("job", cfg.name),
+        ("nodes", nodes),
+        ("world size", str(job.world_size)),
+        ("engine", engine),
+        ("precision", cfg.precision),
+        ("global batch", f"{job.global_batch_size} = micro {b.micro_batch_size} x accumulation "
+                         f"{job.gradient_accumulation_steps} x " + (f"world {job.world_size}" if job.data_parallel_size
+                         == job.world_size else f"data-parallel {job.data_parallel_size}")),
+        *([("comm buckets", buckets)] if (buckets := bucket_memory(job)) else []),
+        *([("memory", memory_line(job))] if cfg.cluster.gpu_memory is not None else []),
+        ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
+        ("watchdog", _watchdog(job)),
+        ("entry", _entry(job)),
+    ]
+    return "\n".join(f"  {k:<13}{v}" for k, v in rows)
+
+
+def memory_line(job: Job) -> str:
+    """hfscale plan's verdict against cluster.gpu_memory, in one line."""
+    from hfscale.memory.plan_command import SizingError, plan_memory, sizing
+
+    try:
+        _, verdict = plan_memory(sizing(job))
+    except SizingError as e:
+        return f"not estimated: {e}"
+    assert verdict is not None  # cluster.gpu_memory is set
+    return verdict.line() + " (hfscale plan for the table)"
+
+
+def _watchdog(job: Job) -> str:
+    w, t = job.config.watchdog, job.config.training
+    if w.timeout is None:
+        return "off"
+    if job.config.runner.type == "kubernetes":
+        return "off: hfscale hands the job to Kubernetes"
+    if t.script is not None and t.pass_args == "none" and not w.script_reports_steps:
+        # hfscale.rules.script._watchdog_rules: the timeout counts from the first reported step
+        return (f"idle: {t.script} reports no steps (pass_args: none), and the watchdog counts from the first one "
+                "(hfscale.training.heartbeat.step(n) in the script, then watchdog.script_reports_steps: true)")
+    first = f", or none in the first {w.first_step} s" if w.first_step else ""
+    what = f"no step for {w.timeout} s{first}: every rank's stack, the stuck rank named, the job stopped (exit 4)"
+    if job.config.runner.type == "slurm":
+        return f"a submitted job: off; launched inside an allocation (salloc): {what}"
+    return what
+
+
+def _entry(job: Job) -> str:
+    t = job.config.training
+    if t.script is None:
+        return "built-in entry point (python -m hfscale.training.train)"
+    if t.pass_args == "none":
+        return f"{t.script} with script_args only (pass_args: none)"
+    n = sum(a.value is not None for a in trainer_args(job, "ds_config.json"))
+    return f"{t.script} + {n} TrainingArguments flags from this file (launch --dry-run shows its argv)"
+
+
+def _e(n: int) -> str:
+    return f"{n:.0e}".replace("e+0", "e").replace("e+", "e") if n >= 10_000 else str(n)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def bucket_memory(job: Job) -> str | None:
+    """DeepSpeed's communication buckets per GPU, as one line; None without ZeRO.
+
+    Stages 1-2: DeepSpeed's documented estimate, (reduce + allgather bucket) x element size, 4.5
+    times that with overlap_comm (5e8 + 5e8 elements in 16 bits: 9 GB). Stage 3: the reduce bucket
+    (one buffer, contiguous_gradients) and the prefetch bucket; parameters gathered for compute can
+    add up to stage3_max_live_parameters more, shown beside."""
+    ds = job.deepspeed
+    if ds is None or ds.stage == 0:
+        return None
+    size, overlap = ds.comm_bytes(job.config.precision), ds.overlap()
+    if ds.stage in (1, 2):
+        total = bucket_bytes(ds.stage, ds.reduce_bucket_size, ds.allgather_bucket_size, overlap, size)
+        how = (f"(reduce {_e(ds.reduce_bucket_size)} + allgather {_e(ds.allgather_bucket_size)} elements) x {size} B"
+               + (" x 4.5 with overlap_comm" if overlap else ""))
+        return f"~{_gib(total)} per GPU = {how}"
+    total = bucket_bytes(ds.stage, ds.reduce_bucket_size, ds.stage3_prefetch_bucket_size, overlap, size)
+    return (f"~{_gib(total)} per GPU = (reduce {_e(ds.reduce_bucket_size)} + prefetch "
+            f"{_e(ds.stage3_prefetch_bucket_size)} elements) x {size} B; gathered parameters up to "
+            f"{_gib(ds.stage3_max_live_parameters * size)} more (stage3_max_live_parameters)")

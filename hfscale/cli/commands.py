@@ -1,0 +1,318 @@
+"""The ``hfscale`` command: parse, call the library, print, map errors to exit codes.
+
+Exit codes: 0 ok, 2 bad input (config, arguments), 3 hosts not ready (unreachable, preflight
+failed); ``launch`` otherwise exits with the training's own code (128+N when stopped by signal N).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from hfscale import __version__
+from hfscale.cli.runs import RUN_COMMANDS
+from hfscale.config.errors import ConfigError
+from hfscale.core.exitcodes import BAD_INPUT as EXIT_BAD_INPUT
+from hfscale.core.exitcodes import UNREACHABLE as EXIT_UNREACHABLE
+
+
+def _load(path: str):
+    from hfscale.rules.config_file import load_job
+
+    try:
+        job = load_job(path)
+    except ConfigError as e:
+        click.echo(f"error: {e.render()}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    for w in job.warnings:
+        click.echo(f"warning: {w}", err=True)
+    return job
+
+
+def _written(write, where: str):
+    """Run ``write``; an OSError (a path that cannot be written) is exit 2 naming the path."""
+    try:
+        return write()
+    except OSError as e:
+        click.echo(f"error: cannot write {e.filename or where}: {e.strerror or e}; nothing was written", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hfscale")
+def main() -> None:
+    """One YAML for Accelerate + DeepSpeed training jobs.
+
+    \b
+    Examples:
+      hfscale init my-run.yaml          # commented template to start from
+      hfscale check my-run.yaml         # validate, print world size and batch math
+      hfscale config my-run.yaml --out generated/
+      accelerate launch --config_file generated/accelerate_config.yaml train.py
+    """
+
+
+@main.command()
+@click.argument("config_file", metavar="CONFIG")
+def check(config_file: str) -> None:
+    """Validate CONFIG and print world size, global batch, stage and precision."""
+    from hfscale.cli.check_summary import summary
+
+    job = _load(config_file)
+    click.echo(f"ok: {config_file}")
+    click.echo(summary(job))
+
+
+@main.command("config")
+@click.argument("config_file", metavar="CONFIG")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Directory for the artifacts.")
+def config_cmd(config_file: str, out_dir: str) -> None:
+    """Write the accelerate YAML, DeepSpeed JSON and host file for CONFIG into --out.
+
+    The accelerate YAML names the DeepSpeed JSON by absolute path, so it works from any directory.
+    """
+    from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
+    from hfscale.core.atomic_files import write_files
+
+    job = _load(config_file)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        click.echo(f"error: --out {out_dir} exists and is not a directory", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    files = render_artifacts(job, str((out / DEEPSPEED_FILE).resolve()))
+    for path in _written(lambda: write_files(out, files), out_dir):
+        click.echo(str(path))
+
+
+@main.command()
+@click.argument("path", default="hfscale.yaml", metavar="[PATH]")
+@click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
+def init(path: str, force: bool) -> None:
+    """Write a commented config template to PATH (default hfscale.yaml; '-' for stdout)."""
+    from hfscale.core.atomic_files import write_files
+    from hfscale.config.template import render_template
+
+    text = render_template()
+    if path == "-":
+        click.echo(text, nl=False)
+        return
+    dest = Path(path)
+    if dest.exists() and not force:
+        click.echo(f"error: {path} exists; pass --force to overwrite it", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    _written(lambda: write_files(dest.parent, {dest.name: text}), path)
+    click.echo(f"wrote {path}; check it with: hfscale check {path}")
+
+
+@main.command("import")
+@click.argument("accelerate_yaml", metavar="ACCELERATE_YAML")
+@click.option("--deepspeed", "deepspeed", metavar="DS_JSON", help="DeepSpeed JSON (default: the deepspeed_config_file "
+              "the accelerate config names).")
+@click.option("--hostfile", metavar="FILE", help="Host file, 'host slots=N' lines (default: the deepspeed_hostfile "
+              "the accelerate config names).")
+@click.option("--out", "out", default="hfscale.yaml", show_default=True, help="Where to write the hfscale YAML; "
+              "'-' prints it.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+def import_cmd(accelerate_yaml: str, deepspeed: str | None, hostfile: str | None, out: str, force: bool) -> None:
+    """Write one commented hfscale YAML from an accelerate config, its DeepSpeed JSON and a host file.
+
+    \b
+    'auto' values are resolved from the other file or hfscale's defaults, each with a comment;
+    everything hfscale cannot express is listed (exit 2) and nothing is written.
+    Examples:
+      hfscale import accelerate_configs/zero3.yaml --out job.yaml
+      hfscale import accelerate.yaml --deepspeed ds_config.json --hostfile hosts --out -
+    """
+    from hfscale.core.atomic_files import write_files
+    from hfscale.cli.importing.importer import follow, import_configs, read_source
+
+    dest = None if out == "-" else Path(out)
+    if dest is not None and dest.exists() and not force:
+        click.echo(f"error: {out} exists; pass --force to overwrite it", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    try:
+        acc = read_source(accelerate_yaml, accelerate_yaml)
+        ds, hosts = follow(acc, deepspeed, hostfile)
+        text = import_configs(acc, ds, hosts, dest.parent if dest is not None else None)
+    except ConfigError as e:
+        click.echo(f"error: {e.render()}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if dest is None:
+        click.echo(text, nl=False)
+        return
+    _written(lambda: write_files(dest.parent, {dest.name: text}), out)
+    click.echo(f"wrote {out}; check it with: hfscale check {out}")
+
+
+def _context(job, extra_args: tuple[str, ...], restart: bool):
+    import os
+    import secrets
+    import time
+
+    from hfscale.launch.node_command import LaunchContext, output_dir_to_scan
+    from hfscale.checkpoints.resume import scan_output
+
+    job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+    where = output_dir_to_scan(job)
+    # a DeepSpeed checkpoint of another world size is resumed through a universal checkpoint (hfscale.checkpoints.reshard)
+    scan = scan_output(where, job.world_size, reshard=job.deepspeed is not None) if where else None
+    return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("config_file", metavar="CONFIG")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, per-node commands, cleanup) and exit.")
+@click.option("--restart", is_flag=True, help="Start at step 0: move the checkpoints in training.output_dir aside "
+              "(into restarted-<job id>/ there) instead of resuming from them.")
+@click.option("--quiet", "-q", "mode", flag_value="quiet", help="Show errors and failures only (node logs get all).")
+@click.option("--verbose", "-v", "mode", flag_value="verbose", help="Show every line the nodes print.")
+def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restart: bool, mode: str | None) -> None:
+    """Start the training described by CONFIG on its node(s).
+
+    \b
+    Every run gets a directory (runner.run_dir/<name>-<job id>) holding the resolved config, the
+    generated files, the plan and one log per node. The terminal shows one progress line (rank
+    0's step, loss, tokens/s, ETA) and the nodes' errors; library warnings go to the logs only. Arguments after -- go to training.script (a
+    flag the YAML determines only with the same value). A relaunch resumes from the newest
+    complete checkpoint in training.output_dir. Secrets (tokens, keys, passwords) are masked in
+    everything printed or written.
+
+    \b
+    Examples:
+      hfscale launch job.yaml --dry-run
+      hfscale launch job.yaml -- --model_name_or_path ./my-model
+      hfscale launch job.yaml --restart
+    """
+    from hfscale.launch.spec import NOTHING_TO_TRAIN
+    from hfscale.launch.build import build_plan
+    from hfscale.rules.script import extra_args_warnings
+
+    job = _load(config_file)
+    for w in extra_args_warnings(job, script_args):  # a plain script's own values after --
+        click.echo(f"warning: {w}", err=True)
+    ctx = _context(job, script_args, restart)
+    try:
+        plan = build_plan(job, ctx)
+    except ConfigError as e:
+        click.echo(f"error: {e.render()}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    record = plan.render()
+    if dry_run:
+        click.echo(record, nl=False)
+        return
+    if plan.mode == "done":
+        click.echo(f"hfscale: {' '.join(n for n in plan.notes if n.startswith(NOTHING_TO_TRAIN))}; nothing was "
+                   "started", err=True)
+        return
+    from hfscale.launch.console import Console
+    from hfscale.launch.execute import execute
+    from hfscale.launch.output_lock import Refused
+
+    click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
+    try:
+        rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
+    except Refused as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if plan.mode == "submit":
+        what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
+        click.echo(f"hfscale: job {plan.job_id} {what}; run directory {plan.run_dir}", err=True)
+    else:
+        click.echo(f"hfscale: job {plan.job_id} ended with exit code {rc}; logs in {plan.run_dir}/logs", err=True)
+    sys.exit(rc)
+
+
+@main.command()
+@click.argument("config_file", metavar="CONFIG")
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per host.")
+@click.option("--network", is_flag=True, help="Also measure bandwidth and round trip between the hosts (every pair "
+              "up to 16 hosts, else a ring) over NCCL's interface, print the matrix and name slow links.")
+@click.option("--seconds", default=0.5, show_default=True, help="With --network: seconds of data each way per pair.")
+def preflight(config_file: str, timeout: float, network: bool, seconds: float) -> None:
+    """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
+    from hfscale.launch.execute import run_probes
+    from hfscale.launch.preflight import evaluate, gpu_memory_hint, probes, refusal, render_table, verdict
+
+    from hfscale.launch import network as net
+    job = _load(config_file)
+    why = refusal(job) or (net.refusal(job) if network else None)
+    if why:
+        click.echo(f"error: {why}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    reports = evaluate(job, run_probes(probes(job, sys.executable), timeout))
+    click.echo(render_table(reports), nl=False)
+    hint = gpu_memory_hint(job, reports)
+    if hint:
+        click.echo(hint)
+    line, ok = verdict(reports)
+    click.echo(line, err=not ok)
+    if not ok:
+        sys.exit(EXIT_UNREACHABLE)
+    if network:
+        import time
+
+        addrs = net.addresses(job, {r.host: r.facts for r in reports})
+        start = time.time() + 3 + len(job.hosts) / 50  # every host's ssh is up before the first round
+        cmds = net.commands(job, sys.executable, addrs, job.config.cluster.master_port + 1, start, seconds)
+        rounds = len(net.schedule(len(job.hosts)))
+        results = run_probes(cmds, start - time.time() + rounds * net.slot_seconds(seconds) + timeout,
+                             workers=len(cmds))
+        text, ok = net.summary(job, results, addrs)
+        click.echo(text, nl=False)
+        if not ok:
+            sys.exit(EXIT_UNREACHABLE)
+
+
+@main.command("plan")
+@click.argument("config_file", metavar="CONFIG")
+@click.option("--gpu-memory", metavar="SIZE", help="Memory of one GPU, e.g. 80GiB (default: cluster.gpu_memory).")
+@click.option("--seq-len", type=click.IntRange(1, 10_000_000), help="Tokens per sample (default: the script's "
+              "--block_size/--max_seq_length, or training.data.block_size).")
+@click.option("--model", metavar="PATH", help="The model's config.json or directory (default: the YAML's model).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes).")
+@click.option("--no-build", is_flag=True, help="Skip building the model on the meta device (no torch import).")
+def plan_cmd(config_file: str, gpu_memory: str | None, seq_len: int | None, model: str | None, as_json: bool,
+             no_build: bool) -> None:
+    """Memory per GPU of CONFIG's job before a GPU is touched: model states by engine, activations,
+    buckets; with a GPU memory, whether it fits and the cheapest change that does."""
+    from hfscale.memory import plan_command as sizing
+    job = _load(config_file)
+    try:
+        sz = sizing.sizing(job, model, seq_len, gpu_memory)
+    except sizing.SizingError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    built = None
+    if not no_build:
+        from hfscale.memory.meta_count import built_params
+
+        built, why = built_params(sz.model)
+        if why:
+            click.echo(f"note: {why}", err=True)
+    e, v = sizing.plan_memory(sz)
+    if as_json:
+        click.echo(json.dumps(sizing.as_json(sz, e, v, built), indent=2))
+    else:
+        click.echo(sizing.table(sz, e, v, built))
+
+
+@main.command()
+def schema() -> None:
+    """Print the JSON Schema of the config (for editor completion)."""
+    from hfscale.config.model import HfscaleConfig
+
+    s = HfscaleConfig.model_json_schema()
+    s["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    s["title"] = "hfscale config"
+    click.echo(json.dumps(s, indent=2))
+
+
+for _command in RUN_COMMANDS:  # the commands about runs that exist (cli_runs)
+    main.add_command(_command)
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,24 @@
+"""hfscale's own exit codes (otherwise ``launch`` exits with the training's code, 128+N for signal N)."""
+
+import signal
+
+OK = 0
+BAD_INPUT = 2  # a config, argument or output directory that cannot be used; nothing was started
+UNREACHABLE = 3  # a host (or a scheduler) that cannot be reached
+HUNG = 4  # the hang watchdog found no rank finishing a step (hfscale.launch.watchdog); stacks in the run directory
+
+
+def signal_name(sig: int) -> str:
+    """SIGTERM for 15; "signal N" for a number that is not a signal here."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def state_of(rc: int, *, submitted: bool = False, signalled: bool = False, hung: bool = False) -> str:
+    """A launch's end as ``hfscale runs`` shows it, from what ended it (a node's own exit code of 4
+    or 143 is a failure, not a hang or a stop); preempted is told by rank 0 (hfscale.training.heartbeat)."""
+    if rc == OK:
+        return "submitted" if submitted else "finished"
+    return "stopped" if signalled else "hung" if hung else "failed"

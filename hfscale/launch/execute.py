@@ -1,0 +1,398 @@
+"""The only module that starts processes: it runs launch plans and preflight probes.
+
+A plan runs its ``prepare`` steps, then one local process (pdsh, docker, the launcher) whose
+output is logged per node, shown (hfscale.launch.console) and watched: a failing node, a signal, that
+process killed by someone else, or the hang watchdog (hfscale.launch.watchdog) runs the plan's cleanup
+on every node (TERM, then KILL after a grace period). A host ssh cannot reach, or loses, shows up
+in the same stream (pdsh reports ssh's exit code 255): exit code 3 naming the host. A detached
+launch (more hosts than runner.fanout) is followed through the run directory (hfscale.launch.follow)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, TextIO
+
+from hfscale.core import exitcodes
+from hfscale.launch.console import HOST_PREFIX, Console, follow_progress, never_raises
+from hfscale.launch.disk_full import Signs, told
+from hfscale.core.exitcodes import signal_name
+from hfscale.core.atomic_files import write_files
+from hfscale.launch.follow import follow_detached
+from hfscale.launch.spec import EXIT_MARK, LaunchPlan, Watch
+from hfscale.launch.output_lock import hold
+from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
+from hfscale.launch.runners import scheduler
+from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.core.shell import Command
+from hfscale.launch.watchdog import Watchdog, judge
+
+_EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
+# pdsh's report of a host's ssh: its exit code, or the signal that killed it
+_PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
+                         r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
+SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
+CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
+CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the stop runs again this often
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WATCH_POLL_S = 5.0  # the ranks' progress is read this often (more often for a timeout under 20 s)
+DUMP_TIMEOUT_S = 30  # py-spy per rank, all ranks of a node at once; this bounds nodes that do not answer
+
+
+def _env(cmd: Command) -> dict[str, str]:
+    return {**os.environ, **cmd.real_env()}
+
+
+class _Run:
+    """Bookkeeping for one running plan: logs, first failure, stopping once."""
+
+    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None], signals: list[int]):
+        self.plan = plan
+        self._signals = signals  # execute's signal handler appends the first stop signal here
+        self.echo = echo
+        self.logs: dict[str, TextIO] = {h: open(run_dir / LOGS_DIR / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
+        self.failure: tuple[str, int] | None = None
+        self.hung = False  # the failure is the hang watchdog's (a node may exit 4 too)
+        self.exited: set[str] = set()  # hosts that printed their exit line
+        self._last: dict[str, str] = {}  # each host's last line (ssh's complaint, for an unreachable one)
+        self._lines: dict[str, int] = {}  # lines per host: more than ssh's one complaint means it was reached
+        self._stop_lock = threading.Lock()
+        self._stopping = False
+        self._stopper: threading.Thread | None = None
+        self.proc: subprocess.Popen | None = None
+        self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.launch.disk_full)
+        self.following = False  # main started a detached job and ended: its process group is gone
+        self.ended = threading.Event()  # the job is over: the watchdog stops watching
+
+    @property
+    def signalled(self) -> int | None:
+        """The signal that stopped the job, if one did."""
+        return self._signals[0] if self._signals else None
+
+    def route(self, line: str) -> None:
+        m = HOST_PREFIX.match(line)
+        host = m["host"] if m and m["host"] in self.logs else None
+        if host is None and len(self.logs) == 1:
+            host = next(iter(self.logs))
+        if host is not None:
+            self.logs[host].write(line + "\n")
+            self.logs[host].flush()
+        self.echo(line)
+        self.disk.see(host or (m["host"] if m else self.plan.runner), line)
+        done, ended = _EXIT.match(line), _PDSH_ENDED.match(line)
+        if done:
+            self.exited.add(done["host"])
+        elif m and not line.startswith("pdsh@"):
+            self._lines[m["host"]] = self._lines.get(m["host"], 0) + 1
+            self._last[m["host"]] = line[m.end():]
+        if self.failure is not None or self.signalled is not None:
+            return
+        if ended and ended["sig"]:
+            sig = int(ended["sig"])
+            self.fail(ended["host"], 128 + sig, f"the ssh to {ended['host']} was killed ({signal_name(sig)})")
+        elif ended and int(ended["rc"]) == SSH_FAILED and ended["host"] not in self.exited:
+            host = ended["host"]
+            what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
+            self.fail(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({self._last.get(host, 'ssh failed')})")
+        elif (found := done or ended) and int(found["rc"]) != 0:
+            self.fail(found["host"], int(found["rc"]), f"{found['host']} failed (exit code {found['rc']})")
+
+    def fail(self, where: str, rc: int, what: str) -> None:
+        """The first failure: say it and stop the job everywhere."""
+        self.failure = (where, rc)
+        self.echo(f"hfscale: {what}; stopping the job on every node")
+        self.stop()
+
+    def watch_main(self) -> None:
+        """``main`` killed by a signal hfscale did not send (pdsh, srun, the launcher): the job's
+        ranks live on and the processes it left hold its output open, so stop the job."""
+        assert self.proc is not None
+        rc = self.proc.wait()
+        if rc < 0 and self.failure is None and self.signalled is None and not self._stopping:
+            name = os.path.basename(self.plan.main.real_argv()[0])
+            self.fail(name, 128 - rc, f"{name} was killed ({signal_name(-rc)})")
+
+    def stop(self) -> None:
+        """Run the cleanup (once, in the background), then end what is left of the main process."""
+        with self._stop_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._stopper = threading.Thread(target=self._cleanup, daemon=True)
+            self._stopper.start()
+
+    def finish(self) -> None:
+        """Wait for a stop in progress: the cleanup must have reached every node before hfscale exits."""
+        if self.signalled is not None:
+            self.stop()  # the signal handler's thread may not have got to it yet
+        with self._stop_lock:
+            stopper = self._stopper
+        if stopper is not None:
+            stopper.join(CLEANUP_TIMEOUT_S + STOP_GRACE_S + 5)
+
+    def _cleanup(self) -> None:
+        """Write the stop marker (a node line that starts from now on exits at once), run the
+        cleanup on every node, and, for plans whose node lines start remotely (they have a stop
+        marker), run it again while ``main`` still waits for a node: a line that started meanwhile
+        (a slow ssh, a loaded host) is stopped too. Then end what is left of main."""
+        c, marker = self.plan.cleanup, self.plan.stop_marker
+        why = mark_stopping(marker) if marker is not None else None
+        if why:
+            self.echo(f"hfscale: cannot write the stop marker {marker}: {why}")
+        proc, deadline = self.proc, time.monotonic() + STOP_GRACE_S + 2
+        again = CLEANUP_AGAIN_S if marker is not None else STOP_GRACE_S + 2  # remote lines can start late
+        if c is None and proc is not None and not self.following:
+            _signal_group(proc, signal.SIGTERM)
+        while True:
+            if c is not None:
+                self._run_cleanup(c)
+            if proc is None or self.following:
+                return
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, min(again, deadline - time.monotonic())))
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                break
+        # whatever is left of main's group (ssh to a host that stopped answering, the children of a
+        # killed pdsh) would hold its output open
+        _signal_group(proc, signal.SIGKILL)
+
+    def _run_cleanup(self, c: Command) -> None:
+        try:
+            # its own session: a second Ctrl-C in the terminal must not cut the stop short
+            subprocess.run(c.real_argv(), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=CLEANUP_TIMEOUT_S,
+                           start_new_session=True)
+        except subprocess.TimeoutExpired:
+            self.echo(f"hfscale: the cleanup did not finish in {CLEANUP_TIMEOUT_S} s")
+        except OSError as e:
+            self.echo(f"hfscale: cannot run the cleanup: {e.strerror or e}")
+
+    def close(self) -> None:
+        self.ended.set()
+        for f in self.logs.values():
+            f.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def submit(plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None]) -> int:
+    """Hand the job to its scheduler (sbatch, kubectl apply); record and print what it answered."""
+    runner, m = scheduler(plan.runner), plan.main
+    missing = shutil.which(m.real_argv()[0], path=_env(m).get("PATH")) is None
+    probe = runner.probe(plan)
+    if not missing and probe is not None:
+        missing = run_probe(probe, timeout=20)[0] != 0
+    if missing:
+        message, code = runner.unavailable(plan)
+        echo(message)
+        return code
+    try:
+        r = subprocess.run(m.real_argv(), env=_env(m), cwd=m.cwd, input=m.stdin.real if m.stdin else "",
+                           capture_output=True, text=True, errors="replace")
+    except OSError as e:
+        echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
+        return exitcodes.BAD_INPUT
+    for line in (r.stdout + r.stderr).splitlines():
+        echo(line)
+    if r.returncode == 0:
+        files, message = runner.submitted(plan, r.stdout)
+        write_files(run_dir, files)
+        echo(message)
+    return r.returncode
+
+
+def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None) -> int:
+    """Run ``plan``; return its exit code (the failing node's, or 128+N after signal N). ``echo``:
+    each output line (a Console also gets rank 0's progress line).
+
+    From the first line on, SIGINT, SIGTERM and SIGHUP stop the job: before ``main`` starts
+    nothing is started; after, the plan's cleanup runs on every node."""
+    console = echo if isinstance(echo, Console) else None
+    echo = never_raises(echo or (lambda s: print(s, flush=True)))
+    if plan.mode == "done":
+        return 0
+    run: _Run | None = None
+    signalled: list[int] = []
+
+    def on_signal(signum, _frame):
+        # only flags here: printing from a handler can re-enter a write the main thread is in
+        if not signalled:
+            signalled.append(signum)
+            threading.Thread(target=_stop_for_signal, args=(signum,), daemon=True).start()
+
+    def _stop_for_signal(signum: int) -> None:
+        echo(f"hfscale: got {signal_name(signum)}; stopping the job on every node")
+        if run is not None and run.proc is not None:  # else _stream stops it once main exists
+            run.stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    held = None
+    try:
+        held = hold(plan, echo)  # before anything: --restart's moves would take a running job's checkpoints
+        if signalled:
+            return 128 + signalled[0]
+        for line in plan.told:
+            echo(f"hfscale: {line}")
+        if not move_aside(plan.moves, echo):
+            return 1
+        try:
+            run_dir = write_run_dir(plan, record)
+        except OSError as e:
+            echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
+                 "nothing was started")
+            return exitcodes.BAD_INPUT
+        record_state(run_dir, **this_launcher(), state="running", job_id=plan.job_id, runner=plan.runner)
+        rc = 0
+        for step in plan.prepare:
+            if (rc := _prepare(step, run_dir, echo)) or signalled:
+                break
+        if rc or signalled:
+            rc = 128 + signalled[0] if signalled else rc
+        elif plan.mode == "submit":
+            rc = submit(plan, run_dir, echo)
+        else:
+            run = _Run(plan, run_dir, echo, signalled)
+            shower = threading.Thread(target=follow_progress, daemon=True, args=(
+                run_dir, run.ended, console.progress, console.tty)) if console and console.mode != "quiet" else None
+            if shower is not None:  # rank 0 reports into <run dir>/progress, watchdog on or off
+                shower.start()
+            try:
+                rc = _stream(run)
+            finally:
+                run.close()
+                if shower is not None and console is not None:
+                    shower.join(5)  # its last line, before the launch's own
+                    console.close()
+        if rc != 0 and run is not None and not signalled:
+            for line in told(run.disk, plan.output_dir):
+                echo(line)
+        record_state(run_dir, exit_code=rc, ended=time.time(), state=exitcodes.state_of(
+            rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
+        return rc
+    finally:
+        if held is not None:  # before the handlers go: a second Ctrl-C must not leave the lock behind
+            held.release()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
+    """Run one of the plan's steps before the job (a checkpoint conversion); its output goes to
+    logs/prepare.log. Its exit code (0: done)."""
+    log = run_dir / LOGS_DIR / "prepare.log"
+    echo(f"hfscale: {step.shell()}")
+    t0 = time.monotonic()
+    try:
+        with open(log, "a", encoding="utf-8") as out:
+            rc = subprocess.run(step.real_argv(), env=_env(step), cwd=step.cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT).returncode
+    except OSError as e:
+        echo(f"hfscale: cannot run {step.real_argv()[0]}: {e.strerror or e}; nothing was started")
+        return exitcodes.BAD_INPUT
+    if rc:
+        echo(f"hfscale: that step failed (exit code {rc}); its output is in {log}; nothing was started")
+    else:
+        echo(f"hfscale: done in {time.monotonic() - t0:.1f} s")
+    return rc
+
+
+def _stream(run: _Run) -> int:
+    m = run.plan.main
+    try:
+        run.proc = subprocess.Popen(
+            m.real_argv(), env=_env(m), cwd=m.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1, start_new_session=True,
+        )
+    except OSError as e:
+        run.echo(f"hfscale: cannot start {m.real_argv()[0]} in {m.cwd or '.'}: {e.strerror or e}")
+        return exitcodes.BAD_INPUT
+    if run.signalled is not None:  # came while main was starting (the handler stops it once run.proc is set)
+        run.stop()
+    watcher = threading.Thread(target=run.watch_main, daemon=True)
+    watcher.start()
+    if run.plan.watch is not None:
+        threading.Thread(target=_watch, args=(run, run.plan.watch), daemon=True).start()
+    assert run.proc.stdout is not None
+    for line in run.proc.stdout:
+        run.route(line.rstrip("\n"))
+    rc = run.proc.wait()
+    watcher.join()  # it may be deciding on a stop right now: finish() must see it
+    if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
+        # what main started may outlive it (a killed srun's step inside an allocation): stop it
+        run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
+    if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
+        run.following = True  # main only started the nodes: its process group is gone
+        follow_detached(run, run.plan.follow)
+    run.finish()
+    if run.signalled is not None:
+        return 128 + run.signalled
+    if run.failure is not None:
+        return run.failure[1]
+    return rc
+
+
+def _watch(run: _Run, watch: Watch) -> None:
+    """The hang watchdog (hfscale.launch.watchdog): read the ranks' progress until the run ends; on a
+    hang, have every rank's stack written, write the report, and stop the job (exit code 4)."""
+    dog = Watchdog(watch, time.monotonic())
+    while not run.ended.wait(min(WATCH_POLL_S, max(0.5, watch.timeout / 4))):
+        if run.failure is not None or run.signalled is not None:
+            return
+        reason = dog.poll(time.monotonic())
+        if reason is None:
+            continue
+        d = run.plan.dump
+        if d is not None:
+            try:
+                subprocess.run(d.real_argv(), env=_env(d), cwd=d.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=DUMP_TIMEOUT_S, start_new_session=True)
+            except (subprocess.TimeoutExpired, OSError) as e:
+                run.echo(f"hfscale: the stack dump did not finish: {e}")
+        verdict, text = judge(dog, reason, time.monotonic())
+        report_path = Path(watch.report)
+        try:
+            write_files(report_path.parent, {report_path.name: text})
+        except OSError as e:
+            run.echo(f"hfscale: cannot write {report_path}: {e.strerror or e}")
+        stuck = verdict.stuck[0] if verdict.stuck else None
+        where = dog.ranks[stuck].host if stuck in dog.ranks else "the job"
+        if run.failure is None and run.signalled is None:
+            run.hung = True
+            run.fail(where, exitcodes.HUNG, f"hang: {verdict.line} ({reason}); report in {report_path}")
+        return
+
+
+def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:
+    """Run one probe command (its ``stdin`` fed to it); (exit code, stdout, stderr); 124 on timeout."""
+    feed = {"input": cmd.stdin.real} if cmd.stdin is not None else {"stdin": subprocess.DEVNULL}
+    try:
+        r = subprocess.run(cmd.real_argv(), env=_env(cmd), cwd=cmd.cwd, capture_output=True, text=True,
+                           errors="replace", timeout=timeout, **feed)
+        return r.returncode, r.stdout, r.stderr
+    except subprocess.TimeoutExpired:
+        return 124, "", f"timed out after {timeout:g} s"
+    except FileNotFoundError as e:
+        return 127, "", f"{e.filename}: not found"
+    except (OSError, ValueError) as e:  # ValueError: a NUL in argv or env
+        return 126, "", f"{cmd.real_argv()[0]}: {getattr(e, 'strerror', None) or e}"
+
+
+def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, tuple[int, str, str]]:
+    """Run probes in parallel, one per key, at most ``workers`` at a time."""
+    if not cmds:
+        return {}
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cmds)))) as pool:
+        futures = {k: pool.submit(run_probe, c, timeout) for k, c in cmds.items()}
+        return {k: f.result() for k, f in futures.items()}
+

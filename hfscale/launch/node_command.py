@@ -1,0 +1,192 @@
+"""What every runner starts on a node: the launcher argv, the ranks' environment, the entry.
+
+Pure, and the one owner of these rules for every runner (local, pdsh, containers, Slurm,
+Kubernetes): a runner says how its nodes meet (``Rendezvous``: this node's rank and the master,
+as values or as variables set where the launcher runs), the argv comes from here.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
+from hfscale.config.envvars import FLIGHT_DUMP_NAME, FLIGHT_ENTRIES, flight_recorder_env, installed_torch, job_env, secret_names
+from hfscale.rules.resolved import Job
+from hfscale.checkpoints.resume import OutputScan
+from hfscale.launch.run_dir import CONFIG_COPY
+from hfscale.rules.script import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
+from hfscale.training.heartbeat import FLIGHT_DIR
+from hfscale.core.shell import Cat, Secret, Word
+
+BUILTIN_ENTRY = "hfscale.training.train"
+JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """Everything from outside the config that a plan depends on, gathered by the caller."""
+
+    cwd: str
+    python: str
+    job_id: str
+    shell_env: tuple[tuple[str, str], ...] = ()
+    extra_args: tuple[str, ...] = ()
+    output: OutputScan | None = None  # the checkpoints in training.output_dir (output_dir_to_scan)
+    restart: bool = False  # --restart: move the checkpoints aside and start at step 0
+
+    @staticmethod
+    def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=(),
+           output: OutputScan | None = None, restart: bool = False) -> "LaunchContext":
+        if not JOB_ID_RE.match(job_id):
+            raise ValueError(f"job id {job_id!r}: lower-case letters, digits and '-' only")
+        return LaunchContext(cwd, python, job_id, tuple(sorted(shell_env.items())), tuple(extra_args), output, restart)
+
+
+def output_dir_to_scan(job: Job) -> str | None:
+    """Where the launch host looks for checkpoints before it starts anything: training.output_dir
+    under the working directory, for the entries that resume (the built-in one, Trainer scripts);
+    None where it cannot look."""
+    cfg = job.config
+    if cfg.runner.type == "kubernetes" or (cfg.training.script is not None and cfg.training.pass_args == "none"):
+        return None  # the pods' volumes are not visible here; a plain script keeps its own checkpoints
+    # relative to the directory hfscale runs in (the default workdir), as people wrote it
+    return posixpath.join(cfg.runner.workdir, cfg.training.output_dir) if cfg.runner.workdir else cfg.training.output_dir
+
+
+def restarts(job: Job) -> int:
+    """How often the launcher restarts failed workers (torchrun's --max-restarts)."""
+    k = job.config.runner.kubernetes
+    return k.elastic.max_restarts if k is not None and k.elastic is not None else job.config.runner.max_restarts
+
+
+def torchrun_expands(job: Job) -> bool:
+    """Whether the entry's arguments pass through torchrun's elastic agent, which expands ``$$``
+    and ``${local_rank}`` in every one of them (string.Template): every launch but accelerate's
+    single-process one (DDP on one process: accelerate runs the script directly)."""
+    cfg = job.config
+    return not (cfg.runner.launcher == "accelerate" and cfg.distributed.backend == "ddp" and job.world_size == 1)
+
+
+def plain_needs_entry(job: Job) -> bool:
+    """Whether a plain script (pass_args: none) starts through ``hfscale.training.run_script --plain``: a job of
+    more than one process (a rank without a GPU must tell accelerate to use the CPU, or set up its
+    process state, before the script's Accelerator: hfscale.training.run_script.plain_mode), and every job
+    under accelerate's DeepSpeed launcher."""
+    return job.world_size > 1 or (job.config.runner.launcher == "accelerate" and job.deepspeed is not None)
+
+
+def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
+    """(launcher flags that select the entry, [entry, *args]): hfscale's built-in entry point reading
+    the resolved config from ``run_dir``; a Trainer script through ``hfscale.training.run_script`` with the
+    YAML's flags (hfscale.rules.script); a plain script with its own arguments only (through
+    ``hfscale.training.run_script --plain`` where plain_needs_entry). Every ``$`` is doubled where torchrun
+    would expand it, so the script gets its arguments as written."""
+    t = job.config.training
+    if t.script is None:
+        flag, target = ["--module"], [BUILTIN_ENTRY, "--config", posixpath.join(run_dir, CONFIG_COPY)]
+    else:
+        argv = script_argv(job, posixpath.join(run_dir, DEEPSPEED_FILE), ctx.extra_args)
+        if t.pass_args == "none" and not plain_needs_entry(job):
+            flag, target = [], argv
+        else:
+            plain = [PLAIN_FLAG] if t.pass_args == "none" else []
+            flag, target = ["--module"], [SCRIPT_ENTRY, *plain, *argv]
+    if torchrun_expands(job):
+        target = [w.replace("$", "$$") for w in target]
+    return flag, target
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a runner's nodes find each other.
+
+    ``rank``: this node's rank; ``master``/``port``: the rank-0 node (None: the values in the
+    accelerate config); ``c10d``: torchrun rendezvous through a c10d store with the job id (what
+    restarts and elastic jobs need) instead of fixed ranks; ``endpoint``/``nnodes`` override the
+    c10d endpoint (``master:port``) and the node count ("1:4" for an elastic job)."""
+
+    rank: Word = "0"
+    master: Word | None = None
+    port: Word | None = None
+    c10d: bool = False
+    endpoint: Word | None = None
+    nnodes: str | None = None
+
+
+def default_rendezvous(job: Job, rank: Word, master: Word | None = None) -> Rendezvous:
+    """Fixed ranks, or c10d when the launcher restarts workers (a fresh round needs a fresh store)."""
+    return Rendezvous(rank=rank, master=master, c10d=restarts(job) > 0)
+
+
+def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv: Rendezvous) -> list[Word]:
+    """argv of the per-node launcher (accelerate launch or torchrun), its entry and arguments."""
+    cfg = job.config
+    module_flag, target = training_target(job, run_dir, ctx)
+    master: Word = rdzv.master if rdzv.master is not None else job.master_addr
+    port: Word = rdzv.port if rdzv.port is not None else str(cfg.cluster.master_port)
+    argv: list[Word]
+    if cfg.runner.launcher == "accelerate":
+        argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
+        if job.deepspeed is not None and cfg.precision == "fp8":
+            # accelerate refuses mixed_precision in the file beside deepspeed_config_file, but takes the flag
+            argv += ["--mixed_precision", "fp8"]
+        if job.num_nodes > 1:
+            argv += ["--machine_rank", rdzv.rank]
+            if rdzv.master is not None:
+                argv += ["--main_process_ip", rdzv.master]
+            if rdzv.port is not None:
+                argv += ["--main_process_port", rdzv.port]
+        return argv + module_flag + target
+    argv = [python, "-m", "torch.distributed.run", "--nnodes", rdzv.nnodes or str(job.num_nodes),
+            "--nproc_per_node", str(job.procs_per_node)]
+    if rdzv.c10d:
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.endpoint or _join_endpoint(master, port),
+                 "--rdzv-id", ctx.job_id, "--max-restarts", str(restarts(job))]
+    else:
+        argv += ["--node_rank", rdzv.rank, "--master_addr", master, "--master_port", port]
+    return argv + (["-m"] if module_flag else []) + target
+
+
+def _join_endpoint(master: Word, port: Word) -> Word:
+    if isinstance(master, str) and isinstance(port, str):
+        return f"{master}:{port}"
+    parts = [p for w in (master, ":", port) for p in (w.parts if isinstance(w, Cat) else (w,))]
+    return Cat(tuple(parts))  # type: ignore[arg-type]
+
+
+def watched(job: Job, ctx: LaunchContext) -> bool:
+    """Whether hfscale's hang watchdog follows this launch: runners that hfscale runs to the end
+    (not a submitted Slurm or Kubernetes job), with watchdog.timeout set."""
+    r = job.config.runner.type
+    ours = r in ("local", "pdsh", "pdsh_docker") or (r == "slurm" and "SLURM_JOB_ID" in dict(ctx.shell_env))
+    return ours and job.config.watchdog.timeout is not None
+
+
+def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secret]:
+    """Environment of every rank: the job's variables plus hfscale's own; secret values (by name,
+    or forwarded from the shell and not public: hfscale.config.envvars.secret_names) as Secret."""
+    shell = dict(ctx.shell_env)
+    values = job_env(job.config, shell)
+    hidden = secret_names(job.config, values, shell)
+    env: dict[str, str | Secret] = {k: Secret(k, v) if k in hidden else v for k, v in values.items()}
+    env.update(
+        HFSCALE_JOB_ID=ctx.job_id,
+        HFSCALE_RUN_DIR=run_dir,
+        HFSCALE_CONFIG=posixpath.join(run_dir, CONFIG_COPY),
+        PYTHONUNBUFFERED="1",
+    )
+    if job.deepspeed is not None:
+        env["HFSCALE_DS_CONFIG"] = posixpath.join(run_dir, DEEPSPEED_FILE)
+    if watched(job, ctx):
+        # the flight recorder (gloo and NCCL) keeps each rank's last collectives for the hang report;
+        # NCCL also writes it here when its own watchdog times out
+        env.update(flight_recorder_env(FLIGHT_ENTRIES, posixpath.join(run_dir, FLIGHT_DIR, FLIGHT_DUMP_NAME),
+                                       installed_torch(), values))
+    if restarts(job):
+        # restarted workers reconnecting through a shared rendezvous store fail intermittently
+        # with gloo (pytorch/pytorch#135712); a separate store per round avoids it
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env

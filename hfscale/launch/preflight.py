@@ -1,0 +1,183 @@
+"""Preflight: what to ask every host before a launch, and what the answers mean (pure).
+
+``probes`` builds one ssh command per host (a local shell for one local node); ``evaluate``
+turns their outputs into a table and a list of failures naming each host. Running the probes
+is ``hfscale.launch.execute.run_probes``' job.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from hfscale.config.base import size_bytes
+from hfscale.config.envvars import RDMA_PRESETS
+from hfscale.rules.resolved import Job
+from hfscale.core.shell import Command, render, words
+from hfscale.launch.ssh import ssh_argv
+
+PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
+MARK = "HFSCALE_PROBE"
+
+
+def nccl_interface(job: Job) -> str | None:
+    """The interface prefix NCCL_SOCKET_IFNAME selects, when it names one (not '^lo,docker0', not a list)."""
+    from hfscale.config.envvars import job_env
+
+    value = job_env(job.config, {}).get("NCCL_SOCKET_IFNAME")
+    if value and re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", value):
+        return value
+    return None
+
+
+def _script(python: str, port: int | None, interface: str | None = None) -> str:
+    versions = (
+        "import importlib.metadata as m, sys\n"
+        "print('python=' + sys.version.split()[0])\n"
+        f"for p in {PACKAGES!r}:\n"
+        "    try: print(p + '=' + m.version(p))\n"
+        "    except m.PackageNotFoundError: print(p + '=missing')\n"
+    )
+    lines = [
+        f"echo {MARK}",
+        f"{render(words([python, '-c', versions]))} || echo python=missing",
+        "if command -v nvidia-smi >/dev/null 2>&1; then echo gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); "
+        "echo gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | sort -n | "
+        "head -1); else echo gpus=none; fi",
+        "echo ib=$(ls /sys/class/infiniband 2>/dev/null | tr '\\n' ',')",
+    ]
+    if interface is not None:  # validated: letters, digits, '_', '.', '-'
+        lines.append(f"echo addr=$(ip -o -4 addr show 2>/dev/null | awk '$2 ~ /^{interface}/ "
+                     "{sub(\"/.*\", \"\", $4); print $4; exit}')")
+    if port is not None:
+        bind = f"import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', {port}))"
+        # without a working interpreter nothing can be said about the port (not "in use")
+        lines.append(f"if {render(words([python, '-c', 'pass']))} 2>/dev/null; then "
+                     f"{render(words([python, '-c', bind]))} 2>/dev/null && echo port=free || echo port=busy; "
+                     "else echo port=unknown; fi")
+    return "; ".join(lines)
+
+
+def refusal(job: Job) -> str | None:
+    """Why preflight cannot check this job's hosts, or None."""
+    if job.scheduled:
+        return (f"preflight checks hosts over ssh; with runner {job.config.runner.type} the scheduler picks the "
+                "nodes (use its own tools, e.g. sinfo or kubectl get nodes)")
+    return None
+
+
+def probes(job: Job, python: str) -> dict[str, Command]:
+    """Two probes per host: ``host`` (facts) and ``host/shell`` (a bare ``true``, whose output
+    must be empty: a chatty login shell breaks pdsh and scp)."""
+    py = job.config.runner.python or python
+    port = job.config.cluster.master_port
+    interface = nccl_interface(job)
+    if not job.hosts:
+        return {"local": Command(("sh", "-c", _script(py, port, interface)))}
+    out = {}
+    for i, h in enumerate(job.hosts):
+        ssh = ssh_argv(job, h.host)
+        out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface)]))
+        out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
+    return out
+
+
+@dataclass(frozen=True)
+class HostReport:
+    host: str
+    facts: dict[str, str]
+    problems: tuple[str, ...]
+
+
+def _facts(stdout: str) -> dict[str, str]:
+    facts = {}
+    seen = False
+    for line in stdout.splitlines():
+        if line.strip() == MARK:
+            seen = True
+            continue
+        if seen and "=" in line:
+            k, v = line.split("=", 1)
+            facts[k.strip()] = v.strip()
+    return facts
+
+
+def evaluate(job: Job, results: dict[str, tuple[int, str, str]]) -> list[HostReport]:
+    """One report per host, each problem phrased so the host and the fix are clear."""
+    hosts = [h.host for h in job.hosts] or ["local"]
+    slots = {h.host: h.slots for h in job.hosts} or {"local": job.procs_per_node}
+    reports: list[HostReport] = []
+    reference: dict[str, str] | None = None
+    for i, host in enumerate(hosts):
+        rc, out, err = results[host]
+        problems: list[str] = []
+        facts = _facts(out)
+        if rc != 0 or not facts:
+            why = (err.strip().splitlines() or [f"exit code {rc}"])[-1]
+            reports.append(HostReport(host, {}, (f"unreachable: {why}" if rc == 255 or rc == 124 else f"probe failed: {why}",)))
+            continue
+        shell = results.get(f"{host}/shell")
+        if shell is not None:
+            src, sout, serr = shell
+            if src != 0:
+                problems.append(f"'ssh {host} true' failed: {(serr.strip().splitlines() or [str(src)])[-1]}")
+            elif sout.strip() or serr.strip():
+                text = (sout.strip() or serr.strip()).splitlines()[0][:60]
+                problems.append(f"login shell prints output for non-interactive commands ({text!r}); "
+                                "silence it in the remote shell's rc files")
+        if facts.get("python") == "missing":
+            problems.append(f"python interpreter not found: {job.config.runner.python or 'hfscale default'}")
+        for p in PACKAGES:
+            if facts.get(p) == "missing":
+                problems.append(f"{p} is not installed")
+        if reference is None:
+            reference = facts
+        else:
+            for k in ("python",) + PACKAGES:
+                if facts.get(k) != reference.get(k) and facts.get(k) != "missing":
+                    problems.append(f"{k} {facts.get(k)} differs from {hosts[0]}'s {reference.get(k)}")
+        gpus = facts.get("gpus", "none")
+        if gpus != "none" and gpus.isdigit() and int(gpus) < slots[host]:
+            problems.append(f"{slots[host]} slots but only {gpus} GPUs")
+        mib = facts.get("gpu_mib", "").strip()
+        want = job.config.cluster.gpu_memory
+        if want is not None and mib.isdigit() and int(mib) * 2**20 < size_bytes(want):
+            problems.append(f"its smallest GPU has {mib} MiB, less than cluster.gpu_memory {want} (what check and "
+                            "plan judge the job against)")
+        if job.config.network.preset in RDMA_PRESETS and not facts.get("ib", "").strip(","):
+            problems.append(f"no InfiniBand devices in /sys/class/infiniband (network preset {job.config.network.preset})")
+        if i == 0 and facts.get("port") == "busy":
+            problems.append(f"master port {job.config.cluster.master_port} is already in use")
+        reports.append(HostReport(host, facts, tuple(problems)))
+    return reports
+
+
+def render_table(reports: list[HostReport]) -> str:
+    """The per-host table people read before a launch."""
+    cols = ["python", *PACKAGES, "gpus", "gpu_mib", "ib", "port"]
+    rows = [["host", *cols, "status"]]
+    for r in reports:
+        status = "ok" if not r.problems else "FAIL"
+        rows.append([r.host, *[r.facts.get(c, "-").strip(",") or "-" for c in cols], status])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    for r in reports:
+        lines += [f"{r.host}: {p}" for p in r.problems]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_memory_hint(job: Job, reports: list[HostReport]) -> str | None:
+    """The smallest GPU memory the hosts reported, as a line suggesting cluster.gpu_memory when unset."""
+    sizes = [int(m) for r in reports if (m := r.facts.get("gpu_mib", "").strip()).isdigit()]
+    if not sizes or job.config.cluster.gpu_memory is not None:
+        return None
+    return (f"smallest GPU: {min(sizes)} MiB; set cluster.gpu_memory: {min(sizes)}MiB for check's and plan's "
+            "verdict on whether the job fits")
+
+
+def verdict(reports: list[HostReport]) -> tuple[str, bool]:
+    """The last line of a preflight, and whether every host passed."""
+    failed = [r.host for r in reports if r.problems]
+    if failed:
+        return f"preflight failed on: {', '.join(failed)}", False
+    return f"preflight ok: {len(reports)} host(s)", True

@@ -1,0 +1,39 @@
+"""Runner type local: the launcher on this node, started directly (no shell in between)."""
+
+from __future__ import annotations
+
+from hfscale.rules.resolved import Job
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.core.shell import Command, Line, Sh, words
+from hfscale.launch.runners.shared import Common
+from hfscale.launch.runners.stopping import dump_script, stop_script
+
+LOG = "local"
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    """``accelerate launch`` (or torchrun) with the generated config, in the working directory;
+    stopping it is stopping this job's processes here (torchrun's workers leave its process group)."""
+    argv = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, "0"))
+    main = Command(tuple(argv), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
+    host = job.hosts[0].host if job.hosts else LOG
+    cleanup = here(stop_script(ctx.job_id))
+    dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+    return LaunchPlan(ctx.job_id, "local", c.run_dir, c.files, (NodeLaunch(host, 0, words(argv)),), (host,), main,
+                      cleanup, c.mode, c.notes, moves=c.moves, watch=c.watch, dump=dump)  # type: ignore[arg-type]
+
+
+def here(script: str) -> Command:
+    """Shell text run on this node."""
+    return Command(("bash", "-c", Line((Sh(script),))))
+
+
+class LocalRunner:
+    """runner.type local: the ranks on this machine."""
+
+    name = "local"
+    rank_dir: str | None = None
+
+    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
+        return plan(job, ctx, common)

@@ -1,0 +1,172 @@
+"""Runner type pdsh: one ``pdsh -R ssh`` fan-out to every host.
+
+Per-host data never rides on a command line (one argument may hold 128 KiB, and ``ps`` shows
+every argument to every user): the hosts are read by pdsh from ``pdsh_hosts`` (``-w ^file``), the
+ranks' environment from ``env.sh`` and each host's rank and own variables from ``nodes.sh``, both
+in the run directory (which every node sees) and readable by you only (mode 0600: they hold the
+secret values). Every host runs the same short line: change to the working directory, source the
+environment (so the job id is set before anything else runs), take its rank from ``nodes.sh`` by
+its own name (pdsh's ``%h``: ranks never depend on pdsh's order), run ``runner.setup``, run the
+launcher, print ``HFSCALE_EXIT rc=N``. Literal values are quoted and their ``%`` doubled for pdsh;
+only ``runner.setup`` runs as written. The line runs in a shell started with the job id in its
+environment; the cleanup stops exactly the processes whose environment holds it (TERM, then KILL
+after a grace period: hfscale.launch.runners.stopping), at most ``runner.fanout`` hosts at a time.
+
+Up to ``runner.fanout`` hosts, the launch holds one ssh per host for the whole run and streams
+the output (attached). Beyond, one launch host cannot hold thousands of ssh sessions: pdsh
+starts each node's line detached, ``runner.fanout`` hosts at a time, each node writes its output
+and a heartbeat into the run directory, and hfscale follows those files (``Follow``).
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from hfscale.config.envvars import host_env, host_secret
+from hfscale.rules.resolved import Job
+from hfscale.launch.spec import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.run_dir import LOGS_DIR, STOP_MARKER
+from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
+                     render, words)
+from hfscale.launch.ssh import pdsh_argv
+from hfscale.launch.runners.shared import Common
+from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
+
+RANK_VAR = "HFSCALE_NODE_RANK"
+HOST_VAR = "HFSCALE_HOST"
+UNKNOWN_HOST_EXIT = 97
+STOPPED_EXIT = 143  # a node whose line started after the stop: as if it had been stopped
+ENV_FILE = "env.sh"
+NODES_FILE = "nodes.sh"
+HOSTS_FILE = "pdsh_hosts"
+BEATS_DIR = "alive"
+HEARTBEAT_S = 10
+LOST_AFTER_S = 40  # four heartbeats missed: noticed 40-45 s after a node died
+
+
+def env_file(c: Common) -> Text:
+    """``env.sh``: ``export K='v'`` for every variable of the ranks (real and shown forms)."""
+    line = exports(c.env)
+    head = "# The ranks' environment, sourced on every node by hfscale's launch line (mode 0600: secrets).\n"
+    return Text(real=head + render(line, shown=False) + "\n", shown=head + render(line) + "\n")
+
+
+def nodes_file(job: Job, hosts: tuple[str, ...]) -> Text:
+    """``nodes.sh``: each host's rank and per-host variables, picked by ``$HFSCALE_HOST`` (host names
+    are validated: they are shell syntax here)."""
+    def block(shown: bool) -> str:
+        out = ["# Each node's rank and own variables, by host name; sourced after env.sh.", f'case "${HOST_VAR}" in']
+        for i, h in enumerate(hosts):
+            extra = {k: (Secret(k, v) if host_secret(job.config, k) else v) for k, v in host_env(job.config, h).items()}
+            assigns = Line.of(Sh("export"), Assign(RANK_VAR, str(i)), *(Assign(k, v) for k, v in extra.items()))
+            out.append(f"  {h}) {render(assigns, shown)} ;;")
+        out.append(f'  *) echo "hfscale: host ${HOST_VAR} is not in the plan" >&2; exit {UNKNOWN_HOST_EXIT} ;;')
+        out.append("esac")
+        return "\n".join(out) + "\n"
+
+    return Text(real=block(False), shown=block(True))
+
+
+def private_files(job: Job, c: Common, hosts: tuple[str, ...]) -> tuple[tuple[str, Text], ...]:
+    return ((ENV_FILE, env_file(c)), (NODES_FILE, nodes_file(job, hosts)))
+
+
+def prelude(job: Job, c: Common) -> Line:
+    """``cd <workdir> && . env.sh && export HFSCALE_HOST=%h && . nodes.sh && { setup ; }``: what every
+    host does before its launcher (the job id is in the environment before ``runner.setup`` runs)."""
+    setup = job.config.runner.setup
+    return and_then(Line.of(Sh("cd"), c.workdir),
+                    Line.of(Sh("."), posixpath.join(c.run_dir, ENV_FILE)),
+                    Line.of(Sh(f"export {HOST_VAR}="), PdshHost(glue=True)),
+                    Line.of(Sh("."), posixpath.join(c.run_dir, NODES_FILE)),
+                    Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
+
+
+def node_script(before: Line, launcher: list[Word], marker: str, first: Line = Line(()), on_exit: str = "") -> Line:
+    """``[ ! -e marker ] || exit 143; [first] before && launcher; rc=$?; [on_exit]echo "HFSCALE_EXIT
+    rc=$rc"; exit $rc``: what a node's shell runs, ending with the exit line hfscale watches for.
+    The stop writes ``marker`` (on the shared file system) before it stops the job's processes, so
+    a line that starts after the stop (a slow ssh, a loaded host) starts nothing."""
+    check = Line.of(Sh("[ ! -e"), marker, Sh(f"] || {{ echo 'hfscale: the job was stopped before this node started'; "
+                                             f"exit {STOPPED_EXIT}; }};"))
+    tail = Sh(f'; rc=$?; {on_exit}echo "{EXIT_MARK} rc=$rc"; exit $rc', glue=True)
+    return Line.of(check, first, and_then(before, words(launcher)), tail)
+
+
+def fan_out(job_id: str, before: Line, launcher: list[Word], marker: str) -> Line:
+    """The one line pdsh sends to every host: a shell started with the job id in its environment
+    (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) runs ``before``
+    and the launcher, and ends by printing the launcher's exit code."""
+    node = node_script(before, launcher, marker)
+    return Line((Sh("exec env"), Assign(JOB_ID_VAR, job_id), Sh("bash -c"), Script(node)), pdsh=True)
+
+
+def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> Line:
+    """The line pdsh sends when the launch is detached: start the node's line (``fan_out``'s) in a
+    new session with its output appended to ``logs/<host>.log`` and a heartbeat loop rewriting
+    ``alive/<host>`` while it runs, then return at once."""
+    beat_file = Cat((posixpath.join(run_dir, BEATS_DIR) + "/", Var(HOST_VAR)))
+    log_file = Cat((posixpath.join(run_dir, LOGS_DIR) + "/", Var(HOST_VAR), ".log"))
+    # the loop ends with the node's line: killed at its end, or finding $$ gone. The trap kills its
+    # jobs, not $s: a TERM between 'sleep &' and 's=$!' would leave that sleep behind (seen in CI)
+    beat = Line.of(Sh("( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
+                      "do n=$((n+1)); echo $n >"), beat_file,
+                   Sh(f"; sleep {HEARTBEAT_S} & s=$!; wait $s; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
+    node = node_script(before, launcher, posixpath.join(run_dir, STOP_MARKER), first=beat,
+                       on_exit="kill $hb 2>/dev/null; ")
+    # ";" not "&&": "a && b &" would background a subshell holding the ssh session's output open
+    return Line((Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh("; env", glue=True), Assign(JOB_ID_VAR, job_id),
+                 Sh("setsid bash -c"), Script(node), Sh("</dev/null >>"), log_file, Sh("2>&1 &")), pdsh=True)
+
+
+def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Line, launcher: list[Word]
+           ) -> tuple[Command, tuple[str, ...], Follow | None]:
+    """(the process that launches, the logs hfscale writes from its output, what it follows after):
+    attached up to ``runner.fanout`` hosts, detached beyond."""
+    listing = posixpath.join(c.run_dir, HOSTS_FILE)
+    fanout = job.config.runner.fanout
+    if len(hosts) <= fanout:
+        argv, env = pdsh_argv(job, listing, len(hosts))
+        marker = posixpath.join(c.run_dir, STOP_MARKER)
+        return Command((*argv, fan_out(job_id, before, launcher, marker)), env), hosts, None
+    argv, env = pdsh_argv(job, listing, fanout)
+    follow = Follow(hosts, posixpath.join(c.run_dir, LOGS_DIR), posixpath.join(c.run_dir, BEATS_DIR), HEARTBEAT_S,
+                    LOST_AFTER_S)
+    return Command((*argv, detached(job_id, before, launcher, c.run_dir)), env), (), follow
+
+
+def kill_line(job_id: str) -> Line:
+    """The stop every host runs: this job's processes only (hfscale.launch.runners.stopping)."""
+    return Line((Sh(stop_script(job_id)),), pdsh=True)
+
+
+def hosts_file(hosts: tuple[str, ...]) -> tuple[str, str]:
+    return HOSTS_FILE, "".join(h + "\n" for h in hosts)
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    hosts = tuple(h.host for h in job.hosts)
+    launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
+    listing = posixpath.join(c.run_dir, HOSTS_FILE)
+    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), launcher)
+    stop, stop_env = pdsh_argv(job, listing, min(len(hosts), job.config.runner.fanout))
+    cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
+    dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
+                   stop_env) if c.watch else None
+    nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
+                                                       default_rendezvous(job, str(i)))))
+                  for i, h in enumerate(hosts))
+    return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main, cleanup,
+                      c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
+                      follow=follow, watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER))
+
+
+class PdshRunner:
+    """runner.type pdsh: one ssh session per host through pdsh."""
+
+    name = "pdsh"
+    rank_dir: str | None = None
+
+    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
+        return plan(job, ctx, common)

@@ -1,0 +1,98 @@
+"""Runner type pdsh_docker: the pdsh fan-out, each node running its launcher in a container.
+
+``docker run --rm --network host`` with a per-job name and label, the mounts, ``--gpus``, and the
+RDMA device and locked memory with the infiniband/roce presets. Values are exported in the host
+shell and passed as ``-e NAME`` only, so they never sit on docker's argv. With no hosts the
+container runs on this node without pdsh. Cleanup removes the job's containers by label, then
+stops what is left of the job on the host (hfscale.launch.runners.stopping: ``runner.setup``, the docker
+client).
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from hfscale.config.envvars import RDMA_PRESETS
+from hfscale.rules.resolved import Job
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.run_dir import STOP_MARKER
+from hfscale.core.shell import Cat, Command, Line, Sh, Var, Word, words
+from hfscale.launch.ssh import pdsh_argv
+from hfscale.launch.runners import pdsh
+from hfscale.launch.runners.shared import Common
+from hfscale.launch.runners.local import here
+from hfscale.launch.runners.stopping import dump_script, stop_script
+
+
+def docker_argv(job: Job, env_names: list[str], rank: Word, workdir: str, launcher: list[Word], job_id: str
+                ) -> list[Word]:
+    """``docker run`` of ``launcher`` for the node of ``rank``, passing ``env_names`` by name."""
+    d = job.config.runner.docker
+    assert d is not None
+    argv: list[Word] = [
+        d.binary, "run", "--rm",
+        "--name", Cat((f"hfscale-{job_id}-", rank)) if isinstance(rank, Var) else f"hfscale-{job_id}-{rank}",
+        "--label", f"hfscale.job={job_id}",
+        "--network", "host", "--ipc", d.ipc,
+    ]
+    if d.shm_size is not None:
+        argv += ["--shm-size", d.shm_size]
+    if d.gpus is not None:
+        argv += ["--gpus", d.gpus]
+    if job.config.network.preset in RDMA_PRESETS:
+        argv += ["--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "--ulimit", "memlock=-1:-1"]
+    for m in d.mounts:
+        argv += ["-v", f"{m.host}:{m.container}" + (":ro" if m.readonly else "")]
+    # names only: values come from the environment docker is started in, so they never sit on its argv
+    for name in env_names:
+        argv += ["-e", name]
+    argv += ["-w", d.workdir or workdir, *d.extra_args, d.image]
+    return argv + launcher
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    cfg = job.config
+    d = cfg.runner.docker
+    assert d is not None
+    hosts = tuple(h.host for h in job.hosts)
+    names = [*c.env, *(k for values in cfg.env.per_host.values() for k in values), pdsh.RANK_VAR]
+    names = list(dict.fromkeys(names))
+
+    def node_argv(rank: Word) -> list[Word]:
+        launcher = launcher_argv(job, d.python, c.rank_dir, ctx, default_rendezvous(job, rank))
+        return docker_argv(job, names, rank, c.workdir, launcher, ctx.job_id)
+
+    if not hosts:  # one local node in a container, no pdsh
+        argv = node_argv("0")
+        main = Command(tuple(argv), (*c.env.items(), (pdsh.RANK_VAR, "0")), c.workdir)  # type: ignore[arg-type]
+        cleanup = Command((d.binary, "rm", "-f", f"hfscale-{ctx.job_id}-0"))
+        # the container's processes are this host's too: their stacks are dumped from here
+        dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+        return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
+                          ("local",), main, cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
+                          watch=c.watch, dump=dump)
+    listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
+    main, logs, follow = pdsh.launch(job, c, ctx.job_id, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))
+    binary = words([d.binary])
+    remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
+                   Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))), pdsh=True)
+    stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
+    cleanup = Command((*stop, remove), stop_env)
+    dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
+                   stop_env) if c.watch else None
+    nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
+    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
+                      cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
+                      private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump,
+                      stop_marker=posixpath.join(c.run_dir, STOP_MARKER))
+
+
+class PdshDockerRunner:
+    """runner.type pdsh_docker: pdsh, each node's ranks in a container."""
+
+    name = "pdsh_docker"
+    rank_dir: str | None = None
+
+    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
+        return plan(job, ctx, common)

@@ -1,0 +1,90 @@
+"""Runner type slurm: an sbatch script (hfscale.launch.runners.slurm_script), submitted with ``sbatch
+--parsable``, or run directly with srun inside an existing allocation (``SLURM_JOB_ID`` set).
+
+Secret values never go into the script file: sbatch passes them on from the environment
+``hfscale launch`` gives it. This module also knows what sbatch answers.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from hfscale.rules.resolved import Job
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch
+from hfscale.launch.run_dir import SLURM_JOB_ID_FILE
+from hfscale.core.shell import Command, Line, Secret, Sh, words
+from hfscale.launch.runners.shared import Common, Submitted, Unavailable
+from hfscale.launch.runners.stopping import dump_script, stop_script
+
+EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, NODE_RANK, master=MASTER))
+    plain = {k: v for k, v in c.env.items() if not isinstance(v, Secret)}
+    secret = tuple((k, v) for k, v in c.env.items() if isinstance(v, Secret))
+    files = (*c.files, (SCRIPT, render_sbatch(job, c.run_dir, c.workdir, plain, launcher)))  # type: ignore[arg-type]
+    script = posixpath.join(c.run_dir, SCRIPT)
+    inside = dict(ctx.shell_env).get("SLURM_JOB_ID")
+    notes = c.notes
+    cleanup = dump = watch = None
+    if inside:
+        main, mode = Command(("bash", script), secret), "stream"  # the script changes to the workdir itself
+        notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
+        cleanup = on_every_node(job.num_nodes, stop_script(ctx.job_id))
+        watch = c.watch
+        dump = on_every_node(job.num_nodes, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+    else:
+        main, mode = Command(("sbatch", "--parsable", script), secret), "submit"  # the workdir is the nodes\' one
+    return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
+                      main, cleanup, "done" if c.done else mode, notes, show=(SCRIPT,),  # type: ignore[arg-type]
+                      moves=c.moves, watch=watch, dump=dump)
+
+
+def on_every_node(nodes: int, script: str) -> Command:
+    """Shell text run on every node of the allocation, as a step beside the job's own (``--overlap``):
+    the stop, the stack dump.
+
+    A batch job's steps end with the job, but inside an allocation that outlives the launch (an
+    interactive ``salloc``) a step whose srun was killed keeps running until the allocation ends:
+    measured on the test Slurm, torchrun and its ranks were still there 40 s later."""
+    return Command(("srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--quiet", "bash", "-c",
+                    Line((Sh(script),))))
+
+
+def probe(plan: LaunchPlan) -> None:
+    """Nothing to ask before submitting: a missing sbatch is found by its absence."""
+    return None
+
+
+def unavailable(plan: LaunchPlan) -> Unavailable:
+    """What to say when sbatch is not installed here, and the exit code."""
+    return Unavailable(f"hfscale: sbatch not found on this machine; submit by hand with:\n  {plan.main.shell()}",
+                       EXIT_NO_SCHEDULER)
+
+
+def submitted(plan: LaunchPlan, stdout: str) -> Submitted:
+    """(files to record, what to say) after sbatch --parsable printed ``<job id>[;cluster]``."""
+    job = stdout.strip().split(";")[0]
+    return Submitted({SLURM_JOB_ID_FILE: job + "\n"}, f"hfscale: submitted Slurm job {job}; output in {plan.run_dir}/slurm-{job}.out")
+
+
+class SlurmRunner:
+    """runner.type slurm: an sbatch script handed to Slurm."""
+
+    name = "slurm"
+    rank_dir: str | None = None
+
+    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
+        return plan(job, ctx, common)
+
+    def probe(self, plan: LaunchPlan) -> Command | None:
+        return probe(plan)
+
+    def unavailable(self, plan: LaunchPlan) -> Unavailable:
+        return unavailable(plan)
+
+    def submitted(self, plan: LaunchPlan, stdout: str) -> Submitted:
+        return submitted(plan, stdout)

@@ -1,0 +1,50 @@
+"""How a job is stopped on a node: by the job id in its processes' environment, with a grace
+period and then SIGKILL (pure: shell text for the plans).
+
+Names are never matched (another job's ``python`` looks the same), and process groups are not
+enough: torchrun's workers and docker's containers leave the launcher's group or session. Every
+process hfscale starts on a node carries ``HFSCALE_JOB_ID`` in the environment it was started
+with (``/proc/<pid>/environ``; the shell running the node's line is started with it too), so one
+``grep -z`` over ``/proc`` finds exactly this job's processes, the ones ``runner.setup`` started
+included.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+JOB_ID_VAR = "HFSCALE_JOB_ID"
+# TERM first (a rank saves a preemption checkpoint at its next step boundary), KILL after this many
+# seconds: a stop is complete within 15 s of hfscale deciding on it
+STOP_GRACE_S = 10
+
+
+def stop_script(job_id: str) -> str:
+    """Shell text: TERM this job's processes now; in the background, KILL what is left once they
+    all ended or ``STOP_GRACE_S`` seconds passed. It returns at once (so a bounded fan-out reaches
+    thousands of hosts within the grace period) and exits 0."""
+    # job ids are validated ([a-z0-9-]): safe inside single quotes
+    find = f"grep -lsxzF '{JOB_ID_VAR}={job_id}' /proc/[0-9]*/environ | cut -d/ -f3"
+    # the waiting pass outlives the ssh session or the terminal: no HUP/INT, nothing held open
+    wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {STOP_GRACE_S} ] && k 0; do sleep 1; n=$((n+1)); done; "
+                 "k KILL ) </dev/null >/dev/null 2>&1 &")
+    return f'k() {{ p=$({find}); [ -n "$p" ] && kill -$1 $p 2>/dev/null; [ -n "$p" ]; }}; k TERM; {wait_kill} true'
+
+
+def dump_script(job_id: str, stacks_dir: str, python: str) -> str:
+    """Shell text: write the Python stack of each of this job's ranks on this node (processes
+    with ``RANK`` in the environment they started with) to ``<stacks_dir>/rank-<RANK>.txt`` with
+    py-spy (beside ``python``, or on PATH), or, without py-spy, signal SIGUSR2 to ranks that
+    registered faulthandler for it (hfscale.training.heartbeat writes ``rank-<RANK>.fh``; a rank that did
+    not would die of the signal). First it asks each rank for its flight recorder (a write to
+    ``rank-<RANK>.fifo``, which hfscale.training.heartbeat reads). All ranks at once; exits 0."""
+    from hfscale.core.shell import quote
+
+    d, spy = quote(stacks_dir), quote(posixpath.join(posixpath.dirname(python), "py-spy"))
+    one = (f'[ -p {d}/rank-$r.fifo ] && timeout 2 sh -c \'echo > "$0"\' {d}/rank-$r.fifo; '
+           f's={spy}; [ -x "$s" ] || s=$(command -v py-spy); '
+           f'if [ -n "$s" ] && "$s" dump --full-filenames --pid $p > {d}/rank-$r.txt 2>&1; then :; '
+           f'elif [ -e {d}/rank-$r.fh ]; then rm -f {d}/rank-$r.txt; kill -USR2 $p; fi')
+    return (f"mkdir -p {d}; for f in $(grep -lsxzF '{JOB_ID_VAR}={job_id}' /proc/[0-9]*/environ); do "
+            "p=${f#/proc/}; p=${p%/environ}; r=$(tr '\\0' '\\n' < $f 2>/dev/null | sed -n 's/^RANK=//p'); "
+            f'[ -n "$r" ] || continue; ( {one} ) & done; wait; sleep 1; true')  # 1 s: the flight recorders' files

@@ -1,0 +1,92 @@
+"""CheckpointCompleteCallback: the completion marker after every rank saved, and safe rotation."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from hfscale.checkpoints.resume import MARKER, rotate_checkpoints, write_marker
+from hfscale.training.callbacks import collectives
+from hfscale.training.callbacks.collectives import logger
+
+
+class CheckpointCompleteCallback(TrainerCallback):
+    """Marks a checkpoint complete once every rank finished saving it; rotates only after that.
+
+    After each save, all ranks meet at a barrier; then the process that saves (rank 0, or each
+    node's local rank 0 with ``save_on_each_node``) writes ``hfscale_complete.json`` into
+    ``checkpoint-<step>``: every file's relative path and size, the global step and the world size.
+    :func:`hfscale.checkpoints.resume.latest_checkpoint` resumes only from folders with a verified marker.
+
+    Rotation. In transformers 5.23, ``Trainer._save_checkpoint`` deletes old checkpoints
+    (``save_total_limit``) right after the saving process wrote its own files, before the other
+    ranks finished theirs and before ``on_save``: with ``save_total_limit=1`` a kill at that moment
+    leaves no complete checkpoint. This callback therefore takes the limit over: at ``on_train_begin``
+    it moves ``args.save_total_limit`` (or uses ``save_total_limit=`` given here) into itself and sets
+    the argument to ``None`` (TrainingArguments are mutable in this version; the value is put back at
+    ``on_train_end``), and deletes old checkpoints itself after writing the marker. It never deletes
+    the newest complete checkpoint, the best model checkpoint, or anything newer than the newest
+    complete one; incomplete folders older than it are deleted. (``training_args.bin`` inside the
+    checkpoints records ``save_total_limit=None``.)
+
+    At each step end the saving process also removes a stale marker from a ``checkpoint-<step>``
+    folder of the current step, left by an earlier run that went further, so that a save into that
+    folder is never taken for complete before it is.
+
+    Args:
+        save_total_limit: checkpoints to keep; default: ``args.save_total_limit``.
+        fsync: flush every file to disk before writing the marker (against power loss; slower).
+    """
+
+    def __init__(self, save_total_limit: int | None = None, fsync: bool = False) -> None:
+        self.save_total_limit = save_total_limit
+        self.fsync = fsync
+        self.keep: int | None = None
+        self.marked: list[str] = []
+        self._args_limit: int | None = None
+        self._took_over = False
+        self._marked_steps: set[int] = set()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._marked_steps = {
+            int(name.removeprefix("checkpoint-"))
+            for name in (os.listdir(args.output_dir) if os.path.isdir(args.output_dir) else [])
+            if name.removeprefix("checkpoint-").isdigit() and os.path.exists(os.path.join(args.output_dir, name, MARKER))
+        }
+        self._args_limit = args.save_total_limit
+        self.keep = self.save_total_limit if self.save_total_limit is not None else args.save_total_limit
+        if args.save_total_limit is not None:
+            args.save_total_limit = None  # the Trainer's own rotation runs before the save is complete
+            self._took_over = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._took_over:
+            args.save_total_limit = self._args_limit
+            self._took_over = False
+        collectives.leave_process_group_at_exit()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # steps only go forward, so the markers that can go stale are known at train begin
+        if state.global_step in self._marked_steps and args.should_save:
+            self._marked_steps.discard(state.global_step)
+            stale = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", MARKER)
+            if os.path.exists(stale):
+                os.remove(stale)
+
+    def on_save(self, args, state, control, **kwargs):
+        _, world = collectives.rank_world()
+        if world > 1:
+            dist.barrier()  # every rank has written (and closed) its part of the checkpoint
+        if not args.should_save:
+            return
+        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isdir(ckpt):
+            logger.warning("CheckpointCompleteCallback: %s not found (hyperparameter search runs are not supported)", ckpt)
+            return
+        write_marker(ckpt, state.global_step, args.world_size, fsync=self.fsync)
+        self.marked.append(ckpt)
+        protect = [state.best_model_checkpoint] if state.best_model_checkpoint else []
+        for path in rotate_checkpoints(args.output_dir, self.keep, protect=protect):
+            logger.info("Deleted old checkpoint %s (save_total_limit=%s)", path, self.keep)

@@ -1,0 +1,91 @@
+"""What the callbacks share: rank and world, where collectives' tensors live, the exit hook,
+memory and parameter counts, JSON lines. Callbacks call these through the module (``collectives.
+all_gather``), so a test can count the gathers."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import resource
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("hfscale.training.callbacks")
+
+METRICS_FILE = "hfscale_metrics.jsonl"
+LOG_PREFIX = "hfscale/"
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def comm_device() -> torch.device:
+    """Where a tensor for a collective must live: the current GPU with NCCL, else the CPU."""
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def leave_process_group_at_exit() -> None:
+    """Register (once per process) the atexit hook described in the module docstring."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_process_group)
+        _exit_hook_registered = True
+
+
+def all_gather(values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (same length everywhere), in rank order. One collective."""
+    _, world = rank_world()
+    if world == 1:
+        return [list(values)]
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    out = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA allocator peak on a GPU, else the process's peak RSS."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+def append_jsonl(path: str, record: dict[str, Any]) -> None:
+    """Append ``record`` as one line. A file whose last line was torn (a job killed mid-append) gets
+    a newline first, so this record starts a line of its own instead of being glued to the torn
+    one (readers skip and count the torn line: hfscale.core.untrusted.read_json_lines)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    line = json.dumps(record) + "\n"
+    with open(path, "ab") as f:
+        if f.tell() > 0:
+            with open(path, "rb") as r:
+                r.seek(-1, os.SEEK_END)
+                torn = r.read(1) != b"\n"
+            if torn:
+                line = "\n" + line
+        f.write(line.encode("utf-8"))
+
+
+def count_params(model: Any) -> int:
+    # ZeRO-3 leaves empty placeholders in p.data; the real size is p.ds_numel.
+    return sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in model.parameters())

@@ -1,0 +1,61 @@
+"""ProgressCallback: each rank reports its optimizer steps to hfscale's hang watchdog."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import TrainerCallback
+
+from hfscale.training import heartbeat as progress
+
+
+# the Trainer's log keys -> the names in progress/metrics.json
+_REPORTED = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm", "epoch": "epoch",
+             "hfscale/tokens_per_s": "tokens_per_s", "hfscale/eta_s": "eta_s", "hfscale/mfu": "mfu"}
+
+
+def dropped_engine() -> str | None:
+    """The distributed type accelerate runs this process with when ``accelerate launch`` was told
+    FSDP (ACCELERATE_USE_FSDP) but the Accelerator is not FSDP: accelerate uses FSDP on GPUs and
+    other accelerators only, and on CPU silently trains DDP. None when nothing was dropped."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() != "true":
+        return None
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if not AcceleratorState._shared_state:  # no Accelerator in this process (a Trainer makes one first)
+        return None
+    kind = AcceleratorState().distributed_type
+    return None if kind == DistributedType.FSDP else str(kind.value)
+
+
+class ProgressCallback(TrainerCallback):
+    """After every optimizer step, ``hfscale.training.heartbeat.step(global_step)``: one small file per rank
+    in the run directory (nothing outside ``hfscale launch``); after each evaluation batch and save,
+    ``hfscale.training.heartbeat.alive()``. No collective, no device sync."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        progress.step(state.global_step)  # a resumed run starts where its checkpoint left off
+        if state.is_world_process_zero and (kind := dropped_engine()) is not None:
+            # what check reported (fsdp) is not what runs: say so where the launch shows it
+            print(f"hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as {kind} "
+                  "(it uses FSDP on GPUs and other accelerators only): every rank holds the whole model", flush=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        progress.step(state.global_step)
+
+    # work between steps counts as progress: a long evaluation or save is not a hang
+    def on_prediction_step(self, args, state, control, **kwargs):
+        progress.alive()
+
+    def on_save(self, args, state, control, **kwargs):
+        progress.alive()
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        progress.alive()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # rank 0's numbers for hfscale launch's progress line (hfscale.training.heartbeat.report ignores other ranks)
+        logs = logs or {}
+        progress.report(step=state.global_step, max_steps=state.max_steps,
+                        **{ours: logs[theirs] for theirs, ours in _REPORTED.items() if theirs in logs})

@@ -1,0 +1,242 @@
+"""The built-in training entry point: what ``hfscale launch`` runs when ``training.script`` is null.
+
+    python -m hfscale.training.train --config CONFIG        # under accelerate launch / torchrun / hfscale launch
+
+A Transformers Trainer with everything from the hfscale YAML: the model from ``training.model``
+(a local pretrained directory, or a config mapping: random init, nothing downloaded), the data from
+``training.data`` (local text/json/parquet files through ``datasets``; by default the Python
+standard library's own source files, always present), packed into fixed-length blocks, the
+TrainingArguments and DeepSpeed JSON from the same fields, hfscale's callbacks (metrics,
+stragglers, preemption, checkpoint completeness), and automatic resume from the newest complete
+checkpoint in ``training.output_dir``.
+
+Without a tokenizer next to the model, text is tokenized byte-level (token id = byte value), so
+the model's vocabulary must have at least 256 entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import os
+import sys
+from pathlib import Path
+
+from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
+from hfscale.config.errors import ConfigError
+from hfscale.rules.resolved import Job
+from hfscale.rules.config_file import load_job
+from hfscale.training.heartbeat import fit_flight_recorder
+from hfscale.training.shutdown import exit_cleanly
+
+BYTE_VOCAB = 256
+
+# Dense bf16/fp16 peak FLOP/s of known data-centre GPUs, for MFU when training.peak_tflops is null.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "V100": 125.0}
+
+
+def stdlib_sources() -> list[str]:
+    """The standard library's top-level ``.py`` files, sorted (the same text on every machine)."""
+    return [str(p) for p in sorted(Path(os.path.dirname(os.__file__)).glob("*.py"))]
+
+
+def stdlib_bytes(n: int) -> bytes:
+    """The first ``n`` bytes of ``stdlib_sources()`` concatenated (about 4.7 MB exist): byte-level
+    training data that is the same on every machine with this Python."""
+    data = bytearray()
+    for path in stdlib_sources():
+        data += Path(path).read_bytes()
+        if len(data) >= n:
+            return bytes(data[:n])
+    raise ValueError(f"the standard library has only {len(data)} bytes of source, {n} needed")
+
+
+def data_files(data: DataConfig) -> list[str]:
+    """Files named by ``training.data.files`` (globs expanded, sorted), or the built-in corpus."""
+    if not data.files:
+        return stdlib_sources()
+    out: list[str] = []
+    for pattern in data.files:
+        matches = sorted(glob.glob(pattern))
+        if not matches:
+            raise SystemExit(f"hfscale.training.train: training.data.files: nothing matches {pattern!r}")
+        out += matches
+    return out
+
+
+def load_blocks(data: DataConfig, tokenizer, eos_id: int):
+    """A ``datasets.Dataset`` of ``input_ids``/``labels`` blocks of ``data.block_size`` tokens."""
+    import datasets
+
+    files = data_files(data)
+    if data.format == "text":
+        # one row per file: documents stay whole until packing
+        ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
+        column = "text"
+    else:
+        ds = datasets.load_dataset(data.format, data_files=files, split="train")
+        column = data.text_field
+        if column not in ds.column_names:
+            raise SystemExit(f"hfscale.training.train: training.data.text_field {column!r} not in columns {ds.column_names}")
+
+    def tokenize(batch):
+        if tokenizer is None:
+            ids = [list(t.encode("utf-8")) + [eos_id] for t in batch[column]]
+        else:
+            ids = [x + [eos_id] for x in tokenizer(batch[column])["input_ids"]]
+        return {"ids": ids}
+
+    size = data.block_size
+
+    def pack(batch):
+        flat = [t for ids in batch["ids"] for t in ids]
+        blocks = [flat[i:i + size] for i in range(0, len(flat) - size + 1, size)]
+        return {"input_ids": blocks, "labels": blocks}
+
+    ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names, desc="tokenize")
+    return ds.map(pack, batched=True, batch_size=1000, remove_columns=["ids"], desc="pack")
+
+
+@contextlib.contextmanager
+def _without_zero_init():
+    """Build a model whole although a stage-3 DeepSpeed config is active: transformers uses
+    deepspeed.zero.Init whenever its global DeepSpeed config (set by TrainingArguments) is stage 3."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    active = hf_ds._hf_deepspeed_config_weak_ref  # noqa: SLF001 - the one switch transformers reads
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = active  # noqa: SLF001
+
+
+def build_model(model: ModelConfig, seed: int, zero_init: bool = True):
+    """(model, tokenizer or None): pretrained from a local path, or random init from a config.
+    ``zero_init`` False: never partitioned while built (training.deepspeed zero3_init: false)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    set_seed(seed)
+    with contextlib.nullcontext() if zero_init else _without_zero_init():
+        if model.path is not None:
+            m = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True)
+            has_tok = any((Path(model.path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+            tok = AutoTokenizer.from_pretrained(model.path, local_files_only=True) if has_tok else None
+            return m, tok
+        cfg = dict(model.config or DEFAULT_MODEL_CONFIG)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)), None
+
+
+def peak_flops(job: Job) -> float | None:
+    """Peak FLOP/s of one device: from the config, else looked up by CUDA device name."""
+    if job.config.training.peak_tflops is not None:
+        return job.config.training.peak_tflops * 1e12
+    import torch
+
+    if not torch.cuda.is_available() or job.config.precision == "no":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def _ds_config_path(job: Job) -> str | None:
+    """The DeepSpeed JSON hfscale launch wrote, or one written next to the checkpoints."""
+    if job.deepspeed is None:
+        return None
+    given = os.environ.get("HFSCALE_DS_CONFIG")
+    if given:
+        return given
+    from hfscale.core.atomic_files import write_files
+    from hfscale.render.deepspeed import render_deepspeed
+
+    out = Path(job.config.training.output_dir) / ".hfscale"
+    (path,) = write_files(out, {f"ds_config.rank{os.environ.get('RANK', '0')}.json": render_deepspeed(job)})
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hfscale.training.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=os.environ.get("HFSCALE_CONFIG"),
+                    help="hfscale YAML (default: $HFSCALE_CONFIG, set by hfscale launch)")
+    a = ap.parse_args(argv)
+    if not a.config:
+        ap.error("--config is required outside hfscale launch")
+    fit_flight_recorder()  # before torch starts
+    try:
+        job = load_job(a.config)
+    except ConfigError as e:
+        print(f"error: {e.render()}", file=sys.stderr)
+        return 2
+
+    import torch
+    from transformers import Trainer, TrainerCallback
+
+    from hfscale.training.callbacks import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, ProgressCallback,
+                            StragglerCallback)
+    from hfscale.checkpoints.resume import decide, first_start, scan_output
+    from hfscale.rules.trainer_args import training_arguments
+
+    t = job.config.training
+    args = training_arguments(job, _ds_config_path(job), use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+    # Join the process group now, DeepSpeed's communication layer included: deepspeed.zero.Init
+    # (ZeRO-3) reads the world size from it while the model is built, and would otherwise see 1
+    # and reject the batch geometry (TrainingArguments with use_cpu sets up torch's group only).
+    _ = args.device
+    if job.deepspeed is not None and torch.distributed.is_initialized():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    scan = scan_output(t.output_dir, args.world_size)
+    decision = decide(scan, t.max_steps)
+    resume = decision.checkpoint
+    if decision.action == "done" and scan.state is not None:
+        if args.process_index == 0:
+            print(f"HFSCALE_TRAIN already done step={scan.state.global_step} resumed_from={resume}", flush=True)
+        return 0
+    if decision.action == "refuse" and first_start(os.environ):  # a restart of this job may start over
+        if args.process_index == 0:
+            print(f"error: {decision.reason} (start over with hfscale launch --restart)", file=sys.stderr)
+        return 2
+    ds = job.deepspeed
+    model, tokenizer = build_model(t.model, t.seed, zero_init=ds is None or ds.zero3_init)
+    if ds is not None and ds.stage == 3 and args.process_index == 0:
+        # deepspeed.zero.Init gives every parameter a ds_id as it is created, partitioned
+        partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+        print(f"hfscale.training.train: model built {'partitioned (zero.Init)' if partitioned else 'whole'}", flush=True)
+    if tokenizer is None and model.config.vocab_size < BYTE_VOCAB:
+        print(f"error: byte-level tokens need vocab_size >= {BYTE_VOCAB}, the model has "
+              f"{model.config.vocab_size}", file=sys.stderr)
+        return 2
+    eos = getattr(model.config, "eos_token_id", None)
+    eos = eos if isinstance(eos, int) else 0
+    with args.main_process_first(desc="dataset"):
+        train = load_blocks(t.data, tokenizer, eos)
+
+    class SaveAtEnd(TrainerCallback):
+        """A checkpoint at the last step too, so a re-run resumes instead of repeating the tail."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                control.should_save = True
+
+    trainer = Trainer(model=model, args=args, train_dataset=train)
+    preemption = PreemptionCallback()
+    for cb in (MetricsCallback(seq_len=t.data.block_size, peak_flops_per_device=peak_flops(job), trainer=trainer),
+               StragglerCallback(trainer=trainer), preemption, CheckpointCompleteCallback(), ProgressCallback(),
+               SaveAtEnd()):
+        trainer.add_callback(cb)
+
+    if resume and trainer.is_world_process_zero():
+        print(f"hfscale.training.train: resuming from {resume}", flush=True)
+    result = trainer.train(resume_from_checkpoint=resume)
+    if trainer.is_world_process_zero():
+        state = trainer.state
+        how = "preempted, checkpoint saved" if preemption.preempted else "done"
+        print(f"HFSCALE_TRAIN {how} step={state.global_step} loss={result.training_loss:.6f} "
+              f"resumed_from={resume or '-'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_cleanly(main())
