@@ -192,7 +192,7 @@ def test_work_between_steps_is_progress(tmp_path):
 # recorder thread first, the main thread's outermost frame runpy's, not <module>
 FAULTHANDLER_RUNPY = """Thread 0x00007f9 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
-  File "/work/hfscale/progress.py", line 120 in _flight_loop
+  File "/work/hfscale/training/heartbeat.py", line 120 in _flight_loop
   File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner
 
 Current thread 0x00007fa (most recent call first):
@@ -205,7 +205,7 @@ Current thread 0x00007fa (most recent call first):
 PYSPY_RUNPY = """Process 200: python -m hfscale.training.run_script train.py
 Thread 201 (idle): "Thread-1 (_flight_loop)"
     wait (/usr/lib/python3.11/threading.py:331)
-    _flight_loop (/work/hfscale/progress.py:120)
+    _flight_loop (/work/hfscale/training/heartbeat.py:120)
 Thread 200 (idle): "MainThread"
     all_gather (/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:2800)
     main (/work/user/train.py:40)
