@@ -9,7 +9,7 @@ import sys
 
 from hfscale.launch.spec import Watch
 from hfscale.training.heartbeat import Progress, read_progress
-from hfscale.launch.watchdog import Watchdog, analyze, collective, main_stack, read_stacks, report, where
+from hfscale.launch.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
 
 PYSPY_WAITING = """Process 11655: python -u probe.py
 Python v3.11.7 (/usr/bin/python3.11)
@@ -228,7 +228,7 @@ def test_the_main_thread_is_found_under_python_m():
 
 def test_flight_recorder_counts_name_the_rank_when_stacks_are_silent():
     """No stacks (none could be taken), but rank 0 issued collective #44 and rank 1 #43: rank 1 is late."""
-    flight = {0: (44, "nccl:all_gather", "scheduled"), 1: (43, "nccl:all_reduce", "completed")}
+    flight = {0: LastCollective(44, "nccl:all_gather", "scheduled"), 1: LastCollective(43, "nccl:all_reduce", "completed")}
     v = analyze(_ranks(5, 5), {}, 2, flight)
     assert v.stuck == (1,)
     assert "rank 1 on node1 issued 43 collectives, the others 44 (the last: nccl:all_gather)" in v.line

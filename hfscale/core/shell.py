@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Union
+from typing import Iterable, Mapping, NamedTuple, Union
 
 MASK = "***"
 
@@ -201,6 +201,14 @@ class Command:
             parts.append(" ".join(f"{k}={quote(v)}" for k, v in self.env))
         parts.append(" ".join(shlex.quote(a) for a in self.shown_argv()))
         return " ".join(parts)
+
+
+class Ran(NamedTuple):
+    """What a finished command answered: its exit code (124 on a timeout), its output and its errors."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
 
 
 @dataclass(frozen=True)

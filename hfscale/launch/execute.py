@@ -32,7 +32,7 @@ from hfscale.launch.output_lock import hold
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
 from hfscale.launch.runners.stopping import STOP_GRACE_S
-from hfscale.core.shell import Command
+from hfscale.core.shell import Command, Ran
 from hfscale.launch.watchdog import Watchdog, judge
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
@@ -373,22 +373,22 @@ def _watch(run: _Run, watch: Watch) -> None:
         return
 
 
-def run_probe(cmd: Command, timeout: float) -> tuple[int, str, str]:
+def run_probe(cmd: Command, timeout: float) -> Ran:
     """Run one probe command (its ``stdin`` fed to it); (exit code, stdout, stderr); 124 on timeout."""
     feed = {"input": cmd.stdin.real} if cmd.stdin is not None else {"stdin": subprocess.DEVNULL}
     try:
         r = subprocess.run(cmd.real_argv(), env=_env(cmd), cwd=cmd.cwd, capture_output=True, text=True,
                            errors="replace", timeout=timeout, **feed)
-        return r.returncode, r.stdout, r.stderr
+        return Ran(r.returncode, r.stdout, r.stderr)
     except subprocess.TimeoutExpired:
-        return 124, "", f"timed out after {timeout:g} s"
+        return Ran(124, "", f"timed out after {timeout:g} s")
     except FileNotFoundError as e:
-        return 127, "", f"{e.filename}: not found"
+        return Ran(127, "", f"{e.filename}: not found")
     except (OSError, ValueError) as e:  # ValueError: a NUL in argv or env
-        return 126, "", f"{cmd.real_argv()[0]}: {getattr(e, 'strerror', None) or e}"
+        return Ran(126, "", f"{cmd.real_argv()[0]}: {getattr(e, 'strerror', None) or e}")
 
 
-def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, tuple[int, str, str]]:
+def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, Ran]:
     """Run probes in parallel, one per key, at most ``workers`` at a time."""
     if not cmds:
         return {}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hfscale.rules.resolved import Job
 from hfscale.launch.netcheck import MARK
-from hfscale.core.shell import Command, render, words
+from hfscale.core.shell import Command, Ran, render, words
 from hfscale.launch.ssh import ssh_argv
 
 ALL_PAIRS_MAX = 16
@@ -159,10 +159,10 @@ def addresses(job: Job, facts: dict[str, dict[str, str]]) -> dict[str, str]:
     return {h.host: facts.get(h.host, {}).get("addr") or h.host for h in job.hosts}
 
 
-def summary(job: Job, results: dict[str, tuple[int, str, str]], addrs: dict[str, str]) -> tuple[str, bool]:
+def summary(job: Job, results: dict[str, Ran], addrs: dict[str, str]) -> tuple[str, bool]:
     """(matrix, slow links and problems as text; whether the network passed) from the hosts' runs."""
     hosts = [h.host for h in job.hosts]
-    meetings, problems = parse({h: results[h][1] for h in hosts if h in results}, addrs)
+    meetings, problems = parse({h: results[h].stdout for h in hosts if h in results}, addrs)
     for h in hosts:
         rc, out, err = results.get(h, (1, "", "no result"))
         if rc != 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.rules.resolved import Job
-from hfscale.core.shell import Command, render, words
+from hfscale.core.shell import Command, Ran, render, words
 from hfscale.launch.ssh import ssh_argv
 
 PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
@@ -102,7 +102,7 @@ def _facts(stdout: str) -> dict[str, str]:
     return facts
 
 
-def evaluate(job: Job, results: dict[str, tuple[int, str, str]]) -> list[HostReport]:
+def evaluate(job: Job, results: dict[str, Ran]) -> list[HostReport]:
     """One report per host, each problem phrased so the host and the fix are clear."""
     hosts = [h.host for h in job.hosts] or ["local"]
     slots = {h.host: h.slots for h in job.hosts} or {"local": job.procs_per_node}

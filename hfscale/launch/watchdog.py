@@ -22,6 +22,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from hfscale.launch.spec import Watch
 from hfscale.training.heartbeat import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
@@ -129,7 +130,7 @@ class Verdict:
 
 
 def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
-            flight: dict[int, tuple[int, str, str]] | None = None) -> Verdict:
+            flight: dict[int, LastCollective] | None = None) -> Verdict:
     """Which rank(s) hold the job up, from their last steps, their stacks and, where the stacks
     show no cause, their flight recorders' collective counts."""
     missing = tuple(r for r in range(world) if r not in ranks)
@@ -171,9 +172,25 @@ def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
     return Verdict((), f"no rank finished a step since step {low}; no stack shows a cause")
 
 
-def _behind_in_collectives(flight: dict[int, tuple[int, str, str]]) -> tuple[tuple[int, ...], int, int, str] | None:
-    """(ranks with fewer collectives issued, their count, the others' count, the others' last
-    collective) when the flight recorders disagree on the count, else None."""
+class LastCollective(NamedTuple):
+    """A rank's newest flight recorder entry: collectives issued, the last one's name, its state."""
+
+    issued: int
+    name: str
+    state: str
+
+
+class Behind(NamedTuple):
+    """Ranks with fewer collectives issued, their count, the others' count, the others' last collective."""
+
+    ranks: tuple[int, ...]
+    count: int
+    others: int
+    others_last: str
+
+
+def _behind_in_collectives(flight: dict[int, LastCollective]) -> Behind | None:
+    """Who is behind when the flight recorders disagree on the count, else None."""
     if len(flight) < 2:
         return None
     counts = {r: n for r, (n, _, _) in flight.items()}
@@ -182,7 +199,7 @@ def _behind_in_collectives(flight: dict[int, tuple[int, str, str]]) -> tuple[tup
         return None
     late = tuple(sorted(r for r, n in counts.items() if n == low))
     ahead = next(r for r, n in counts.items() if n == high)
-    return late, low, high, flight[ahead][1]
+    return Behind(late, low, high, flight[ahead].name)
 
 
 def _names(ranks_: tuple[int, ...], ranks: dict[int, Progress]) -> str:
@@ -213,10 +230,10 @@ def read_stacks(stacks_dir: str) -> dict[int, str]:
     return out
 
 
-def read_flight(flight_dir: str) -> dict[int, tuple[int, str, str]]:
+def read_flight(flight_dir: str) -> dict[int, LastCollective]:
     """rank -> (collectives issued, the last one's name, its state) from the flight recorder dumps
     hfscale.training.heartbeat wrote (the default process group's entries)."""
-    out: dict[int, tuple[int, str, str]] = {}
+    out: dict[int, LastCollective] = {}
     try:
         files = sorted(Path(flight_dir).glob("rank-*.json"))
     except OSError:
@@ -235,11 +252,12 @@ def read_flight(flight_dir: str) -> dict[int, tuple[int, str, str]]:
         entries = [e for g in groups if isinstance(g, list) for e in g if isinstance(e, dict)]
         if entries:
             last = max(entries, key=seq)
-            out[rank] = (seq(last), str(last.get("profiling_name", "?"))[:80], str(last.get("state", "?"))[:40])
+            out[rank] = LastCollective(seq(last), str(last.get("profiling_name", "?"))[:80],
+                                       str(last.get("state", "?"))[:40])
     return out
 
 
-def flight_line(flight: dict[int, tuple[int, str, str]]) -> str | None:
+def flight_line(flight: dict[int, LastCollective]) -> str | None:
     """One line when the ranks' flight recorders disagree: different counts, or other collectives."""
     if len(flight) < 2 or len({(n, name) for n, name, _ in flight.values()}) == 1:
         return None
@@ -248,7 +266,7 @@ def flight_line(flight: dict[int, tuple[int, str, str]]) -> str | None:
 
 
 def report(reason: str, verdict: Verdict, ranks: dict[int, Progress], changed: dict[int, float],
-           stacks: dict[int, str], now: float, flight: dict[int, tuple[int, str, str]] | None = None) -> str:
+           stacks: dict[int, str], now: float, flight: dict[int, LastCollective] | None = None) -> str:
     """The full hang report: why, every rank's last step, place and last collective, every stack."""
     flight = flight or {}
     lines = [f"hfscale hang report: {reason}", f"verdict: {verdict.line}", "",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -52,10 +52,18 @@ _KEPT = ("event", "step", "job", "time", "world_size", "tokens_per_s", "mfu", "m
 PER_RANK = ("forward_s_per_rank", "step_time_s_per_rank", "hosts")
 
 
-def rank_stats(values: list[float | None]) -> tuple[float, float, float] | None:
+class RankStats(NamedTuple):
+    """The spread of one number over the ranks."""
+
+    min: float
+    median: float
+    max: float
+
+
+def rank_stats(values: list[float | None]) -> RankStats | None:
     """(min, median, max) of the numbers in ``values``."""
     vals = sorted(v for v in values if v is not None)
-    return (vals[0], vals[round((len(vals) - 1) / 2)], vals[-1]) if vals else None
+    return RankStats(vals[0], vals[round((len(vals) - 1) / 2)], vals[-1]) if vals else None
 
 
 def _compact():

@@ -67,7 +67,7 @@ import os
 import re
 import runpy
 import sys
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from hfscale.training.heartbeat import fit_flight_recorder
 from hfscale.checkpoints.resume import decide, first_start, scan_output
@@ -194,15 +194,24 @@ def batch_hint(error: AssertionError, env: Mapping[str, str]) -> str | None:
             "up in this process.")
 
 
-def plan_start(args: list[str], env: Mapping[str, str]) -> tuple[list[str] | None, str, int]:
-    """(ARGS with the rank's flags added, or None: do not run; what to say; exit code if not run)."""
+class Start(NamedTuple):
+    """How a rank starts the script: ``args`` with the rank's flags added (None: do not run), what to
+    say first, and the exit code when it does not run."""
+
+    args: list[str] | None
+    say: str
+    exit_code: int
+
+
+def plan_start(args: list[str], env: Mapping[str, str]) -> Start:
+    """How this rank starts the script (``Start``)."""
     given = {f.name for f in given_flags(args, {"resume_from_checkpoint", "use_cpu"})}
     extra: list[str] = []
     if "use_cpu" not in given and not sees_gpu(env):
         extra += [CPU_FLAG, "true"]
     output_dir = _value(args, "output_dir")
     if "resume_from_checkpoint" in given or not output_dir:
-        return args + extra, "", 0
+        return Start(args + extra, "", 0)
     max_steps = _value(args, "max_steps")
     try:
         limit = int(max_steps) if max_steps is not None and int(max_steps) > 0 else None
@@ -210,13 +219,13 @@ def plan_start(args: list[str], env: Mapping[str, str]) -> tuple[list[str] | Non
         limit = None
     d = decide(scan_output(output_dir, int(env.get("WORLD_SIZE") or 1)), limit)
     if d.action == "resume":
-        return args + extra + [RESUME_FLAG, d.checkpoint or ""], f"hfscale: resuming from {d.checkpoint}", 0
+        return Start(args + extra + [RESUME_FLAG, d.checkpoint or ""], f"hfscale: resuming from {d.checkpoint}", 0)
     if d.action == "done":
-        return None, f"hfscale: nothing to train: {d.reason}", 0
+        return Start(None, f"hfscale: nothing to train: {d.reason}", 0)
     if d.action == "refuse" and first_start(env):
-        return None, (f"hfscale: {d.reason}. Resume one by hand with -- {RESUME_FLAG} PATH, or start over with "
-                      "hfscale launch --restart (it moves them aside)."), EXIT_BAD_INPUT
-    return args + extra, "", 0
+        return Start(None, (f"hfscale: {d.reason}. Resume one by hand with -- {RESUME_FLAG} PATH, or start over "
+                            "with hfscale launch --restart (it moves them aside)."), EXIT_BAD_INPUT)
+    return Start(args + extra, "", 0)
 
 
 def main(argv: list[str] | None = None) -> int:

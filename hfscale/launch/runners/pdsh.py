@@ -21,6 +21,7 @@ and a heartbeat into the run directory, and hfscale follows those files (``Follo
 from __future__ import annotations
 
 import posixpath
+from typing import NamedTuple
 
 from hfscale.config.envvars import host_env, host_secret
 from hfscale.rules.resolved import Job
@@ -120,20 +121,26 @@ def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> L
                  Sh("setsid bash -c"), Script(node), Sh("</dev/null >>"), log_file, Sh("2>&1 &")), pdsh=True)
 
 
-def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Line, launcher: list[Word]
-           ) -> tuple[Command, tuple[str, ...], Follow | None]:
-    """(the process that launches, the logs hfscale writes from its output, what it follows after):
-    attached up to ``runner.fanout`` hosts, detached beyond."""
+class Fanout(NamedTuple):
+    """The process that launches, the logs hfscale writes from its output, what it follows after."""
+
+    main: Command
+    logs: tuple[str, ...]
+    follow: Follow | None
+
+
+def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Line, launcher: list[Word]) -> Fanout:
+    """How pdsh reaches the hosts: attached up to ``runner.fanout`` hosts, detached beyond."""
     listing = posixpath.join(c.run_dir, HOSTS_FILE)
     fanout = job.config.runner.fanout
     if len(hosts) <= fanout:
         argv, env = pdsh_argv(job, listing, len(hosts))
         marker = posixpath.join(c.run_dir, STOP_MARKER)
-        return Command((*argv, fan_out(job_id, before, launcher, marker)), env), hosts, None
+        return Fanout(Command((*argv, fan_out(job_id, before, launcher, marker)), env), hosts, None)
     argv, env = pdsh_argv(job, listing, fanout)
     follow = Follow(hosts, posixpath.join(c.run_dir, LOGS_DIR), posixpath.join(c.run_dir, BEATS_DIR), HEARTBEAT_S,
                     LOST_AFTER_S)
-    return Command((*argv, detached(job_id, before, launcher, c.run_dir)), env), (), follow
+    return Fanout(Command((*argv, detached(job_id, before, launcher, c.run_dir)), env), (), follow)
 
 
 def kill_line(job_id: str) -> Line:
