@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +26,8 @@ from hfscale.launch.disk_full import Signs, told
 from hfscale.core.exitcodes import signal_name
 from hfscale.core.atomic_files import write_files
 from hfscale.launch.follow import follow_detached
-from hfscale.launch.spec import EXIT_MARK, LaunchPlan, Watch
+from hfscale.launch.node_lines import Nodes, parse
+from hfscale.launch.spec import LaunchPlan, Watch
 from hfscale.launch.output_lock import hold
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
@@ -35,11 +35,6 @@ from hfscale.launch.runners.stopping import STOP_GRACE_S
 from hfscale.core.shell import Command, Ran
 from hfscale.launch.watchdog import Watchdog, judge
 
-_EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
-# pdsh's report of a host's ssh: its exit code, or the signal that killed it
-_PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
-                         r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
-SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the stop runs again this often
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -61,9 +56,7 @@ class _Run:
         self.logs: dict[str, TextIO] = {h: open(run_dir / LOGS_DIR / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
         self.failure: tuple[str, int] | None = None
         self.hung = False  # the failure is the hang watchdog's (a node may exit 4 too)
-        self.exited: set[str] = set()  # hosts that printed their exit line
-        self._last: dict[str, str] = {}  # each host's last line (ssh's complaint, for an unreachable one)
-        self._lines: dict[str, int] = {}  # lines per host: more than ssh's one complaint means it was reached
+        self.nodes = Nodes()  # each host's state, from its lines (hfscale.launch.node_lines)
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopper: threading.Thread | None = None
@@ -77,6 +70,11 @@ class _Run:
         """The signal that stopped the job, if one did."""
         return self._signals[0] if self._signals else None
 
+    @property
+    def exited(self) -> set[str]:
+        """The hosts that printed their exit line."""
+        return self.nodes.exited
+
     def route(self, line: str) -> None:
         m = HOST_PREFIX.match(line)
         host = m["host"] if m and m["host"] in self.logs else None
@@ -87,23 +85,9 @@ class _Run:
             self.logs[host].flush()
         self.echo(line)
         self.disk.see(host or (m["host"] if m else self.plan.runner), line)
-        done, ended = _EXIT.match(line), _PDSH_ENDED.match(line)
-        if done:
-            self.exited.add(done["host"])
-        elif m and not line.startswith("pdsh@"):
-            self._lines[m["host"]] = self._lines.get(m["host"], 0) + 1
-            self._last[m["host"]] = line[m.end():]
-        if self.failure is not None or self.signalled is not None:
-            return
-        if ended and ended["sig"]:
-            sig = int(ended["sig"])
-            self.fail(ended["host"], 128 + sig, f"the ssh to {ended['host']} was killed ({signal_name(sig)})")
-        elif ended and int(ended["rc"]) == SSH_FAILED and ended["host"] not in self.exited:
-            host = ended["host"]
-            what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
-            self.fail(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({self._last.get(host, 'ssh failed')})")
-        elif (found := done or ended) and int(found["rc"]) != 0:
-            self.fail(found["host"], int(found["rc"]), f"{found['host']} failed (exit code {found['rc']})")
+        failure = self.nodes.see(parse(line))
+        if failure is not None and self.failure is None and self.signalled is None:
+            self.fail(failure.where, failure.rc, failure.what)
 
     def fail(self, where: str, rc: int, what: str) -> None:
         """The first failure: say it and stop the job everywhere."""

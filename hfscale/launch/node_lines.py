@@ -1,0 +1,111 @@
+"""The lines a running job prints, as typed events, and what each host's lines mean (pure).
+
+Every line is one ``Event``: ``NodeExit`` (a node's last line, ``<host>: HFSCALE_EXIT rc=N``),
+``SshEnded`` (pdsh's report that a host's ssh ended: an exit code, or the signal that killed it)
+or ``Output`` (anything else; ``host`` is the one its prefix names, if any). ``Nodes`` is the small
+state machine over them: each host goes ``silent`` -> ``talking`` (it printed a line) ->
+``exited`` (it printed its exit line), and ``Nodes.see`` says which event is the job's failure.
+``hfscale.launch.execute`` feeds it the lines and acts on the ``Failure``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+from hfscale.core import exitcodes
+from hfscale.core.exitcodes import signal_name
+from hfscale.launch.console import HOST_PREFIX
+from hfscale.launch.spec import EXIT_MARK
+
+_EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
+# pdsh's report of a host's ssh: its exit code, or the signal that killed it
+_PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
+                         r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
+SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
+
+
+@dataclass(frozen=True)
+class NodeExit:
+    """A node's launcher ended with ``rc`` (the node's last line)."""
+
+    host: str
+    rc: int
+
+
+@dataclass(frozen=True)
+class SshEnded:
+    """pdsh's ssh to ``host`` ended: with exit code ``rc``, or killed by ``signal``."""
+
+    host: str
+    rc: int | None
+    signal: int | None
+
+
+@dataclass(frozen=True)
+class Output:
+    """Any other line; ``host`` is the host its prefix names (``host: ...``), else None."""
+
+    host: str | None
+    text: str  # the line without its prefix
+    from_pdsh: bool  # pdsh's own line (``pdsh@launcher: host: ...``)
+
+
+Event = Union[NodeExit, SshEnded, Output]
+HostState = Literal["silent", "talking", "exited"]
+
+
+def parse(line: str) -> Event:
+    """The event one line of the job's output stands for."""
+    if m := _EXIT.match(line):
+        return NodeExit(m["host"], int(m["rc"]))
+    if m := _PDSH_ENDED.match(line):
+        return SshEnded(m["host"], int(m["rc"]) if m["rc"] else None, int(m["sig"]) if m["sig"] else None)
+    if m := HOST_PREFIX.match(line):
+        return Output(m["host"], line[m.end():], line.startswith("pdsh@"))
+    return Output(None, line, False)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first failure of a job: where, the exit code hfscale reports, and what to say."""
+
+    where: str
+    rc: int
+    what: str
+
+
+@dataclass
+class Nodes:
+    """Each host's state, the lines it printed, and its last line (ssh's complaint, for an unreachable one)."""
+
+    state: dict[str, HostState] = field(default_factory=dict)
+    _lines: dict[str, int] = field(default_factory=dict)
+    _last: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def exited(self) -> set[str]:
+        """The hosts that printed their exit line."""
+        return {h for h, s in self.state.items() if s == "exited"}
+
+    def see(self, event: Event) -> Failure | None:
+        """Take one event; the failure it shows, if any (the caller keeps only the first)."""
+        if isinstance(event, NodeExit):
+            self.state[event.host] = "exited"
+            return Failure(event.host, event.rc, f"{event.host} failed (exit code {event.rc})") if event.rc else None
+        if isinstance(event, Output):
+            if event.host is not None and not event.from_pdsh:
+                self._lines[event.host] = self._lines.get(event.host, 0) + 1
+                self._last[event.host] = event.text
+                if self.state.get(event.host, "silent") == "silent":
+                    self.state[event.host] = "talking"
+            return None
+        host = event.host
+        if event.signal is not None:
+            return Failure(host, 128 + event.signal, f"the ssh to {host} was killed ({signal_name(event.signal)})")
+        assert event.rc is not None
+        if event.rc == SSH_FAILED and self.state.get(host) != "exited":
+            what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
+            return Failure(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({self._last.get(host, 'ssh failed')})")
+        return Failure(host, event.rc, f"{host} failed (exit code {event.rc})") if event.rc else None
