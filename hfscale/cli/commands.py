@@ -255,7 +255,7 @@ def preflight(config_file: str, timeout: float, network: bool, seconds: float) -
     if network:
         import time
 
-        addrs = net.addresses(job, {r.host: r.facts for r in reports})
+        addrs = net.addresses(job, {r.host: r.facts.addr for r in reports})
         start = time.time() + 3 + len(job.hosts) / 50  # every host's ssh is up before the first round
         cmds = net.commands(job, sys.executable, addrs, job.config.cluster.master_port + 1, start, seconds)
         rounds = len(net.schedule(len(job.hosts)))

@@ -154,9 +154,9 @@ def render_matrix(meetings: list[Meeting], hosts: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def addresses(job: Job, facts: dict[str, dict[str, str]]) -> dict[str, str]:
+def addresses(job: Job, addrs: dict[str, str | None]) -> dict[str, str]:
     """host -> the address to measure: the NCCL interface's (from the preflight probe), else its name."""
-    return {h.host: facts.get(h.host, {}).get("addr") or h.host for h in job.hosts}
+    return {h.host: addrs.get(h.host) or h.host for h in job.hosts}
 
 
 def summary(job: Job, results: dict[str, Ran], addrs: dict[str, str]) -> tuple[str, bool]:

@@ -8,7 +8,8 @@ is ``hfscale.launch.execute.run_probes``' job.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
@@ -82,24 +83,65 @@ def probes(job: Job, python: str) -> dict[str, Command]:
     return out
 
 
+Port = Literal["free", "busy", "unknown"]  # unknown: no interpreter to try it with
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What one host answered (its probe prints ``key=value`` lines after MARK). None: not said."""
+
+    versions: dict[str, str | None] = field(default_factory=dict)  # python and PACKAGES; None: not installed
+    nvidia_smi: bool | None = None  # whether the host has nvidia-smi
+    gpus: int | None = None
+    gpu_mib: int | None = None  # the smallest GPU's memory
+    ib: tuple[str, ...] | None = None  # the InfiniBand devices
+    addr: str | None = None  # the address of NCCL_SOCKET_IFNAME's interface
+    port: Port | None = None  # the master port, asked on the first host only
+
+    @staticmethod
+    def read(stdout: str) -> HostFacts | None:
+        """The facts in a probe's output, or None when it printed none."""
+        said: dict[str, str] = {}
+        seen = False
+        for line in stdout.splitlines():
+            if line.strip() == MARK:
+                seen = True
+                continue
+            if seen and "=" in line:
+                k, v = line.split("=", 1)
+                said[k.strip()] = v.strip()
+        if not said:
+            return None
+        number = (lambda v: int(v) if v is not None and v.isdigit() else None)
+        port = said.get("port")
+        return HostFacts(
+            versions={k: (None if said[k] == "missing" else said[k]) for k in ("python", *PACKAGES) if k in said},
+            nvidia_smi=None if "gpus" not in said else said["gpus"] != "none",
+            gpus=number(said.get("gpus")), gpu_mib=number(said.get("gpu_mib")),
+            ib=None if "ib" not in said else tuple(d for d in said["ib"].split(",") if d),
+            addr=said.get("addr") or None, port=port if port in ("free", "busy", "unknown") else None)  # type: ignore[arg-type]
+
+    def version(self, key: str) -> str | None:
+        """A version as the table shows it: the version, "missing", or None when not said."""
+        if key not in self.versions:
+            return None
+        return self.versions[key] or "missing"
+
+    def cell(self, column: str) -> str:
+        """The table cell of ``column`` ("-" where the host said nothing)."""
+        if column in ("python", *PACKAGES):
+            return self.version(column) or "-"
+        if column == "gpus":
+            return "none" if self.nvidia_smi is False else "-" if self.gpus is None else str(self.gpus)
+        value = {"gpu_mib": self.gpu_mib, "ib": ",".join(self.ib or ()), "port": self.port}[column]
+        return str(value) if value not in (None, "") else "-"
+
+
 @dataclass(frozen=True)
 class HostReport:
     host: str
-    facts: dict[str, str]
+    facts: HostFacts
     problems: tuple[str, ...]
-
-
-def _facts(stdout: str) -> dict[str, str]:
-    facts = {}
-    seen = False
-    for line in stdout.splitlines():
-        if line.strip() == MARK:
-            seen = True
-            continue
-        if seen and "=" in line:
-            k, v = line.split("=", 1)
-            facts[k.strip()] = v.strip()
-    return facts
 
 
 def evaluate(job: Job, results: dict[str, Ran]) -> list[HostReport]:
@@ -107,14 +149,14 @@ def evaluate(job: Job, results: dict[str, Ran]) -> list[HostReport]:
     hosts = [h.host for h in job.hosts] or ["local"]
     slots = {h.host: h.slots for h in job.hosts} or {"local": job.procs_per_node}
     reports: list[HostReport] = []
-    reference: dict[str, str] | None = None
+    reference: HostFacts | None = None
     for i, host in enumerate(hosts):
         rc, out, err = results[host]
         problems: list[str] = []
-        facts = _facts(out)
-        if rc != 0 or not facts:
+        facts = HostFacts.read(out)
+        if rc != 0 or facts is None:
             why = (err.strip().splitlines() or [f"exit code {rc}"])[-1]
-            reports.append(HostReport(host, {}, (f"unreachable: {why}" if rc == 255 or rc == 124 else f"probe failed: {why}",)))
+            reports.append(HostReport(host, HostFacts(), (f"unreachable: {why}" if rc == 255 or rc == 124 else f"probe failed: {why}",)))
             continue
         shell = results.get(f"{host}/shell")
         if shell is not None:
@@ -125,28 +167,28 @@ def evaluate(job: Job, results: dict[str, Ran]) -> list[HostReport]:
                 text = (sout.strip() or serr.strip()).splitlines()[0][:60]
                 problems.append(f"login shell prints output for non-interactive commands ({text!r}); "
                                 "silence it in the remote shell's rc files")
-        if facts.get("python") == "missing":
+        if facts.version("python") == "missing":
             problems.append(f"python interpreter not found: {job.config.runner.python or 'hfscale default'}")
         for p in PACKAGES:
-            if facts.get(p) == "missing":
+            if facts.version(p) == "missing":
                 problems.append(f"{p} is not installed")
         if reference is None:
             reference = facts
         else:
             for k in ("python",) + PACKAGES:
-                if facts.get(k) != reference.get(k) and facts.get(k) != "missing":
-                    problems.append(f"{k} {facts.get(k)} differs from {hosts[0]}'s {reference.get(k)}")
-        gpus = facts.get("gpus", "none")
-        if gpus != "none" and gpus.isdigit() and int(gpus) < slots[host]:
+                if facts.version(k) != reference.version(k) and facts.version(k) != "missing":
+                    problems.append(f"{k} {facts.version(k)} differs from {hosts[0]}'s {reference.version(k)}")
+        gpus = facts.gpus
+        if facts.nvidia_smi and gpus is not None and gpus < slots[host]:
             problems.append(f"{slots[host]} slots but only {gpus} GPUs")
-        mib = facts.get("gpu_mib", "").strip()
+        mib = facts.gpu_mib
         want = job.config.cluster.gpu_memory
-        if want is not None and mib.isdigit() and int(mib) * 2**20 < size_bytes(want):
+        if want is not None and mib is not None and mib * 2**20 < size_bytes(want):
             problems.append(f"its smallest GPU has {mib} MiB, less than cluster.gpu_memory {want} (what check and "
                             "plan judge the job against)")
-        if job.config.network.preset in RDMA_PRESETS and not facts.get("ib", "").strip(","):
+        if job.config.network.preset in RDMA_PRESETS and not facts.ib:
             problems.append(f"no InfiniBand devices in /sys/class/infiniband (network preset {job.config.network.preset})")
-        if i == 0 and facts.get("port") == "busy":
+        if i == 0 and facts.port == "busy":
             problems.append(f"master port {job.config.cluster.master_port} is already in use")
         reports.append(HostReport(host, facts, tuple(problems)))
     return reports
@@ -158,7 +200,7 @@ def render_table(reports: list[HostReport]) -> str:
     rows = [["host", *cols, "status"]]
     for r in reports:
         status = "ok" if not r.problems else "FAIL"
-        rows.append([r.host, *[r.facts.get(c, "-").strip(",") or "-" for c in cols], status])
+        rows.append([r.host, *[r.facts.cell(c) for c in cols], status])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for r in reports:
@@ -168,7 +210,7 @@ def render_table(reports: list[HostReport]) -> str:
 
 def gpu_memory_hint(job: Job, reports: list[HostReport]) -> str | None:
     """The smallest GPU memory the hosts reported, as a line suggesting cluster.gpu_memory when unset."""
-    sizes = [int(m) for r in reports if (m := r.facts.get("gpu_mib", "").strip()).isdigit()]
+    sizes = [r.facts.gpu_mib for r in reports if r.facts.gpu_mib is not None]
     if not sizes or job.config.cluster.gpu_memory is not None:
         return None
     return (f"smallest GPU: {min(sizes)} MiB; set cluster.gpu_memory: {min(sizes)}MiB for check's and plan's "
