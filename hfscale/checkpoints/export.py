@@ -41,6 +41,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from hfscale.checkpoints.files import TRAINER_STATE, deepspeed_tag, odd_entry
 from hfscale.checkpoints.resume import CHECKPOINT_RE, checkpoint_problem, checkpoints, scan_output
@@ -55,7 +56,8 @@ WHOLE_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
-KINDS = ("zero1", "zero2", "zero3", "fsdp2", "whole")
+Kind = Literal["zero1", "zero2", "zero3", "fsdp2", "whole"]
+KINDS: tuple[Kind, ...] = ("zero1", "zero2", "zero3", "fsdp2", "whole")
 CONFIG_CAP = 16 * MiB  # a model's config.json
 DCP_METADATA_CAP = 1 << 30
 
@@ -71,7 +73,7 @@ class ExportResult:
     """What :func:`export_model` wrote, and from what."""
 
     checkpoint: str  # the checkpoint folder exported
-    kind: str  # one of KINDS: how the checkpoint holds the model
+    kind: Kind  # how the checkpoint holds the model
     weights: str  # the state the weights were read from
     parameters: int  # parameters of the exported model (tied ones once)
     out: str

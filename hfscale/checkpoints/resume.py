@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from hfscale.checkpoints.files import (INDEXES, TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks,
                                index_shards, read_trainer_state, saved_step)
@@ -303,11 +303,14 @@ def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, resh
     return OutputScan(str(output_dir), tuple(c.path.name for c in found), None, tuple(skipped), None)
 
 
+Action = Literal["fresh", "resume", "done", "refuse"]
+
+
 @dataclass(frozen=True)
 class ResumeDecision:
     """What a start does with the checkpoints in its output_dir."""
 
-    action: str  # "fresh" | "resume" | "done" | "refuse"
+    action: Action
     checkpoint: str | None = None
     reason: str = ""
 

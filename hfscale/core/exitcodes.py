@@ -1,6 +1,7 @@
 """hfscale's own exit codes (otherwise ``launch`` exits with the training's code, 128+N for signal N)."""
 
 import signal
+from typing import Literal
 
 OK = 0
 BAD_INPUT = 2  # a config, argument or output directory that cannot be used; nothing was started
@@ -16,7 +17,10 @@ def signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def state_of(rc: int, *, submitted: bool = False, signalled: bool = False, hung: bool = False) -> str:
+EndState = Literal["finished", "submitted", "stopped", "hung", "failed"]  # how a launch ended
+
+
+def state_of(rc: int, *, submitted: bool = False, signalled: bool = False, hung: bool = False) -> EndState:
     """A launch's end as ``hfscale runs`` shows it, from what ended it (a node's own exit code of 4
     or 143 is a failure, not a hang or a stop); preempted is told by rank 0 (hfscale.training.heartbeat)."""
     if rc == OK:

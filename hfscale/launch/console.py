@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Literal, TextIO
 
 from hfscale.core.records import Rank0Metrics
 from hfscale.launch.run_dir import read_metrics
@@ -49,10 +49,13 @@ _TRACE_END = re.compile(r"^[\w.]+(?:Error|Exception|Interrupt|Exit)\b")
 _HFSCALE_FAILURE = re.compile(r"fail|cannot|stopping|lost|hang|killed|error|not submitted", re.I)
 
 
+ConsoleMode = Literal["quiet", "normal", "verbose"]
+
+
 class Console:
     """The terminal side of a launch; ``mode``: quiet, normal or verbose."""
 
-    def __init__(self, mode: str = "normal", stream: TextIO | None = None, tty: bool | None = None,
+    def __init__(self, mode: ConsoleMode = "normal", stream: TextIO | None = None, tty: bool | None = None,
                  hosts: frozenset[str] | None = None):
         self.mode = mode
         self.hosts = hosts  # the names a "host: " prefix may carry (None: any name)

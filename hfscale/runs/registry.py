@@ -19,11 +19,11 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal, Union
 
 from hfscale.core.pid_identity import ProcessIdentity, liveness
 from hfscale.training.heartbeat import PROGRESS_DIR, Progress, read_progress
-from hfscale.core.records import LauncherState, Rank0Metrics
+from hfscale.core.records import LauncherState, Rank0Metrics, RunState
 from hfscale.launch.run_dir import (CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
                      read_metrics, read_state)
 from hfscale.core.untrusted import Unreadable, decode, open_regular, printable, read_bytes, read_text, read_trusted, real_dir
@@ -31,6 +31,11 @@ from hfscale.core.untrusted import Unreadable, decode, open_regular, printable, 
 
 class RunError(ValueError):
     """A run that cannot be found or used; the message names it."""
+
+
+# a run as ``hfscale runs`` shows it: its recorded state, or died (recorded running, its launcher gone),
+# unknown (none recorded), unreadable (no state.json to read)
+ShownState = Union[RunState, Literal["died", "unknown", "unreadable"]]
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class RunInfo:
     path: Path
     job_id: str
     runner: str
-    state: str
+    state: ShownState
     step: int | None
     max_steps: int | None
     loss: float | None
@@ -115,7 +120,7 @@ def run_info(path: str | Path) -> RunInfo:
                    notes=tuple(notes), tokens_per_s=m.tokens_per_s)
 
 
-def _state(doc: LauncherState, metrics: Rank0Metrics) -> str:
+def _state(doc: LauncherState, metrics: Rank0Metrics) -> ShownState:
     """The run's state from its state.json and rank 0's metrics. A run recorded as running whose
     launcher runs on this host but cannot be proven to be the process recorded (gone, its pid
     reused, no start time or boot id recorded) has ``died``."""
