@@ -25,10 +25,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hfscale.training.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, StragglerCallback  # noqa: E402
 from hfscale.rules.config_file import load_text  # noqa: E402
-from hfscale.training.train import PEAK_TFLOPS, stdlib_bytes  # noqa: E402
 from hfscale.rules.trainer_args import training_arguments  # noqa: E402
+from hfscale.training.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, StragglerCallback  # noqa: E402
+from hfscale.training.train import PEAK_TFLOPS, stdlib_bytes  # noqa: E402
 
 BLOCK = 1024
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.render.artifacts import ACCELERATE_FILE, render_artifacts
-from hfscale.config.sources.accelerate import accelerate_keys
 from hfscale.config.errors import ConfigError
+from hfscale.config.sources.accelerate import accelerate_keys
+from hfscale.render.artifacts import ACCELERATE_FILE, render_artifacts
 from hfscale.rules.config_file import load_text
 
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from hfscale.rules.config_file import load_job
 from hfscale.render.accelerate import FORBIDDEN_BESIDE_DS_FILE
+from hfscale.rules.config_file import load_job
 
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser

@@ -20,12 +20,12 @@ import yaml
 
 from conftest import ROOT
 from hfscale.config.deepspeed import DeepSpeedSection
-from hfscale.config.sources.deepspeed import deepspeed_keys
-from hfscale.config.sources.engine import OPEN
 from hfscale.config.errors import ConfigError
 from hfscale.config.extra_keys import check_extra
-from hfscale.rules.config_file import load_text
+from hfscale.config.sources.deepspeed import deepspeed_keys
+from hfscale.config.sources.engine import OPEN
 from hfscale.render.deepspeed import deepspeed_config
+from hfscale.rules.config_file import load_text
 
 # Two jobs that together set every typed key to a value other than its default.
 ZERO3 = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from hfscale.config.model import HfscaleConfig
 from hfscale.config.docs_reference import PAGE, anchor, main, render_reference, type_text
+from hfscale.config.model import HfscaleConfig
 from hfscale.config.template import render_template
 
 from conftest import ROOT

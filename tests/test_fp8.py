@@ -21,15 +21,15 @@ from accelerate.utils import dataclasses as acc_dataclasses
 from accelerate.utils import launch as acc_launch
 
 from conftest import job_of
-from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
+from hfscale.cli.importing.importer import import_configs, read_source
 from hfscale.config.errors import ConfigError
 from hfscale.core.atomic_files import write_files
-from hfscale.cli.importing.importer import import_configs, read_source
 from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
-from hfscale.rules.config_file import load_text
 from hfscale.memory.estimate import Setting, estimate
 from hfscale.memory.model_shape import shape_of
+from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
 from hfscale.render.deepspeed import deepspeed_config
+from hfscale.rules.config_file import load_text
 from hfscale.rules.trainer_args import training_arguments
 from real_corpus import CORPUS, fp8_launch
 

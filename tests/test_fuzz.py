@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hfscale.config.errors import ConfigError
-from hfscale.rules.resolved import Job
-from hfscale.rules.config_file import load_text
-from hfscale.config.schema_errors import _all_paths
 from hfscale.config.model import HfscaleConfig
+from hfscale.config.schema_errors import _all_paths
 from hfscale.config.template import EXAMPLE
+from hfscale.rules.config_file import load_text
+from hfscale.rules.resolved import Job
 
 KEYS = sorted({p.rsplit(".", 1)[-1] for p in _all_paths(HfscaleConfig)} | {"host", "slots", "zz", ""})
 

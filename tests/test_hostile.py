@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import yaml
 
-from hfscale.config.model import HfscaleConfig
 from hfscale.config.errors import ConfigError
-from hfscale.launch.node_command import LaunchContext
-from hfscale.rules.config_file import load_text
+from hfscale.config.model import HfscaleConfig
 from hfscale.launch.build import build_plan
+from hfscale.launch.node_command import LaunchContext
 from hfscale.launch.runners.kubernetes_manifest import k8s_literal
+from hfscale.rules.config_file import load_text
 
 CTX_ENV = {"WANDB_API_KEY": "wk-secret"}
 

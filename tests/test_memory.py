@@ -15,8 +15,8 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import ROOT
-from hfscale.memory.fit import judge, micro_batches
 from hfscale.memory.estimate import CONTEXT_BYTES, Setting, estimate, model_states
+from hfscale.memory.fit import judge, micro_batches
 from hfscale.memory.model_shape import ShapeError, shape_of
 
 CASES = {

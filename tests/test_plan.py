@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.launch.spec import Follow, Watch
-from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
-from hfscale.launch.build import build_plan
-from hfscale.launch.runners.stopping import dump_script, stop_script
 from hfscale.core.shell import Command, render
+from hfscale.launch.build import build_plan
+from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.spec import Follow, Watch
 
 from conftest import job_of, job_pids
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import textwrap
 
-from hfscale.render.artifacts import render_artifacts
 from hfscale.config.hostfile import parse_hostfile, render_hostfile
 from hfscale.render.accelerate import render_accelerate
+from hfscale.render.artifacts import render_artifacts
 from hfscale.render.deepspeed import deepspeed_config
 from hfscale.rules.trainer_args import training_arguments_kwargs
 

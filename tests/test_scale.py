@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
+from hfscale.launch.build import build_plan
 from hfscale.launch.node_command import LaunchContext
 from hfscale.rules.config_file import load_job
-from hfscale.launch.build import build_plan
 
 HOSTS = 3000
 ARG_MAX_ONE = 128 * 1024  # Linux: MAX_ARG_STRLEN

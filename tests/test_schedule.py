@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from hfscale.config.model import TrainingConfig
-from hfscale.checkpoints.resume import SavedState
 from hfscale.checkpoints.lr_schedule import rate, schedule_note
+from hfscale.checkpoints.resume import SavedState
+from hfscale.config.model import TrainingConfig
 
 
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])

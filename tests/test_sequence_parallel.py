@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
 from hfscale.core.atomic_files import write_files
+from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
 from hfscale.rules.config_file import load_text
 from hfscale.rules.trainer_args import training_arguments_kwargs
 from real_corpus import _DataParallel, cases, join_group_of_one, run_case

@@ -11,9 +11,9 @@ import subprocess
 import sys
 import textwrap
 
+from hfscale.launch.build import build_plan
 from hfscale.launch.console import Console
 from hfscale.launch.node_command import LaunchContext
-from hfscale.launch.build import build_plan
 
 from conftest import job_of, run_cli
 

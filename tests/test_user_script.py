@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.checkpoints.resume import checkpoint_problem
 from hfscale.checkpoints.lr_schedule import rate
+from hfscale.checkpoints.resume import checkpoint_problem
 from hfscale.config.model import TrainingConfig
 
 from conftest import ROOT

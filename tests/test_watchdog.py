@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 from hfscale.launch.spec import Watch
-from hfscale.training.heartbeat import Progress, read_progress
 from hfscale.launch.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
+from hfscale.training.heartbeat import Progress, read_progress
 
 PYSPY_WAITING = """Process 11655: python -u probe.py
 Python v3.11.7 (/usr/bin/python3.11)

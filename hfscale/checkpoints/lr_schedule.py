@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from hfscale.config.model import TrainingConfig
 from hfscale.checkpoints.resume import SavedState
+from hfscale.config.model import TrainingConfig
 
 
 def factor(kind: str, step: int, warmup: int, total: int) -> float:

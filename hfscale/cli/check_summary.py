@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hfscale.rules.resolved import Job
 from hfscale.memory.estimate import bucket_bytes
+from hfscale.rules.resolved import Job
 from hfscale.rules.trainer_args import trainer_args
 
 

@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from hfscale.config.model import HfscaleConfig
 from hfscale.config.base import MAX_COUNT, MAX_INT
+from hfscale.config.model import HfscaleConfig
 
 PAGE = Path("docs") / "config-reference.md"
 

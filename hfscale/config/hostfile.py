@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from hfscale.config.model import HostSpec
 from hfscale.config.base import host_problem
 from hfscale.config.errors import Problem
+from hfscale.config.model import HostSpec
 
 _LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
 _SLOTS = re.compile(r"^[0-9]{1,4}$")  # ASCII digits only: int() would also read other scripts' digits

@@ -12,23 +12,23 @@ import os
 import posixpath
 from dataclasses import dataclass, replace
 
-from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
-from hfscale.config.envvars import MASK, deepspeed_env_file, host_secret, masked
-from hfscale.config.errors import ConfigError, Problem
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import NOTHING_TO_TRAIN, LaunchPlan, Watch
-from hfscale.launch.node_command import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
-from hfscale.training.heartbeat import PROGRESS_DIR, STACKS_DIR
+from hfscale.checkpoints.lr_schedule import schedule_note
 from hfscale.checkpoints.reshard import conversion
 from hfscale.checkpoints.resume import OutputScan, decide
+from hfscale.config.envvars import MASK, deepspeed_env_file, host_secret, masked
+from hfscale.config.errors import ConfigError, Problem
+from hfscale.config.yaml_source import dump
+from hfscale.core.shell import Secret
+from hfscale.launch.node_command import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
 from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.launch.runners import RUNNERS
 from hfscale.launch.runners.shared import Common
-from hfscale.checkpoints.lr_schedule import schedule_note
+from hfscale.launch.spec import NOTHING_TO_TRAIN, LaunchPlan, Watch
+from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
+from hfscale.rules.resolved import Job
 from hfscale.rules.script import extra_args_problems
-from hfscale.core.shell import Secret
 from hfscale.rules.trainer_args import given_flags
-from hfscale.config.yaml_source import dump
+from hfscale.training.heartbeat import PROGRESS_DIR, STACKS_DIR
 
 
 __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]

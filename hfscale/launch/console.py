@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Callable, Literal, TextIO
 
 from hfscale.core.records import Rank0Metrics
-from hfscale.launch.run_dir import read_metrics
 from hfscale.core.untrusted import Unreadable
+from hfscale.launch.run_dir import read_metrics
 
 PROGRESS_POLL_S = 1.0
 PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is printed this often

@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from hfscale.core import exitcodes
+from hfscale.core.atomic_files import write_files
+from hfscale.core.exitcodes import signal_name
+from hfscale.core.shell import Command, Ran
 from hfscale.launch.console import HOST_PREFIX, Console, follow_progress, never_raises
 from hfscale.launch.disk_full import Signs, told
-from hfscale.core.exitcodes import signal_name
-from hfscale.core.atomic_files import write_files
 from hfscale.launch.follow import follow_detached
 from hfscale.launch.node_lines import Nodes, parse
-from hfscale.launch.spec import LaunchPlan, Watch
 from hfscale.launch.output_lock import hold
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
 from hfscale.launch.runners.stopping import STOP_GRACE_S
-from hfscale.core.shell import Command, Ran
+from hfscale.launch.spec import LaunchPlan, Watch
 from hfscale.launch.watchdog import Watchdog, judge
 
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Protocol
 
 from hfscale.core import exitcodes
-from hfscale.launch.spec import Follow, LaunchPlan
 from hfscale.core.untrusted import Unreadable, open_regular, read_bytes
+from hfscale.launch.spec import Follow, LaunchPlan
 
 FOLLOW_POLL_S = 1.0  # a detached job's logs are read this often
 READ_LIMIT = 1 << 20  # per host and round: one chatty host cannot stall the others

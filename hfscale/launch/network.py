@@ -16,10 +16,10 @@ import json
 import statistics
 from dataclasses import dataclass
 
-from hfscale.rules.resolved import Job
-from hfscale.launch.netcheck import MARK
 from hfscale.core.shell import Command, Ran, render, words
+from hfscale.launch.netcheck import MARK
 from hfscale.launch.ssh import ssh_argv
+from hfscale.rules.resolved import Job
 
 ALL_PAIRS_MAX = 16
 # a rate under a quarter of the median is slow: one Python TCP stream is CPU-bound (about 10-20

@@ -12,14 +12,14 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
-from hfscale.config.envvars import FLIGHT_DUMP_NAME, FLIGHT_ENTRIES, flight_recorder_env, installed_torch, job_env, secret_names
-from hfscale.rules.resolved import Job
 from hfscale.checkpoints.resume import OutputScan
+from hfscale.config.envvars import FLIGHT_DUMP_NAME, FLIGHT_ENTRIES, flight_recorder_env, installed_torch, job_env, secret_names
+from hfscale.core.shell import Cat, Secret, Word
 from hfscale.launch.run_dir import CONFIG_COPY
+from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
+from hfscale.rules.resolved import Job
 from hfscale.rules.script import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
 from hfscale.training.heartbeat import FLIGHT_DIR
-from hfscale.core.shell import Cat, Secret, Word
 
 BUILTIN_ENTRY = "hfscale.training.train"
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from hfscale.launch.spec import LOCK_FILE, LaunchPlan
 from hfscale.core.pid_identity import ProcessIdentity, job_processes, liveness, this_process
 from hfscale.core.untrusted import Unreadable, parse_record, printable, read_bytes
+from hfscale.launch.spec import LOCK_FILE, LaunchPlan
 
 if TYPE_CHECKING:
     from hfscale.core.records import OutputLock

@@ -13,9 +13,9 @@ from typing import Literal
 
 from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
-from hfscale.rules.resolved import Job
 from hfscale.core.shell import Command, Ran, render, words
 from hfscale.launch.ssh import ssh_argv
+from hfscale.rules.resolved import Job
 
 PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
 MARK = "HFSCALE_PROBE"

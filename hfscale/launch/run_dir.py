@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from hfscale.core.atomic_files import write_files
-from hfscale.launch.spec import LaunchPlan
 from hfscale.core.pid_identity import ProcessIdentity, this_process
 from hfscale.core.shell import Command
-from hfscale.training.heartbeat import METRICS_FILE, PROGRESS_DIR
 from hfscale.core.untrusted import Missing, Unreadable, parse_record, read_record, read_trusted
+from hfscale.launch.spec import LaunchPlan
+from hfscale.training.heartbeat import METRICS_FILE, PROGRESS_DIR
 
 if TYPE_CHECKING:
     from hfscale.core.records import LauncherState, Rank0Metrics

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from hfscale.launch.spec import Watch
-from hfscale.training.heartbeat import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
 from hfscale.core.records import FLIGHT_CAP, TEXT_CAP
 from hfscale.core.untrusted import Unreadable, read_bytes, read_json
+from hfscale.launch.spec import Watch
+from hfscale.training.heartbeat import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
 
 _PYSPY = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 _FAULT = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hfscale.config.model import DEFAULT_MODEL_CONFIG
 from hfscale.config.base import size_bytes
-from hfscale.memory.fit import Verdict, judge
-from hfscale.rules.resolved import Job
+from hfscale.config.model import DEFAULT_MODEL_CONFIG
 from hfscale.memory.estimate import Estimate, Setting, estimate
+from hfscale.memory.fit import Verdict, judge
 from hfscale.memory.model_shape import Shape, ShapeError, shape_of
 from hfscale.rules.parallelism import sequence_parallel_size
+from hfscale.rules.resolved import Job
 from hfscale.rules.trainer_args import given_flags
 
 GiB = 2**30

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from hfscale.config.hostfile import render_hostfile
-from hfscale.rules.resolved import Job
 from hfscale.render.accelerate import render_accelerate
 from hfscale.render.deepspeed import render_deepspeed
+from hfscale.rules.resolved import Job
 
 ACCELERATE_FILE = "accelerate_config.yaml"
 DEEPSPEED_FILE = "ds_config.json"

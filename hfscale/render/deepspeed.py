@@ -19,10 +19,10 @@ import json
 from typing import Any
 
 from hfscale.config.deepspeed import DeepSpeedSection, OffloadOptimizerConfig, OffloadParamConfig
-from hfscale.rules.deepspeed import NVME_ONLY, SECTIONS, ZERO_KEYS
 from hfscale.config.extra_keys import merge
-from hfscale.rules.resolved import Job
+from hfscale.rules.deepspeed import NVME_ONLY, SECTIONS, ZERO_KEYS
 from hfscale.rules.parallelism import sequence_parallel_size
+from hfscale.rules.resolved import Job
 
 
 def _offload(kind: str, off: OffloadOptimizerConfig | OffloadParamConfig) -> dict[str, Any]:

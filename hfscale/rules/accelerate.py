@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from hfscale.rules import parallelism as parallelism_rules
-from hfscale.config.model import HfscaleConfig
 from hfscale.config.accelerate import FsdpSection, ParallelismConfig
+from hfscale.config.model import HfscaleConfig
+from hfscale.rules import parallelism as parallelism_rules
 
 Found = list[tuple[tuple, str]]
 

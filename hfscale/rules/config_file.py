@@ -7,14 +7,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from hfscale.config.model import HfscaleConfig, HostSpec
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.hostfile import parse_hostfile
+from hfscale.config.model import HfscaleConfig, HostSpec
+from hfscale.config.schema_errors import problems_from_validation
+from hfscale.config.yaml_source import CONTROL, dotted, parse
+from hfscale.core.untrusted import Missing, Unreadable, read_text
 from hfscale.rules.check import resolve
 from hfscale.rules.resolved import Job
-from hfscale.config.schema_errors import problems_from_validation
-from hfscale.core.untrusted import Missing, Unreadable, read_text
-from hfscale.config.yaml_source import CONTROL, dotted, parse
 
 
 MAX_FILE = 1 << 20  # a config or host file is text people write: 1 MiB is far beyond any

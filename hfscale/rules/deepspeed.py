@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from hfscale.rules import parallelism as parallelism_rules
 from hfscale.config.model import HfscaleConfig
+from hfscale.rules import parallelism as parallelism_rules
 from hfscale.config.deepspeed import (
     ActivationCheckpointingConfig,
     AioConfig,

@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple
 
 from pydantic import BaseModel
 
-from hfscale.config.model import DeepSpeedSection, FsdpSection, HfscaleConfig, HostSpec
 from hfscale.config.errors import Problem
+from hfscale.config.model import DeepSpeedSection, FsdpSection, HfscaleConfig, HostSpec
 from hfscale.config.yaml_source import dotted
 
 LineOf = Callable[[tuple], "int | None"]

@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from hfscale.config.errors import Problem
-from hfscale.rules.trainer_args import GivenFlag, TrainerArg, flag_conflicts, given_flags, trainer_args, trainer_flags
 from hfscale.config.yaml_source import dotted
+from hfscale.rules.trainer_args import GivenFlag, TrainerArg, flag_conflicts, given_flags, trainer_args, trainer_flags
 
 if TYPE_CHECKING:  # job.py calls script_problems while it builds the Job
     from hfscale.rules.resolved import Job

@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from hfscale.checkpoints.files import TRAINER_STATE, read_trainer_state
-from hfscale.core.records import METRICS_LINE_CAP, METRICS_LINES_CAP, TEXT_CAP, LauncherState, LogEntry, MetricsLine, TrainerState
 from hfscale.checkpoints.resume import checkpoints
+from hfscale.core.records import METRICS_LINE_CAP, METRICS_LINES_CAP, TEXT_CAP, LauncherState, LogEntry, MetricsLine, TrainerState
+from hfscale.core.untrusted import Missing, Unreadable, printable, read_json_lines, read_text
 from hfscale.launch.run_dir import CONFIG_COPY, PLAN_FILE, read_state
 from hfscale.runs.registry import RunError, output_dir_of, read_config_copy
-from hfscale.core.untrusted import Missing, Unreadable, printable, read_json_lines, read_text
 
 METRICS_FILE = "hfscale_metrics.jsonl"  # hfscale.training.callbacks.collectives.METRICS_FILE (that module imports torch)
 MAX_RANK_LINES = 16  # beyond this many ranks the memory plot shows min / median / max instead

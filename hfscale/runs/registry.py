@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
 from hfscale.core.pid_identity import ProcessIdentity, liveness
-from hfscale.training.heartbeat import PROGRESS_DIR, Progress, read_progress
 from hfscale.core.records import LauncherState, Rank0Metrics, RunState
+from hfscale.training.heartbeat import PROGRESS_DIR, Progress, read_progress
 from hfscale.launch.run_dir import (CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
                      read_metrics, read_state)
 from hfscale.core.untrusted import Unreadable, decode, open_regular, printable, read_bytes, read_text, read_trusted, real_dir

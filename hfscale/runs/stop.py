@@ -16,10 +16,10 @@ from typing import Callable
 
 from hfscale.core.pid_identity import liveness, signal_recorded
 from hfscale.core.records import STATE_CAP, LauncherState
-from hfscale.launch.run_dir import STATE_FILE, STOP_MARKER, mark_stopping, read_cleanup, read_state, record_state
-from hfscale.runs.registry import RunError, RunInfo, slurm_job_id
 from hfscale.core.shell import Command, Text
 from hfscale.core.untrusted import Unreadable, decode, printable, read_trusted
+from hfscale.launch.run_dir import STATE_FILE, STOP_MARKER, mark_stopping, read_cleanup, read_state, record_state
+from hfscale.runs.registry import RunError, RunInfo, slurm_job_id
 
 
 STOP_WAIT_S = 120  # the launcher's stop: TERM, a grace period, KILL, on every node

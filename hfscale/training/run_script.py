@@ -69,11 +69,11 @@ import runpy
 import sys
 from typing import Mapping, NamedTuple, Sequence
 
-from hfscale.training.heartbeat import fit_flight_recorder
 from hfscale.checkpoints.resume import decide, first_start, scan_output
-from hfscale.training.shutdown import exit_cleanly
 from hfscale.rules.script import PLAIN_FLAG
 from hfscale.rules.trainer_args import given_flags
+from hfscale.training.heartbeat import fit_flight_recorder
+from hfscale.training.shutdown import exit_cleanly
 
 EXIT_BAD_INPUT = 2
 RESUME_FLAG = "--resume_from_checkpoint"

@@ -23,10 +23,10 @@ import os
 import sys
 from pathlib import Path
 
-from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.config.errors import ConfigError
-from hfscale.rules.resolved import Job
+from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.rules.config_file import load_job
+from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import fit_flight_recorder
 from hfscale.training.shutdown import exit_cleanly
 

@@ -38,11 +38,11 @@ from hfscale.training.callbacks import (
     StragglerCallback,
     exit_cleanly,
 )
-from hfscale.rules.config_file import load_text
-from hfscale.render.deepspeed import render_deepspeed
 from hfscale.checkpoints.resume import latest_checkpoint
-from hfscale.training.train import stdlib_bytes
+from hfscale.render.deepspeed import render_deepspeed
+from hfscale.rules.config_file import load_text
 from hfscale.rules.trainer_args import training_arguments
+from hfscale.training.train import stdlib_bytes
 
 BLOCK = 64
 N_BLOCKS = 1024

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hfscale.config.model import TrainingConfig
+from hfscale.cli.importing.draft import AUTO, Draft
 from hfscale.config.deepspeed import DeepSpeedSection
-from hfscale.rules.deepspeed import SECTIONS, ZERO_KEYS
+from hfscale.config.extra_keys import check_extra, ignored_keys
+from hfscale.config.model import TrainingConfig
 from hfscale.config.sources.deepspeed import deepspeed_keys
 from hfscale.config.sources.engine import Section
-from hfscale.config.extra_keys import check_extra, ignored_keys
-from hfscale.cli.importing.draft import AUTO, Draft
+from hfscale.rules.deepspeed import SECTIONS, ZERO_KEYS
 
 DS = ("distributed", "deepspeed")
 T = ("training",)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hfscale.config.sources.accelerate import fsdp2_mapping
 from hfscale.cli.importing.draft import Draft, as_bool
+from hfscale.config.sources.accelerate import fsdp2_mapping
 
 FSDP_KEYS = {"reshard_after_forward", "offload_params", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
              "min_num_params", "state_dict_type", "activation_checkpointing", "activation_checkpointing_offload",

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hfscale.config.sources.accelerate import accelerate_keys
+from hfscale.cli.importing.deepspeed import import_deepspeed
+from hfscale.cli.importing.draft import Draft, as_bool, render_draft
+from hfscale.cli.importing.fsdp import import_fsdp
+from hfscale.config.accelerate import ParallelismConfig
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.extra_keys import check_extra
 from hfscale.config.hostfile import parse_hostfile
-from hfscale.cli.importing.deepspeed import import_deepspeed
-from hfscale.cli.importing.fsdp import import_fsdp
-from hfscale.config.accelerate import ParallelismConfig
+from hfscale.config.sources.accelerate import accelerate_keys
 from hfscale.config.sources.deepspeed import deepspeed_keys
-from hfscale.cli.importing.draft import Draft, as_bool, render_draft
-from hfscale.rules.config_file import _read, load_text
 from hfscale.config.yaml_source import parse
+from hfscale.rules.config_file import _read, load_text
 
 BACKENDS = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MULTI_GPU": "ddp", "NO": "ddp"}
 # accelerate launch's multi_gpu path serves these too (commands/launch.py, _validate_launch_command)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import posixpath
 
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.core.shell import Command, Text, words
 from hfscale.launch.node_command import LaunchContext
 from hfscale.launch.runners.kubernetes_manifest import API_VERSION, CONFIG_DIR, LABEL, kubernetes_manifests, launcher_command, render_manifests
-from hfscale.core.shell import Command, Text, words
 from hfscale.launch.runners.shared import Common, Submitted, Unavailable
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.rules.resolved import Job
 
 RANK_DIR = CONFIG_DIR  # where the pods read the generated files
 MANIFESTS = "pytorchjob.yaml"

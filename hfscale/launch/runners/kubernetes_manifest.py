@@ -39,10 +39,10 @@ from typing import Any
 import yaml
 
 from hfscale.config.envvars import RDMA_PRESETS
-from hfscale.rules.resolved import Job
-from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
-from hfscale.core.shell import Cat, Secret, Var, Word, value
 from hfscale.config.yaml_source import Dumper
+from hfscale.core.shell import Cat, Secret, Var, Word, value
+from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.rules.resolved import Job
 
 CONFIG_DIR = "/etc/hfscale"
 API_VERSION = "kubeflow.org/v1"

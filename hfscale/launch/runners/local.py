@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import LaunchPlan, NodeLaunch
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.core.shell import Command, Line, Sh, words
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.rules.resolved import Job
 
 LOG = "local"
 

@@ -24,15 +24,15 @@ import posixpath
 from typing import NamedTuple
 
 from hfscale.config.envvars import host_env, host_secret
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import LOGS_DIR, STOP_MARKER
+from hfscale.launch.spec import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
+from hfscale.rules.resolved import Job
 from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
                      render, words)
-from hfscale.launch.ssh import pdsh_argv
 from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
+from hfscale.launch.ssh import pdsh_argv
 
 RANK_VAR = "HFSCALE_NODE_RANK"
 HOST_VAR = "HFSCALE_HOST"

@@ -13,16 +13,16 @@ from __future__ import annotations
 import posixpath
 
 from hfscale.config.envvars import RDMA_PRESETS
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.core.shell import Cat, Command, Line, Sh, Var, Word, words
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import STOP_MARKER
-from hfscale.core.shell import Cat, Command, Line, Sh, Var, Word, words
-from hfscale.launch.ssh import pdsh_argv
 from hfscale.launch.runners import pdsh
-from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.local import here
+from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.launch.ssh import pdsh_argv
+from hfscale.rules.resolved import Job
 
 
 def docker_argv(job: Job, env_names: list[str], rank: Word, workdir: str, launcher: list[Word], job_id: str

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import posixpath
 
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import LaunchPlan, NodeLaunch
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
-from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch
-from hfscale.launch.run_dir import SLURM_JOB_ID_FILE
 from hfscale.core.shell import Command, Line, Secret, Sh, words
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.run_dir import SLURM_JOB_ID_FILE
 from hfscale.launch.runners.shared import Common, Submitted, Unavailable
+from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch
 from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.rules.resolved import Job
 
 EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import posixpath
 
-from hfscale.rules.resolved import Job
-from hfscale.launch.spec import EXIT_MARK
 from hfscale.core.shell import Line, Sh, Var, Word, and_then, exports, render, words
+from hfscale.launch.spec import EXIT_MARK
+from hfscale.rules.resolved import Job
 
 SCRIPT = "job.sbatch"
 NODE_RANK = Var("SLURM_NODEID")

@@ -41,16 +41,19 @@ Without it they are merged into the Trainer's own log of that step: ``log_histor
 added after this one see them, the ``report_to`` loggers do not. Either way the values go out with
 the Trainer's next log (the same step when ``every`` equals the logging steps); the JSON lines are
 written at once.
+
+Part of the training layer: may import hfscale.core, config, checkpoints, rules, render and
+hfscale.training; the only modules that import torch and transformers at module level.
 """
 
 from __future__ import annotations
 
-from hfscale.training.shutdown import exit_cleanly
 from hfscale.training.callbacks.checkpoints import CheckpointCompleteCallback
 from hfscale.training.callbacks.collectives import METRICS_FILE
 from hfscale.training.callbacks.preemption import PreemptionCallback
-from hfscale.training.callbacks.steps import ProgressCallback
 from hfscale.training.callbacks.reporting import MetricsCallback, StragglerCallback
+from hfscale.training.callbacks.steps import ProgressCallback
+from hfscale.training.shutdown import exit_cleanly
 
 __all__ = [
     "METRICS_FILE",
