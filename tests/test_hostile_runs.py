@@ -108,7 +108,8 @@ def hostile(tmp_path_factory):
         (bin_dir / tool).chmod(0o755)
     (root / "cases.json").write_text(json.dumps(cases))
     built = time.monotonic() - t0
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT / "tests")}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}  # this checkout's hfscale, installed or not
     procs = {}
     for family, commands in FAMILIES.items():
         scratch = root / f"scratch-{family}"
