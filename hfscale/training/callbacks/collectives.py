@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger("hfscale.training.callbacks")
+logger = logging.getLogger("hfscale.callbacks")  # the name users configure (the package moved to hfscale.training)
 
 METRICS_FILE = "hfscale_metrics.jsonl"
 LOG_PREFIX = "hfscale/"
