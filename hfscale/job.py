@@ -256,6 +256,7 @@ def resolve(
     if problems:
         raise ConfigError(source, problems)
     warnings = list(extra_warnings) + [Problem(dotted(p), m, line_of(p)) for p, m in
-                                       script_warnings + ds_warnings + _shorthand_warnings(cfg)]
+                                       script_warnings + ds_warnings + accelerate_rules.warnings(cfg)
+                                       + _shorthand_warnings(cfg)]
     warnings.sort(key=lambda p: (p.line is None, p.line or 0))
     return replace(job, warnings=tuple(warnings))
