@@ -164,6 +164,11 @@ def test_sequence_parallel_batch_is_per_data_parallel_rank(tmp_path):
         "(data-parallel ranks: distributed.parallelism dp_replicate_size x dp_shard_size) = 12"]
 
 
+SPS_WHY = (": DeepSpeed divides its data-parallel world by it wherever it builds its config without accelerate's "
+           "sequence-parallel groups (deepspeed.zero.Init in from_pretrained), and its batch check fails; set "
+           "distributed.parallelism.sp_size (with backend deepspeed) instead")
+
+
 @pytest.mark.parametrize("change, message", [
     (_sp({"sp_size": 4}), "distributed.parallelism: dp_replicate_size 1 x dp_shard_size 2 x tp_size 1 x cp_size 1 x "
      "sp_size 4 = 8, but the world size is 4: accelerate writes DeepSpeed's train_batch_size for dp_replicate_size x "
@@ -198,7 +203,18 @@ def test_sequence_parallel_batch_is_per_data_parallel_rank(tmp_path):
      "divides its data-parallel world by it wherever it builds its config without accelerate's sequence-parallel "
      "groups (deepspeed.zero.Init in from_pretrained), and its batch check fails; set distributed.parallelism.sp_size "
      "(with backend deepspeed) instead"),
-    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"data_parallel_size": 4}}}},
+    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"sequence_parallel_size": "2"}}}},
+     "distributed.deepspeed.extra.sequence_parallel_size: '2', but distributed.parallelism.sp_size is 2" + SPS_WHY),
+    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"sequence_parallel_size": 2.0}}}},
+     "distributed.deepspeed.extra.sequence_parallel_size: 2.0, but distributed.parallelism.sp_size is 2" + SPS_WHY),
+    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"sequence_parallel_size": True}}}},
+     "distributed.deepspeed.extra.sequence_parallel_size: True, but distributed.parallelism.sp_size is 2" + SPS_WHY),
+    ({**_sp(), "training": {}}, "distributed.parallelism.sp_size: 2: the built-in entry point (no training.script) "
+     "cannot train with sequence parallelism: its batches have no position_ids, which DeepSpeed's Ulysses data-loader "
+     "adapter requires (it raises on the first batch), and its model is built with transformers' default attention, "
+     "not sp_attn_implementation; name your training script in training.script"),
+    ({**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"sequence_parallel_size": 2,
+                                                                                "data_parallel_size": 4}}}},
      "distributed.deepspeed.extra.data_parallel_size: 4, but the data-parallel ranks are world size 4 / sp_size 2 = "
      "2: DeepSpeed builds its (data_parallel_size, sequence_parallel_size) mesh of the processes from it"),
 ])
@@ -210,3 +226,13 @@ def test_sequence_parallel_keys_deepspeed_reads_are_accepted_when_they_agree():
     doc = {**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {
         "stage": 3, "extra": {"sequence_parallel_size": 2, "data_parallel_size": 2}}}}
     assert _problems(doc) == []
+
+
+def test_data_parallel_size_without_sequence_parallel_size_is_a_warning_not_a_check():
+    """deepspeed.initialize reads data_parallel_size only beside sequence_parallel_size (its mesh)."""
+    doc = {**_sp(), "distributed": {**_sp()["distributed"], "deepspeed": {"extra": {"data_parallel_size": 4}}}}
+    assert _problems(doc) == []
+    assert [f"{w.path}: {w.message}" for w in _load(doc).warnings] == [
+        "distributed.deepspeed.extra.data_parallel_size: does nothing without sequence_parallel_size: "
+        "deepspeed.initialize builds its (data_parallel_size, sequence_parallel_size) mesh only when the JSON has "
+        "both; remove it"]

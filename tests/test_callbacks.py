@@ -373,3 +373,28 @@ def test_fsdp_dropped_by_accelerate_is_said_once_on_rank_0():
     said = [line for line in r.stdout.splitlines() if line.startswith("hfscale:")]
     assert said == ["hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as NO (it uses FSDP "
                     "on GPUs and other accelerators only): every rank holds the whole model"], r.stdout
+
+
+@pytest.mark.parametrize("sharing, data_parallel", [(None, 8), (2, 4), (8, 1)])
+def test_metrics_count_each_sample_once_under_tensor_context_or_sequence_parallelism(tmp_path, monkeypatch,
+                                                                                       sharing, data_parallel):
+    """8 ranks, sp_size (or tp x cp) 2: 4 data-parallel ranks bring samples; the other rank of each
+    pair works on the same ones (the Trainer's get_total_train_batch_size counts the same way)."""
+    from hfscale.training.callbacks import MetricsCallback
+    from hfscale.training.callbacks import collectives
+
+    monkeypatch.setattr(collectives, "all_gather", lambda mine: [[2.0, 2.0, 100.0]] * 8)  # 2 s, 2 steps, 8 ranks
+    pc = None if sharing is None else types.SimpleNamespace(non_data_parallel_size=sharing)
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(parallelism_config=pc), log=lambda v: None)
+    metrics = MetricsCallback(seq_len=64, peak_flops_per_device=1e12, flops_per_token=1e6, trainer=trainer)
+    metrics._window_steps, metrics._flops_per_token = 2, 1e6  # as on_train_begin sets them
+    args = types.SimpleNamespace(per_device_train_batch_size=3, gradient_accumulation_steps=5, device=None,
+                                 include_num_input_tokens_seen="no", output_dir=str(tmp_path))
+    state = types.SimpleNamespace(global_step=2, epoch=0.1, max_steps=10, num_input_tokens_seen=0,
+                                  is_world_process_zero=True)
+    monkeypatch.setattr(collectives, "peak_memory_mb", lambda device: 100.0)
+    metrics._report(args, state)
+    r = metrics.last
+    assert r["samples_per_s"] == pytest.approx(3 * 5 * data_parallel * 2 / 2)
+    assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64)
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * 1e6 / (8 * 1e12))

@@ -382,3 +382,23 @@ def test_state_json_holds_a_launcher_only_when_a_launch_records_one(tmp_path):
     doc = read_state(tmp_path)
     assert doc.pid == os.getpid() and doc.state == "running" and doc.stop_requested == 1.7e9
     assert doc.proc_start and doc.boot_id  # the launcher's identity: a pid alone proves nothing
+
+
+def test_a_run_is_found_by_its_job_name(tmp_path):
+    """`hfscale status tiny_cpu`: the job name finds its run; with two runs of it, exit 2 names both
+    and the newest."""
+    from hfscale.runs.registry import PLAN_FILE, RunError, find_run
+
+    def make(name: str) -> Path:
+        d = tmp_path / name
+        (d / "logs").mkdir(parents=True)
+        (d / PLAN_FILE).write_text("{}")
+        return d
+
+    first = make("tiny_cpu-20261126-052511-3820dc")
+    make("tiny_cpu_big-20261126-052600-aaaaaa")  # another job whose name starts the same
+    assert find_run("tiny_cpu", tmp_path) == first
+    make("tiny_cpu-20261126-062511-4920ef")
+    with pytest.raises(RunError) as e:
+        find_run("tiny_cpu", tmp_path)
+    assert "matches 2 runs" in str(e.value) and "the newest: tiny_cpu-20261126-062511-4920ef" in str(e.value)

@@ -114,3 +114,27 @@ def test_a_json_with_sequence_parallel_size_imports_beside_the_same_sp_size(tmp_
     r = run_cli("import", str(acc), "--out", "-", cwd=tmp_path)
     assert r.returncode == 2 and "ds.json: sequence_parallel_size: 4, but distributed.parallelism.sp_size is 2" \
         in r.stderr, r.stderr
+
+
+def test_a_sources_train_batch_size_is_left_out_under_sequence_parallelism(tmp_path):
+    """accelerate overwrites train_batch_size with micro x gradient_accumulation_steps (1 when absent)
+    x data-parallel ranks before deepspeed.initialize: the number in the JSON never trains, so it
+    neither sets nor derives the accumulation."""
+    from conftest import run_cli
+
+    acc = tmp_path / "acc.yaml"
+    acc.write_text(yaml.safe_dump({
+        "distributed_type": "DEEPSPEED", "num_processes": 8, "deepspeed_config": {"deepspeed_config_file": "ds.json"},
+        "parallelism_config": {"parallelism_config_dp_shard_size": 4, "parallelism_config_sp_size": 2}}))
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "train_batch_size": 16,
+                                                  "zero_optimization": {"stage": 3}}))
+    r = run_cli("import", str(acc), "--out", "job.yaml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "job.yaml").read_text()
+    doc = yaml.safe_load(text)
+    assert "global_batch_size" not in doc["batch"] and doc["batch"].get("gradient_accumulation_steps", 1) == 1
+    assert "train_batch_size 16 left out: under sequence parallelism (sp_size 2) accelerate replaces it with micro " \
+           "batch x gradient_accumulation_steps (1 when absent) x 4 data-parallel ranks" in text
+    assert doc["training"]["script"] == "train.py"  # the built-in entry point cannot run sequence parallelism
+    job = load_text(text, "job.yaml", tmp_path)
+    assert (job.gradient_accumulation_steps, job.global_batch_size) == (1, 4)  # what accelerate gives DeepSpeed

@@ -52,6 +52,7 @@ def main() -> None:
       hfscale check my-run.yaml         # validate, print world size and batch math
       hfscale config my-run.yaml --out generated/
       accelerate launch --config_file generated/accelerate_config.yaml train.py
+      # precision fp8 with DeepSpeed: add --mixed_precision fp8 (hfscale launch does)
     """
 
 
@@ -74,8 +75,8 @@ def config_cmd(config_file: str, out_dir: str) -> None:
 
     The accelerate YAML names the DeepSpeed JSON by absolute path, so it works from any directory.
     """
-    from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
     from hfscale.core.atomic_files import write_files
+    from hfscale.render.artifacts import DEEPSPEED_FILE, launch_note, render_artifacts
 
     job = _load(config_file)
     out = Path(out_dir)
@@ -85,6 +86,9 @@ def config_cmd(config_file: str, out_dir: str) -> None:
     files = render_artifacts(job, str((out / DEEPSPEED_FILE).resolve()))
     for path in _written(lambda: write_files(out, files), out_dir):
         click.echo(str(path))
+    note = launch_note(job)
+    if note:
+        click.echo(f"note: {note}", err=True)
 
 
 @main.command()

@@ -105,9 +105,32 @@ def fp8_problems(cfg: HfscaleConfig) -> Found:
     ds = cfg.distributed.deepspeed
     if engine == "deepspeed" and ds is not None and "bf16" in ds.extra:
         out.append((("distributed", "deepspeed", "extra", "bf16"), "with precision fp8, accelerate turns DeepSpeed's "
-                    "bf16 on only when the JSON has no bf16 section (DeepSpeedPlugin.set_mixed_precision); with "
-                    "this one DeepSpeed would train fp32 weights: remove it"))
+                    "bf16 on only when the JSON has no bf16 section (DeepSpeedPlugin.set_mixed_precision); " + (
+                        "with enabled: true the HF Trainer refuses it (its bf16 flag is false under fp8: the "
+                        "mismatch check fails)" if _enabled(ds.extra["bf16"]) else
+                        "with this one DeepSpeed would train fp32 weights") + ": remove it"))
     return out
+
+
+def _enabled(section: object) -> bool:
+    return isinstance(section, dict) and str(section.get("enabled", False)).lower() == "true"
+
+
+def warnings(cfg: HfscaleConfig) -> Found:
+    """fp8 under FSDP with no fp8_backend: accelerate picks the first one installed, torchao before
+    Transformer Engine and MS-AMP (Accelerator.__init__), and then refuses torchao beside
+    cpu_ram_efficient_loading, which is hfscale's default."""
+    fsdp = cfg.distributed.fsdp or FsdpSection()
+    fp8 = cfg.accelerate.extra.get("fp8_config")
+    fp8 = fp8 if isinstance(fp8, dict) else {}
+    if cfg.precision != "fp8" or cfg.distributed.backend != "fsdp" or not fsdp.cpu_ram_efficient_loading:
+        return []
+    if fp8.get("fp8_backend", fp8.get("backend")) not in (None, "NO"):
+        return []
+    return [(("accelerate", "extra", "fp8_config", "fp8_backend"), "unset with FSDP: accelerate then uses torchao "
+             "where it is installed (before Transformer Engine and MS-AMP), and refuses torchao beside "
+             "distributed.fsdp.cpu_ram_efficient_loading: true (\"torchao with FSDP2 and cpu_ram_efficient_loading "
+             "is not supported\"); name the backend (TE), or set cpu_ram_efficient_loading: false")]
 
 
 def extra_problems(extra: dict) -> tuple[Found, Found]:

@@ -141,7 +141,8 @@ def check(job: Job) -> Findings:
     found += _training_problems(cfg)
     script_found, script_warnings = script_problems(job)
     problems = [Problem(dotted(p), m, line_of(p)) for p, m in found + script_found]
-    warnings = [Problem(dotted(p), m, line_of(p)) for p, m in script_warnings + ds_warnings + _shorthand_warnings(cfg)]
+    warnings = [Problem(dotted(p), m, line_of(p)) for p, m in
+                script_warnings + ds_warnings + accelerate_rules.warnings(cfg) + _shorthand_warnings(cfg)]
     return Findings(tuple(problems), tuple(warnings))
 
 

@@ -103,6 +103,16 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
         notes.append((base + ("round_robin_gradients",), "speeds up copying gradients to the CPU; without "
                       "offload_optimizer.device: cpu it does nothing"))
     out += _schedule_problems(cfg, ds, base)
+    if cfg.precision == "fp8" and ds.stage == 3 and ds.zero3_init and cfg.training.script is not None:
+        # hfscale.train sets bf16 in the config its TrainingArguments hold (trainer_args.bf16_under_fp8)
+        notes.append((("precision",), "fp8 with ZeRO-3: a Trainer script builds its model under deepspeed.zero.Init "
+                      "from the DeepSpeed JSON, which has no bf16 section (accelerate adds it for fp8 only when the "
+                      "Accelerator is built, after the model), so the weights are partitioned in fp32 and DeepSpeed "
+                      "never casts them: the job trains fp32 weights. In the script, after TrainingArguments(...) "
+                      "and before the model: args.hf_deepspeed_config.config.setdefault('bf16', {'enabled': True}) "
+                      "and args.hf_deepspeed_config._dtype = torch.bfloat16" + (
+                          "" if parallelism_rules.sequence_parallel_size(cfg) > 1 else
+                          " (or leave training.script null: hfscale.train does this)")))
     return out, notes + schedule_warnings(cfg) + parallelism_rules.warnings(cfg)
 
 

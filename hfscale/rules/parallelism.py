@@ -84,11 +84,22 @@ def _sequence_problems(cfg: HfscaleConfig) -> Found:
     if cfg.training.script is None and block % p.sp_size:
         out.append((("training", "data", "block_size"), f"{block} is not divisible by distributed.parallelism.sp_size "
                     f"{p.sp_size}: DeepSpeed refuses every batch of that length"))
+    if cfg.training.script is None:
+        out.append((HERE + ("sp_size",), f"{p.sp_size}: the built-in entry point (no training.script) cannot "
+                    "train with sequence parallelism: its batches have no position_ids, which DeepSpeed's Ulysses "
+                    "data-loader adapter requires (it raises on the first batch), and its model is built with "
+                    "transformers' default attention, not sp_attn_implementation; name your training script in "
+                    "training.script"))
     if cfg.runner.launcher != "accelerate":
         out.append((("runner", "launcher"), f"{cfg.runner.launcher}: sequence parallelism reaches the ranks through "
                     "accelerate launch (PARALLELISM_CONFIG_* from the accelerate config), which torchrun does not "
                     "run; the job would train without it: use runner.launcher: accelerate"))
     return out
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _deepspeed_keys(cfg: HfscaleConfig, world: int) -> Found:
@@ -99,25 +110,30 @@ def _deepspeed_keys(cfg: HfscaleConfig, world: int) -> Found:
     sp = sequence_parallel_size(cfg)
     out: Found = []
     base = ("distributed", "deepspeed", "extra")
-    value = ds.extra.get("sequence_parallel_size")
-    if isinstance(value, int) and not isinstance(value, bool) and value != sp:
-        out.append((base + ("sequence_parallel_size",), f"{value}, but distributed.parallelism.sp_size is {sp}: "
-                    "DeepSpeed divides its data-parallel world by it wherever it builds its config without "
+    if "sequence_parallel_size" not in ds.extra:  # data_parallel_size alone: a warning (warnings())
+        return out
+    value = ds.extra["sequence_parallel_size"]
+    if type(value) is not int or value != sp:
+        out.append((base + ("sequence_parallel_size",), f"{_shown(value)}, but distributed.parallelism.sp_size is "
+                    f"{sp}: DeepSpeed divides its data-parallel world by it wherever it builds its config without "
                     "accelerate's sequence-parallel groups (deepspeed.zero.Init in from_pretrained), and its batch "
                     "check fails; set distributed.parallelism.sp_size (with backend deepspeed) instead"))
-    value = ds.extra.get("data_parallel_size")
-    if isinstance(value, int) and not isinstance(value, bool) and value * sp != world:
-        out.append((base + ("data_parallel_size",), f"{value}, but the data-parallel ranks are world size {world} / "
-                    f"sp_size {sp} = {world / sp:g}: DeepSpeed builds its (data_parallel_size, "
-                    "sequence_parallel_size) mesh of the processes from it"))
+    if "data_parallel_size" in ds.extra:
+        value = ds.extra["data_parallel_size"]
+        if type(value) is not int or value * sp != world:
+            out.append((base + ("data_parallel_size",), f"{_shown(value)}, but the data-parallel ranks are world size "
+                        f"{world} / sp_size {sp} = {world / sp:g}: DeepSpeed builds its (data_parallel_size, "
+                        "sequence_parallel_size) mesh of the processes from it"))
     return out
 
 
 def warnings(cfg: HfscaleConfig) -> Found:
-    """Sequence parallelism with the built-in entry point, whose batches DeepSpeed would refuse."""
-    if sequence_parallel_size(cfg) == 1 or cfg.training.script is not None:
+    """DeepSpeed's data_parallel_size without sequence_parallel_size, which nothing reads."""
+    ds = cfg.distributed.deepspeed
+    if cfg.distributed.backend != "deepspeed" or ds is None:
         return []
-    return [(HERE + ("sp_size",), "the built-in entry point (no training.script) is not ready for sequence "
-             "parallelism: its batches have no position_ids, which DeepSpeed's Ulysses data-loader adapter requires, "
-             "and its model is built with transformers' default attention, not sp_attn_implementation; name your "
-             "training script in training.script")]
+    if "data_parallel_size" in ds.extra and "sequence_parallel_size" not in ds.extra:
+        return [(("distributed", "deepspeed", "extra", "data_parallel_size"), "does nothing without "
+                 "sequence_parallel_size: deepspeed.initialize builds its (data_parallel_size, sequence_parallel_size) "
+                 "mesh only when the JSON has both; remove it")]
+    return []

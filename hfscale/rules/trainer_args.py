@@ -86,7 +86,24 @@ def training_arguments(job: Job, deepspeed_config_file: str | None = None, **ove
     """A ``transformers.TrainingArguments`` for ``job``; ``overrides`` win (e.g. ``use_cpu=True``)."""
     from transformers import TrainingArguments
 
-    return TrainingArguments(**{**training_arguments_kwargs(job, deepspeed_config_file), **overrides})
+    args = TrainingArguments(**{**training_arguments_kwargs(job, deepspeed_config_file), **overrides})
+    bf16_under_fp8(job, args)
+    return args
+
+
+def bf16_under_fp8(job: Job, args: Any) -> None:
+    """precision fp8 under DeepSpeed: the JSON has no bf16 section (accelerate adds bf16 on when the
+    Accelerator is built, after the model), so deepspeed.zero.Init (ZeRO-3, in from_pretrained /
+    from_config) would partition fp32 weights that DeepSpeed never casts. Once TrainingArguments have
+    checked the JSON against their --bf16 false, bf16 goes into the config they hold, which zero.Init,
+    the DeepSpeedPlugin and deepspeed.initialize all read (transformers' HfTrainerDeepSpeedConfig)."""
+    hf = getattr(args, "hf_deepspeed_config", None)
+    if job.deepspeed is None or job.config.precision != "fp8" or hf is None:
+        return
+    import torch
+
+    hf.config.setdefault("bf16", {"enabled": True})
+    hf._dtype = torch.bfloat16  # what trainer_config_process set from the JSON (float32); the Trainer reads it
 
 
 def _word(value: Any) -> str:

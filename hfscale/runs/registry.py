@@ -15,6 +15,7 @@ may have been written by anything.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -252,7 +253,9 @@ def find_run(ref: str, root: str | Path = "runs") -> Path:
     if not root.is_dir():
         raise RunError(f"no run directory {printable(ref)!r}, and no runs directory {printable(str(root))}")
     runs = _run_dirs(root)
-    found = [p for p in runs if p.name == ref] or [p for p in runs if p.name.endswith("-" + ref)]
+    of_job = re.compile(re.escape(ref) + r"-\d{8}-\d{6}-[0-9a-f]{6}$")  # <job name>-<job id>
+    found = ([p for p in runs if p.name == ref] or [p for p in runs if p.name.endswith("-" + ref)]
+             or [p for p in runs if of_job.match(p.name)])
     if len(found) == 1:
         return found[0]
     if not found:
@@ -260,7 +263,7 @@ def find_run(ref: str, root: str | Path = "runs") -> Path:
     names = sorted(printable(p.name) for p in found)
     more = f" and {len(names) - 20} more" if len(names) > 20 else ""
     raise RunError(f"{printable(ref)!r} matches {len(found)} runs in {printable(str(root))}: "
-                   f"{', '.join(names[:20])}{more}; give more of the name or job id")
+                   f"{', '.join(names[:20])}{more}; give more of the name or job id (the newest: {names[-1]})")
 
 
 def _when(t: float | None) -> str:

@@ -38,18 +38,19 @@ def _default(key: str) -> Any:
 
 
 def import_deepspeed(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str | None, world: int,
-                     save_16bit: bool = False) -> None:
-    """Put DeepSpeed JSON ``ds`` (from file ``source``) into ``draft``: ``world`` processes in all,
-    ``save_16bit`` the accelerate config's zero3_save_16bit_model."""
+                     save_16bit: bool = False, sequence_parallel: int = 1) -> None:
+    """Put DeepSpeed JSON ``ds`` (from file ``source``) into ``draft``: ``world`` data-parallel ranks
+    (the processes / ``sequence_parallel``, the accelerate config's sp_size), ``save_16bit`` the
+    accelerate config's zero3_save_16bit_model."""
     previous, draft.source = draft.source, source
     try:
-        _import(ds, draft, source, mixed_precision, world, save_16bit)
+        _import(ds, draft, source, mixed_precision, world, save_16bit, sequence_parallel)
     finally:
         draft.source = previous
 
 
 def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str | None, world: int,
-            save_16bit: bool) -> None:
+            save_16bit: bool, sequence_parallel: int = 1) -> None:
     keys = deepspeed_keys()
     extra: dict[str, Any] = {}
     ds = _whole_numbers(_shapes(dict(ds), draft, source), keys)
@@ -57,7 +58,7 @@ def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str 
         ds["bf16"] = ds.pop("bfloat16")
         draft.notes.append(f"{source}: 'bfloat16' is DeepSpeed's old name of 'bf16'; under accelerate launch it was "
                            "overridden (accelerate writes bf16.enabled false beside it), here it means bf16")
-    _batch(ds, draft, source, world)
+    _batch(ds, draft, source, world, sequence_parallel)
     extra.update(_precision(ds, draft, source, mixed_precision))
     clip = ds.pop("gradient_clipping", 1.0)
     if clip == AUTO:
@@ -159,11 +160,20 @@ def _whole(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _batch(ds: dict, draft: Draft, source: str, world: int) -> None:
+def _batch(ds: dict, draft: Draft, source: str, world: int, sp: int = 1) -> None:
+    """``world``: the data-parallel ranks; ``sp``: the sequence-parallel size."""
     given = set(ds)
     micro = _whole(ds.pop("train_micro_batch_size_per_gpu", None))
     ga = _whole(ds.pop("gradient_accumulation_steps", None))
     total = _whole(ds.pop("train_batch_size", None))
+    if sp > 1 and "train_batch_size" in given:
+        # accelerate's _prepare_deepspeed overwrites it with micro x accumulation x data-parallel ranks before
+        # deepspeed.initialize, the accumulation being gradient_accumulation_steps or 1: the number is never used
+        shown = repr(total) if len(repr(total)) <= 20 else repr(total)[:17] + "..."
+        draft.notes.append(f"{source}: train_batch_size {shown} left out: under sequence parallelism (sp_size {sp}) "
+                           "accelerate replaces it with micro batch x gradient_accumulation_steps (1 when absent) x "
+                           f"{world} data-parallel ranks before deepspeed.initialize")
+        total = None
     counts = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (total, micro))
     if micro is not None and ga is None and counts and total != micro * world:
         draft.notes.append(f"{source}: no gradient_accumulation_steps: accelerate sets it to 1, and DeepSpeed's batch "

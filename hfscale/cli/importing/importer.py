@@ -113,7 +113,8 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     procs = acc.get("num_processes")
     world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
     _cluster(acc, hostfile, out_dir, draft, where)
-    world //= _sequence_parallel(acc.get("parallelism_config"), world)  # the batch is per data-parallel rank
+    sp = _sequence_parallel(acc.get("parallelism_config"), world)
+    world //= sp  # the batch is per data-parallel rank
     plugin = acc.pop("deepspeed_config", None) or {}
     fsdp = acc.pop("fsdp_config", None) or {}
     if not isinstance(plugin, dict):
@@ -122,8 +123,11 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     if backend == "deepspeed":
         if precision is not None and (deepspeed is not None or "deepspeed_config_file" in plugin):
             draft.refuse(f"{where}: mixed_precision", "beside deepspeed_config_file: accelerate's DeepSpeedPlugin "
-                         "refuses the pair (it would be ignored); set bf16/fp16 in the JSON")
-        _deepspeed(plugin, deepspeed, precision, draft, where, world)
+                         "refuses the pair (it would be ignored); " + (
+                             "fp8 cannot go in the JSON: remove it here and launch with accelerate launch "
+                             "--mixed_precision fp8 (hfscale launch passes it for precision: fp8)"
+                             if precision == "fp8" else "set bf16/fp16 in the JSON"))
+        _deepspeed(plugin, deepspeed, precision, draft, where, world, sp)
     else:
         draft.set(("precision",), precision or "no", key="mixed_precision")
         if plugin:
@@ -133,6 +137,9 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     if fsdp:
         import_fsdp(fsdp, draft, where, backend)
     _parallelism(acc.pop("parallelism_config", None) or {}, draft, where)
+    if backend == "deepspeed" and sp > 1:
+        draft.set(("training", "script"), "train.py", "the script accelerate launch ran: set yours (hfscale's "
+                  "built-in entry point cannot train with sequence parallelism)")
     _rest(acc, draft, where)
     if backend != "deepspeed" or draft.get(("batch", "micro_batch_size")) is None:
         draft.set(("batch", "micro_batch_size"), 1, "accelerate's config has no batch size: the script's; set yours")
@@ -210,7 +217,7 @@ INLINE_NAMES = {
 
 
 def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, draft: Draft, where: str,
-               world: int) -> None:
+               world: int, sp: int = 1) -> None:
     plugin = dict(plugin)
     plugin.pop("deepspeed_config_file", None)
     plugin.pop("deepspeed_hostfile", None)
@@ -262,7 +269,7 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
         if key not in unread and not (deepspeed is not None and key in PLUGIN):  # those are refused above
             draft.refuse(f"{where}: deepspeed_config.{key}", "hfscale cannot express it")
     since = len(draft.problems)
-    import_deepspeed(ds, draft, source, precision, world, as_bool(plugin_save) is True)
+    import_deepspeed(ds, draft, source, precision, world, as_bool(plugin_save) is True, sequence_parallel=sp)
     if precision == "fp8":  # accelerate adds bf16 {enabled: true} at run time, as hfscale's fp8 JSON leaves it to
         draft.set(("precision",), "fp8", key="mixed_precision")
     if deepspeed is None:  # errors name the accelerate YAML's keys, not the DeepSpeed config built from them

@@ -100,6 +100,18 @@ class _Reporter(TrainerCallback):
                 state.log_history[-1].update(values)
 
 
+def sharing_ranks(trainer: Any = None) -> int:
+    """Ranks that work on the same samples: tp_size x cp_size x sp_size of accelerate's
+    parallelism_config (the trainer's Accelerator's, else the process's AcceleratorState); 1 without."""
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if pc is None:
+        from accelerate.state import AcceleratorState
+
+        pc = AcceleratorState._shared_state.get("parallelism_config")
+    size = getattr(pc, "non_data_parallel_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+
 class MetricsCallback(_Reporter):
     """Throughput, ETA, peak memory and MFU, global over all ranks.
 
@@ -125,7 +137,9 @@ class MetricsCallback(_Reporter):
     ``event`` ``"metrics"``; ``step`` global step; ``epoch``; ``time`` Unix time; ``world_size``;
     ``window_steps`` steps since the previous report; ``step_time_s`` mean wall time per optimizer
     step in that window (slowest rank's clock; saving and evaluation excluded); ``samples_per_s``
-    and ``tokens_per_s`` over all ranks (``tokens_per_s`` null when unknown); ``eta_s`` remaining
+    and ``tokens_per_s`` over all ranks, each sample counted once (micro batch x accumulation x the
+    data-parallel ranks: world size / (tp x cp x sp), as the Trainer's total batch; ``tokens_per_s``
+    null when unknown); ``eta_s`` remaining
     steps x ``step_time_s``; ``mem_peak_mb`` max over ranks and ``mem_peak_mb_per_rank`` (CUDA
     ``max_memory_allocated`` on GPUs, else peak RSS of the process); ``flops_per_token``;
     ``mfu`` achieved model FLOP/s over ``world_size x peak_flops_per_device`` (null when a figure
@@ -164,7 +178,9 @@ class MetricsCallback(_Reporter):
         steps = self._window_steps
         window_s = max(r[0] for r in rows)
         step_time = window_s / steps if steps else float("nan")
-        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * world * steps
+        # tensor, context and sequence parallel ranks share their samples: only data-parallel ranks add some
+        data_parallel = max(1, world // sharing_ranks(self.trainer))
+        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel * steps
         samples_per_s = samples / window_s if window_s > 0 else None
         tokens_per_s = None
         if self.seq_len is not None and samples_per_s is not None:
