@@ -15,7 +15,7 @@ import pytest
 
 from conftest import job_of, run_cli
 from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts
-from hfscale.render_deepspeed import render_deepspeed
+from hfscale.render.deepspeed import render_deepspeed
 from real_corpus import join_group_of_one
 
 Z3 = """
@@ -118,8 +118,8 @@ def test_fp8_under_fsdp_without_a_backend_is_warned_of_torchao_and_cpu_ram_effic
     ("{immediate_grad_update: true}", "with this one DeepSpeed would train fp32 weights"),
 ])
 def test_a_bf16_section_beside_fp8_is_refused_with_what_it_would_do(section, why):
-    from hfscale.errors import ConfigError
-    from hfscale.load import load_text
+    from hfscale.config.errors import ConfigError
+    from hfscale.rules.config_file import load_text
 
     text = Z3.replace("stage: 3}", f"stage: 3, extra: {{bf16: {section}}}}}")
     with pytest.raises(ConfigError) as e:
@@ -129,7 +129,7 @@ def test_a_bf16_section_beside_fp8_is_refused_with_what_it_would_do(section, why
 
 
 def test_mixed_precision_fp8_beside_a_deepspeed_file_is_refused_with_the_launch_flag_not_the_json(tmp_path):
-    from hfscale.errors import ConfigError
+    from hfscale.config.errors import ConfigError
     from hfscale.cli.importing.importer import import_configs, read_source
 
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
