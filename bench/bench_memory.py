@@ -14,6 +14,7 @@ Goal (issue 15): median |error| <= 10 %, max <= 20 %.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -153,14 +154,24 @@ def measure(i: int, size: str, s: Setting, model, which: str = "main") -> dict:
     return json.loads(lines[-1]) if lines else {"error": (r.stderr or "no output")[-2000:]}
 
 
+@functools.lru_cache(maxsize=None)
+def _cases(grid_name: str) -> dict[tuple[str, str], Setting]:
+    return {(size, s.describe()): s for size, s in GRIDS[grid_name]()}
+
+
+def case_of(record: dict) -> tuple[str, Setting]:
+    """The model size and Setting a saved record (--json) was measured for."""
+    return record["size"], _cases(record.get("grid", "main"))[(record["size"], record["setting"])]
+
+
 def rescore(path: Path) -> None:
     """A saved measurement (no GPU needed) against today's estimate: the measurements do not depend
     on the estimate, so a changed estimate is scored on the same runs."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     errors, wrong = [], 0
     for r in rows:
-        cases = {(size, s.describe()): s for size, s in GRIDS[r.get("grid", "main")]()}
-        e = estimate(shape_of(SIZES[r["size"]]), cases[(r["size"], r["setting"])])
+        size, setting = case_of(r)
+        e = estimate(shape_of(SIZES[size]), setting)
         predicted, fits = e.reserved / 2**30, e.gpu_total <= r["total"]
         if r.get("oom"):
             wrong += fits

@@ -258,7 +258,10 @@ def test_two_rank_deepspeed_metrics_and_straggler(tmp_path_factory):
         assert r["median_forward_s"] == pytest.approx(r["forward_s_per_rank"][0])
         assert r["ratio"] == pytest.approx(r["forward_s_per_rank"][1] / r["forward_s_per_rank"][0])
     for r in stragglers[1:]:
-        assert r["straggler"] is True and r["forward_s_per_rank"][0] < 0.03
+        # rank 1 is slower by about its 30 ms sleep; rank 0's own forward time grows on a loaded
+        # machine (38.6 ms once, in a CI run sharing its 2 cores), so the gap is what is asserted
+        fast, slow = r["forward_s_per_rank"]
+        assert r["straggler"] is True and slow - fast > 0.015
     assert f"rank 1 on host {host}" in ref.log and "straggler at step 4:" in ref.log
     # Wall time per step is the same on both ranks (they wait for each other): why forward time is used.
     assert stragglers[-1]["step_time_s_per_rank"][0] == pytest.approx(stragglers[-1]["step_time_s_per_rank"][1], rel=0.2)

@@ -30,8 +30,8 @@ def scored(path: Path) -> tuple[list[float], int, int]:
     errors, wrong, ooms = [], 0, 0
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        cases = {(size, s.describe()): s for size, s in bench_memory.GRIDS[r.get("grid", "main")]()}
-        e = estimate(shape_of(bench_memory.SIZES[r["size"]]), cases[(r["size"], r["setting"])])
+        size, setting = bench_memory.case_of(r)
+        e = estimate(shape_of(bench_memory.SIZES[size]), setting)
         if r["oom"]:
             ooms += 1
             wrong += e.gpu_total <= r["total"]

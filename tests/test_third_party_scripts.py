@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hfscale.training.run_script import FSDP_ON_CPU, accelerate_needs_backend, joins_group_first, plain_mode
+from hfscale.training.run_script import FSDP_ON_CPU, joins_group_first, plain_mode
 
 from conftest import ROOT
 
@@ -226,10 +226,10 @@ def test_which_ranks_join_the_process_group_before_the_script():
     assert not joins_group_first([*ds, "--use_cpu", "false"], {"WORLD_SIZE": "2"})  # a GPU: accelerate does it
     assert not joins_group_first(["--use_cpu", "true"], {"WORLD_SIZE": "2"})  # no DeepSpeed
     launched = {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2", **NO_GPU}
-    assert accelerate_needs_backend(launched)
-    assert not accelerate_needs_backend({**launched, "WORLD_SIZE": "1"})
-    assert not accelerate_needs_backend({**launched, "ACCELERATE_USE_DEEPSPEED": "false"})  # torchrun, DDP
-    assert not accelerate_needs_backend({**launched, "ACCELERATE_USE_CPU": "true"})  # accelerate's own CPU mode
+    assert plain_mode(launched) == "deepspeed"
+    assert plain_mode({**launched, "WORLD_SIZE": "1"}) != "deepspeed"
+    assert plain_mode({**launched, "ACCELERATE_USE_DEEPSPEED": "false"}) != "deepspeed"  # torchrun, DDP
+    assert plain_mode({**launched, "ACCELERATE_USE_CPU": "true"}) != "deepspeed"  # accelerate's own CPU mode
     # a plain script's rank: what accelerate needs so that it counts every rank
     two = {"WORLD_SIZE": "2", **NO_GPU}
     assert plain_mode(launched) == "deepspeed"

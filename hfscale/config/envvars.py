@@ -130,9 +130,9 @@ def flight_recorder_on_node(env: Mapping[str, str], torch_version: str | None, e
     machine's torch chose the other names: an old torch would lose the setting, a new one warn on every
     rank. A value hfscale did not set, or one already set under the node's name, is left alone."""
     changes: dict[str, str | None] = {}
+    if torch_version is None:  # no torch beside hfscale here: nothing to go by
+        return changes
     for what, value in (("size", entries), ("dump", dump_prefix)):
-        if torch_version is None:  # no torch beside hfscale here: nothing to go by
-            break
         name, other = _flight_name(what, torch_version)
         if name not in env and env.get(other) == value:
             changes.update({name: value, other: None})

@@ -144,12 +144,6 @@ def plain_mode(env: Mapping[str, str]) -> str | None:
     return "cpu"
 
 
-def accelerate_needs_backend(env: Mapping[str, str]) -> bool:
-    """Whether a plain script's Accelerator would find no backend under accelerate's DeepSpeed launcher
-    on a rank without a GPU (ACCELERATE_USE_CPU would turn DeepSpeed off)."""
-    return plain_mode(env) == "deepspeed"
-
-
 FSDP_ON_CPU = ("hfscale: distributed.backend fsdp on a rank without a GPU: accelerate trains FSDP on GPUs only (on "
                "the CPU it drops the FSDP plugin and trains DDP, or every rank alone), so this job would not train "
                "as written. Run it on GPU nodes, or set distributed.backend: ddp or deepspeed for a CPU run.")
