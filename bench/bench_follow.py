@@ -76,7 +76,7 @@ def nodes(root: str, hosts: list[str], seconds: float, lose: str, lose_at: float
 
 
 class Recorder:
-    """A Relay that records when lines and the failure arrive (hfscale.execute's role)."""
+    """A Relay that records when lines and the failure arrive (hfscale.launch.execute's role)."""
 
     def __init__(self, run_dir: str):
         self.plan = SimpleNamespace(run_dir=run_dir)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from hfscale.core import exitcodes
+from hfscale.launch.first_failure import FirstFailure
 from hfscale.launch.node_lines import Failure, NodeExit, Nodes, Output, SshEnded, parse
 
 
@@ -33,3 +36,59 @@ def test_a_host_goes_silent_talking_exited_and_each_ending_has_its_failure():
     assert nodes.see(parse("pdsh@l: node3: ssh killed by signal 9")) == Failure(
         "node3", 137, "the ssh to node3 was killed (SIGKILL)")
     assert nodes.see(parse("node4: HFSCALE_EXIT rc=1")) == Failure("node4", 1, "node4 failed (exit code 1)")
+
+
+GLOO_PEER_LOST = ("node0: [rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                  "by peer [10.78.1.2]:57018. This is typically caused by a remote worker crashing.")
+
+
+def test_a_node_whose_ranks_lost_a_peer_is_marked_so():
+    nodes = Nodes()
+    nodes.see(parse(GLOO_PEER_LOST))
+    assert nodes.see(parse("node0: HFSCALE_EXIT rc=1")) == Failure("node0", 1, "node0 failed (exit code 1)", lost_peer=True)
+    assert nodes.see(parse("node1: HFSCALE_EXIT rc=1")).lost_peer is False
+    nodes.see(parse("node2: torch.distributed.DistBackendError: NCCL error: remote process exited or there was a network error"))
+    assert nodes.see(parse("pdsh@l: node2: ssh exited with exit code 1")).lost_peer is True
+
+
+def _named(wait_s: float = 30.0):
+    named: list[Failure] = []
+    return named, FirstFailure(named.append, wait_s=wait_s)
+
+
+def test_the_node_that_failed_first_is_named_though_its_victim_reported_first():
+    """The order a loaded CI run saw: rank 1 crashed on node1, but node0 (its all_reduce broken
+    by the crash) reported first. node1 is the failure, named as soon as it reports."""
+    nodes, (named, first) = Nodes(), _named()
+    for line in (GLOO_PEER_LOST, "node0: HFSCALE_EXIT rc=1", "pdsh@vm: node0: ssh exited with exit code 1",
+                 "node1: PROBE_CRASH rank=1", "node1: HFSCALE_EXIT rc=1"):
+        if (failure := nodes.see(parse(line))) is not None:
+            first.offer(failure)
+        assert named == [] or line == "node1: HFSCALE_EXIT rc=1", line
+    assert named == [Failure("node1", 1, "node1 failed (exit code 1) (node0's ranks lost it as a peer)")]
+    first.settle()
+    first.offer(Failure("node2", 1, "node2 failed (exit code 1)"))
+    assert len(named) == 1  # once
+
+
+def test_a_node_that_only_lost_a_peer_is_named_when_no_other_fails():
+    named, first = _named(wait_s=0.2)
+    first.offer(Failure("node0", 1, "node0 failed (exit code 1)", lost_peer=True))
+    first.offer(Failure("node1", 1, "node1 failed (exit code 1)", lost_peer=True))  # another victim: still waiting
+    assert named == []
+    deadline = time.monotonic() + 10
+    while not named and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [f.where for f in named] == ["node0"]
+    assert "its ranks lost a peer, and no other node reported a failure within 0.2 s" in named[0].what
+    # every node reported before the wait ended: settle names the held one at once
+    named2, first2 = _named()
+    first2.offer(Failure("node3", 1, "node3 failed (exit code 1)", lost_peer=True))
+    first2.settle()
+    assert [f.where for f in named2] == ["node3"]
+
+
+def test_a_failure_that_is_not_a_lost_peer_is_named_at_once():
+    named, first = _named()
+    first.offer(Failure("node1", 3, "node1 failed (exit code 3)"))
+    assert named == [Failure("node1", 3, "node1 failed (exit code 3)")]

@@ -26,8 +26,9 @@ from hfscale.core.exitcodes import signal_name
 from hfscale.core.shell import Command, Ran
 from hfscale.launch.console import HOST_PREFIX, Console, follow_progress, never_raises
 from hfscale.launch.disk_full import Signs, told
+from hfscale.launch.first_failure import FirstFailure
 from hfscale.launch.follow import follow_detached
-from hfscale.launch.node_lines import Nodes, parse
+from hfscale.launch.node_lines import Failure, Nodes, parse
 from hfscale.launch.output_lock import hold
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
@@ -64,6 +65,7 @@ class _Run:
         self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.launch.disk_full)
         self.following = False  # main started a detached job and ended: its process group is gone
         self.ended = threading.Event()  # the job is over: the watchdog stops watching
+        self.first = FirstFailure(self._node_failed)  # the ranks a dead rank took down wait for it
 
     @property
     def signalled(self) -> int | None:
@@ -87,11 +89,18 @@ class _Run:
         self.disk.see(host or (m["host"] if m else self.plan.runner), line)
         failure = self.nodes.see(parse(line))
         if failure is not None and self.failure is None and self.signalled is None:
-            self.fail(failure.where, failure.rc, failure.what)
+            self.first.offer(failure)
+
+    def _node_failed(self, f: Failure) -> None:
+        if self.signalled is None:
+            self.fail(f.where, f.rc, f.what)
 
     def fail(self, where: str, rc: int, what: str) -> None:
         """The first failure: say it and stop the job everywhere."""
-        self.failure = (where, rc)
+        with self._stop_lock:
+            if self.failure is not None:
+                return
+            self.failure = (where, rc)
         self.echo(f"hfscale: {what}; stopping the job on every node")
         self.stop()
 
@@ -312,12 +321,16 @@ def _stream(run: _Run) -> int:
         run.route(line.rstrip("\n"))
     rc = run.proc.wait()
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
+    if run.signalled is None:
+        run.first.settle()  # every node has reported: one that only lost a peer is the failure
     if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
         # what main started may outlive it (a killed srun's step inside an allocation): stop it
         run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
     if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
         run.following = True  # main only started the nodes: its process group is gone
         follow_detached(run, run.plan.follow)
+        if run.signalled is None:
+            run.first.settle()
     run.finish()
     if run.signalled is not None:
         return 128 + run.signalled

@@ -5,7 +5,9 @@ Every line is one ``Event``: ``NodeExit`` (a node's last line, ``<host>: HFSCALE
 or ``Output`` (anything else; ``host`` is the one its prefix names, if any). ``Nodes`` is the small
 state machine over them: each host goes ``silent`` -> ``talking`` (it printed a line) ->
 ``exited`` (it printed its exit line), and ``Nodes.see`` says which event is the job's failure.
-``hfscale.launch.execute`` feeds it the lines and acts on the ``Failure``.
+A failure is ``lost_peer`` when the host's ranks printed the error a collective raises when another
+rank died (gloo's "Connection closed by peer", NCCL's remote error): most likely a victim, not the
+cause. ``hfscale.launch.execute`` feeds it the lines and acts on the ``Failure``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 _PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
                          r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
 SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
+# what a rank prints when a collective fails because another rank went away (gloo, NCCL, sockets)
+_PEER_LOST = re.compile(r"Connection closed by peer|caused by a remote worker crashing|Connection reset by peer"
+                        r"|remote process exited|ncclRemoteError")
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class Failure:
     where: str
     rc: int
     what: str
+    lost_peer: bool = False  # its ranks failed because another rank went away: likely not the cause
 
 
 @dataclass
@@ -83,6 +89,7 @@ class Nodes:
     state: dict[str, HostState] = field(default_factory=dict)
     _lines: dict[str, int] = field(default_factory=dict)
     _last: dict[str, str] = field(default_factory=dict)
+    lost_peer: set[str] = field(default_factory=set)  # hosts whose ranks printed a peer's loss
 
     @property
     def exited(self) -> set[str]:
@@ -93,11 +100,13 @@ class Nodes:
         """Take one event; the failure it shows, if any (the caller keeps only the first)."""
         if isinstance(event, NodeExit):
             self.state[event.host] = "exited"
-            return Failure(event.host, event.rc, f"{event.host} failed (exit code {event.rc})") if event.rc else None
+            return self._failed(event.host, event.rc) if event.rc else None
         if isinstance(event, Output):
             if event.host is not None and not event.from_pdsh:
                 self._lines[event.host] = self._lines.get(event.host, 0) + 1
                 self._last[event.host] = event.text
+                if _PEER_LOST.search(event.text):
+                    self.lost_peer.add(event.host)
                 if self.state.get(event.host, "silent") == "silent":
                     self.state[event.host] = "talking"
             return None
@@ -108,4 +117,7 @@ class Nodes:
         if event.rc == SSH_FAILED and self.state.get(host) != "exited":
             what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
             return Failure(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({self._last.get(host, 'ssh failed')})")
-        return Failure(host, event.rc, f"{host} failed (exit code {event.rc})") if event.rc else None
+        return self._failed(host, event.rc) if event.rc else None
+
+    def _failed(self, host: str, rc: int) -> Failure:
+        return Failure(host, rc, f"{host} failed (exit code {rc})", lost_peer=host in self.lost_peer)
