@@ -166,6 +166,23 @@ def test_a_record_appended_after_a_torn_line_starts_its_own_line_and_the_torn_on
     assert got.note(path) == f"{path}: 1 unreadable line(s) skipped"
 
 
+def test_a_line_just_over_the_cap_is_skipped_wherever_the_pieces_split_it(tmp_path):
+    """A line a little over line_cap whose start shares a read piece with a newline (the reader
+    reads 4 MiB pieces from the end) was returned whole; it is skipped and counted."""
+    from hfscale.core.records import MetricsLine
+    from hfscale.core.untrusted import CHUNK, read_json_lines
+
+    cap = 1 << 20
+    path = tmp_path / "m.jsonl"
+    big = '{"event": "metrics", "step": 3, "x": "' + "a" * (cap + 100) + '"}'
+    last = '{"event": "metrics", "step": 5}\n'
+    for split in (10, len(big) // 2, len(big) - 10):  # where the 4 MiB pieces (from the end) cut the long line
+        tail = "c" * (CHUNK - split - len(last) - 1)  # its own line (a bad record)
+        path.write_text('{"event": "metrics", "step": 1}\n' + big + "\n" + tail + "\n" + last)
+        got = read_json_lines(path, MetricsLine, cap, 64 << 20, 100_000)
+        assert [r.step for r in got.records] == [1, 5] and got.skipped == 2, split  # the long line, the c's
+
+
 # ---- what resuming skipped ---------------------------------------------------------------------
 
 def _checkpoints(out: Path) -> None:

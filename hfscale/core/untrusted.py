@@ -283,10 +283,10 @@ def _newest_first(fd: int, size: int, total_cap: int, max_lines: int, line_cap: 
         if len(parts) == 1:  # inside one line
             carry, over = (b"", True) if over or len(chunk) + len(carry) > line_cap else (chunk + carry, False)
             continue
-        yield None if over else parts[-1] + carry
+        yield None if over or len(parts[-1]) + len(carry) > line_cap else parts[-1] + carry
         n += 1
         for piece in reversed(parts[1:-1]):
-            yield piece
+            yield None if len(piece) > line_cap else piece
             n += 1
         carry, over = (b"", True) if len(parts[0]) > line_cap else (parts[0], False)
     if pos == 0 and n < max_lines:
