@@ -137,7 +137,7 @@ def test_schema_is_json_schema_of_the_model():
     s = json.loads(r.stdout)
     assert s["additionalProperties"] is False
     assert set(s["properties"]) == {"name", "cluster", "runner", "distributed", "precision", "batch",
-                                    "gradient_clipping", "network", "env", "accelerate", "watchdog", "training"}
+                                    "gradient_clipping", "network", "env", "accelerate", "watchdog", "recovery", "training"}
     assert s["required"] == ["name", "batch"]
     assert s["$defs"]["DeepSpeedSection"]["properties"]["stage"]["enum"] == [0, 1, 2, 3]
     assert all("description" in p for p in s["$defs"]["BatchConfig"]["properties"].values())

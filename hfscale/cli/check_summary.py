@@ -41,6 +41,7 @@ def summary(job: Job) -> str:
         *([("memory", memory_line(job))] if cfg.cluster.gpu_memory is not None else []),
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
         ("watchdog", _watchdog(job)),
+        *([("recovery", _recovery(job))] if cfg.recovery.max_restarts else []),
         ("entry", _entry(job)),
     ]
     return "\n".join(f"  {k:<13}{v}" for k, v in rows)
@@ -73,6 +74,22 @@ def _watchdog(job: Job) -> str:
     if job.config.runner.type == "slurm":
         return f"a submitted job: off; launched inside an allocation (salloc): {what}"
     return what
+
+
+def _recovery(job: Job) -> str:
+    """What the supervisor (hfscale.launch.supervisor) will do, with the batch at each node count."""
+    from hfscale.rules.recovery import accumulation_at
+
+    r = job.config.recovery
+    window = f" in {r.window} s" if r.window else ""
+    what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host out after {r.strikes} failure(s)"
+    if r.min_nodes is None or r.min_nodes >= job.num_nodes:
+        return what + "; never shrinking (a failed host is retried)"
+    what += f", down to {r.min_nodes} node(s)"
+    if not r.keep_global_batch:
+        return what + "; the global batch shrinks with the ranks"
+    per = ", ".join(f"{accumulation_at(job, n)} at {n}" for n in range(job.num_nodes, r.min_nodes - 1, -1))
+    return what + f"; global batch {job.global_batch_size} kept: accumulation {per} node(s)"
 
 
 def _entry(job: Job) -> str:

@@ -276,6 +276,31 @@ class WatchdogConfig(Strict):
         "them through hfscale). Without it, first_step is refused: it would stop a healthy job.")
 
 
+class RecoveryConfig(Strict):
+    """What ``hfscale launch`` does after a rank fails, a node is lost or the job hangs: stop the job and
+    relaunch it from the newest complete checkpoint, without a host that keeps failing (pdsh, pdsh_docker,
+    local and slurm runners)."""
+
+    max_restarts: int = Field(
+        0, ge=0, le=10_000, description="Relaunches hfscale makes by itself after a rank failure, a lost node or a "
+        "hang: it stops the whole job and starts it again from the newest complete checkpoint. 0: off. Not "
+        "runner.max_restarts (torchrun restarting one node's processes in place).")
+    window: int | None = Field(
+        None, ge=60, le=10**8, description="Seconds: count only the restarts within this many seconds, so a long "
+        "job is not stopped by failures days apart. Null: every restart of the job counts.")
+    strikes: int = Field(
+        2, ge=1, le=1000, description="Failures attributed to one host before it is excluded from the next launches.")
+    min_nodes: PositiveInt | None = Field(
+        None, description="Fewest nodes the job may shrink to by excluding hosts. Null: never shrink (a failed host "
+        "is retried in place).")
+    keep_global_batch: bool = Field(
+        True, description="When the job shrinks, keep the global batch: gradient accumulation is derived again for "
+        "the ranks left (check says at which node counts it can be). False: the global batch shrinks with the job.")
+    probe_excluded: bool = Field(
+        True, description="Between restarts, probe the excluded hosts (ssh and preflight) and admit a healthy one back "
+        "at the next restart.")
+
+
 class HfscaleConfig(Strict):
     """One training job: cluster, launch, sharding, precision, batch geometry and training."""
 
@@ -292,6 +317,8 @@ class HfscaleConfig(Strict):
     accelerate: AccelerateSection = Field(default_factory=AccelerateSection,
                                           description="accelerate settings beyond the engine's.")
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="Hang detection.")
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig,
+                                     description="Relaunches after a failure or a hang, on fewer hosts if need be.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="Trainer settings.")
 
     @field_validator("name")

@@ -1,0 +1,119 @@
+"""The ``recovery:`` section: the rules ``hfscale check`` applies to it, and the job a relaunch runs.
+
+After a rank failure, a lost node or a hang, hfscale's supervisor stops the job and relaunches it from
+the newest complete checkpoint, possibly on fewer hosts (a host that failed ``recovery.strikes`` times
+is left out, down to ``recovery.min_nodes``). This module owns what that needs from the config:
+``recovery_findings`` (the rules, wired into ``hfscale.rules.check.check``) and ``accumulation_at`` (the
+gradient accumulation that keeps the global batch on fewer nodes); hfscale.rules.relaunch builds the
+job a relaunch runs. Pure: nothing is read or started here.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+
+from hfscale.rules.resolved import Job
+
+Found = list[tuple[tuple, str]]
+HERE = ("recovery",)
+SUPPORTED = "pdsh, pdsh_docker, local and slurm (inside its allocation)"
+
+
+def _group(job: Job) -> int | None:
+    """Ranks that share their samples (tensor x context x sequence parallel), or None when every rank
+    is a data-parallel rank of its own (as ``hfscale.rules.resolved.batch`` counts them)."""
+    p = job.config.distributed.parallelism
+    if p is not None and p.total == job.world_size and (p.tp_size > 1 or p.cp_size > 1 or p.sp_size > 1):
+        return p.tp_size * p.cp_size * p.sp_size
+    return None
+
+
+def ranks_at(job: Job, nodes: int) -> int | None:
+    """Data-parallel ranks of ``job`` on ``nodes`` nodes (same processes per node), or None when its
+    parallel groups do not fit a whole number of times."""
+    procs = job.procs_per_node * nodes
+    group = _group(job) or 1
+    return procs // group if procs % group == 0 else None
+
+
+def _data_parallel(job: Job) -> int:
+    return job.world_size // (_group(job) or 1)
+
+
+def accumulation_at(job: Job, nodes: int) -> int | None:
+    """The gradient accumulation that keeps ``job.global_batch_size`` on ``nodes`` nodes (same
+    processes per node), or None when no whole accumulation keeps it exactly."""
+    ranks = ranks_at(job, nodes) if nodes >= 1 else None
+    if ranks is None:
+        return None
+    per_step = job.config.batch.micro_batch_size * ranks
+    return job.global_batch_size // per_step if job.global_batch_size % per_step == 0 else None
+
+
+def _nodes(counts: list[int]) -> str:
+    return f"{', '.join(map(str, counts))} node{'' if counts == [1] else 's'}"
+
+
+def _batch_problem(job: Job, low: int) -> str | None:
+    """Why the global batch cannot be kept at some node count in ``low``..``job.num_nodes``, or None."""
+    nodes, micro = job.num_nodes, job.config.batch.micro_batch_size
+    cannot = [n for n in range(low, nodes) if accumulation_at(job, n) is None]
+    if not cannot:
+        return None
+    can = [n for n in range(1, nodes + 1) if accumulation_at(job, n) is not None]
+    raise_to, dp = max(cannot) + 1, _data_parallel(job)
+    text = (f"the global batch {job.global_batch_size} (micro {micro} x accumulation "
+            f"{job.gradient_accumulation_steps} x {dp} rank{'' if dp == 1 else 's'}) cannot be kept at "
+            f"{_nodes(cannot)}; it can at {_nodes(can) if can else 'no node count'}: raise recovery.min_nodes to "
+            f"{raise_to}" + (" (the job then never shrinks)" if raise_to == nodes else ""))
+    if any(ranks_at(job, n) for n in cannot):  # a global batch every node count from low up divides
+        every = lcm(*(micro * (ranks_at(job, n) or 1) for n in range(low, nodes + 1)))
+        text += (f", or choose a global batch that {every} divides (micro {micro} x the ranks at each of "
+                 f"{low} to {nodes} nodes)")
+    split = [n for n in cannot if not ranks_at(job, n)]
+    if split:
+        text += (f"; at {_nodes(split)} the processes do not split into whole tensor x context x sequence "
+                 f"parallel groups of {_group(job) or 1} ranks")
+    return text
+
+
+def _checkpoint_warnings(job: Job) -> Found:
+    t = job.config.training
+    if t.script is not None and t.pass_args == "none":
+        return [(HERE + ("max_restarts",),
+                 f"hfscale cannot see a plain script's checkpoints (training.pass_args: none): each restart runs "
+                 f"{t.script} again as it is, so it must resume from its own newest checkpoint by itself")]
+    if t.max_steps is not None and t.save_steps >= t.max_steps:
+        return [(("training", "save_steps"),
+                 f"{t.save_steps} >= max_steps {t.max_steps}: no checkpoint is saved before the job ends, so a "
+                 "restart (recovery.max_restarts) starts again at step 0; save more often to resume from one")]
+    return []
+
+
+def recovery_findings(job: Job) -> tuple[Found, Found]:
+    """(problems, warnings) of the ``recovery`` section, as (YAML key path, message) pairs."""
+    r, nodes = job.config.recovery, job.num_nodes
+    problems: Found = []
+    warnings: Found = []
+    if not r.max_restarts:
+        if r.min_nodes is not None:
+            warnings.append((HERE + ("min_nodes",), "has no effect while recovery.max_restarts is 0 "
+                             "(hfscale relaunches nothing)"))
+        return problems, warnings
+    if job.config.runner.type == "kubernetes":
+        problems.append((HERE + ("max_restarts",), "restarts on Kubernetes are the operator's (the PyTorchJob's "
+                         f"restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with {SUPPORTED}"))
+        return problems, warnings
+    if r.min_nodes is not None and r.min_nodes > nodes:
+        problems.append((HERE + ("min_nodes",), f"{r.min_nodes} is more than the {_nodes([nodes])} of the job"))
+    elif r.min_nodes is not None and r.min_nodes < nodes:
+        if r.keep_global_batch:
+            found = _batch_problem(job, r.min_nodes)
+            if found:
+                problems.append((HERE + ("min_nodes",), found))
+        else:
+            warnings.append((HERE + ("keep_global_batch",),
+                             f"false: when the job shrinks below its {_nodes([nodes])} (down to recovery.min_nodes "
+                             f"{r.min_nodes}), the global batch {job.global_batch_size} shrinks with the ranks, and so "
+                             "the loss curve changes; set it to true to keep the global batch"))
+    return problems, warnings + _checkpoint_warnings(job)

@@ -1,0 +1,60 @@
+"""The job a relaunch runs (hfscale.launch.supervisor): the same job on a subset of its hosts,
+derived and checked again by ``hfscale.rules.check`` (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hfscale.config.model import HfscaleConfig, HostSpec, ParallelismConfig
+from hfscale.rules.check import resolve
+from hfscale.rules.recovery import ranks_at
+from hfscale.rules.resolved import Job
+
+
+def _parallelism_at(p: ParallelismConfig, ranks: int) -> dict[str, Any]:
+    """``p`` with ``ranks`` data-parallel ranks: replicas go first, then shards."""
+    data = p.model_dump(exclude_unset=True)
+    if ranks * p.dp_replicate_size % p.data_parallel == 0:
+        data["dp_replicate_size"] = ranks * p.dp_replicate_size // p.data_parallel
+    elif ranks * p.dp_shard_size % p.data_parallel == 0:
+        data["dp_shard_size"] = ranks * p.dp_shard_size // p.data_parallel
+    else:
+        data["dp_shard_size"] = ranks
+        data["dp_replicate_size"] = 1
+    return data
+
+
+def job_on(job: Job, hosts: tuple[HostSpec, ...]) -> Job:
+    """The same job on ``hosts`` (a subset of its hosts; for slurm, as many nodes of its allocation):
+    the global batch kept when ``recovery.keep_global_batch`` (accumulation derived again), else the
+    accumulation kept; ``cluster.master_addr`` moved to ``hosts[0]`` when it names a host left out.
+    Derived and checked again; ``ConfigError`` with every problem when the smaller job is not valid."""
+    if tuple(hosts) == job.hosts:
+        return job
+    cfg = job.config
+    data = cfg.model_dump(exclude_unset=True)
+    cluster = data.setdefault("cluster", {})
+    changed = len(hosts) != job.num_nodes
+    if job.scheduled:
+        cluster["num_nodes"] = len(hosts)
+    else:
+        cluster["hosts"] = [h.model_dump() for h in hosts]
+        cluster["hostfile"] = None
+    names = {h.host.lower() for h in hosts}
+    if cfg.cluster.master_addr is not None and cfg.cluster.master_addr.lower() not in names and hosts and \
+            names != {h.host.lower() for h in job.hosts}:
+        cluster["master_addr"] = hosts[0].host
+    per_host = data.get("env", {}).get("per_host")
+    if per_host and not job.scheduled:
+        data["env"]["per_host"] = {h: v for h, v in per_host.items() if h.lower() in names}
+    if changed:
+        batch = data["batch"]
+        if cfg.recovery.keep_global_batch:
+            batch.update(global_batch_size=job.global_batch_size, gradient_accumulation_steps=None)
+        else:
+            batch.update(global_batch_size=None, gradient_accumulation_steps=job.gradient_accumulation_steps)
+        p, ranks = cfg.distributed.parallelism, ranks_at(job, len(hosts))
+        if p is not None and p.total == job.world_size and ranks:
+            data["distributed"]["parallelism"] = _parallelism_at(p, ranks)
+    new = HfscaleConfig.model_validate(data)
+    return resolve(new, job.source, job.line_of)

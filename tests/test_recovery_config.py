@@ -1,0 +1,201 @@
+"""The ``recovery:`` section (jobs that heal themselves): its defaults, the rules ``check`` applies to
+it, the accumulation that keeps the global batch on fewer nodes and the job a relaunch runs."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hfscale.config.errors import ConfigError
+from hfscale.config.model import HostSpec, RecoveryConfig
+from hfscale.rules.check import check
+from hfscale.rules.config_file import load_text
+from hfscale.rules.recovery import accumulation_at, recovery_findings
+from hfscale.rules.relaunch import job_on
+
+
+def hosts(n: int, slots: int = 1) -> str:
+    return "[" + ", ".join(f"{{host: node{i}, slots: {slots}}}" for i in range(n)) + "]"
+
+
+def job(text: str):
+    return load_text(textwrap.dedent(text), "t.yaml", Path("."))
+
+
+def problems(text: str) -> list[tuple[str, int | None, str]]:
+    with pytest.raises(ConfigError) as info:
+        job(text)
+    return [(p.path, p.line, p.message) for p in info.value.problems]
+
+
+def warnings(text: str) -> list[tuple[str, int | None, str]]:
+    return [(p.path, p.line, p.message) for p in job(text).warnings]
+
+
+def six_nodes(recovery: str, extra: str = "") -> str:
+    return f"""\
+        name: x
+        cluster: {{hosts: {hosts(6)}}}
+        runner: {{type: pdsh}}
+        batch: {{micro_batch_size: 1, global_batch_size: 12}}
+        recovery: {recovery}
+        training: {{max_steps: 100, save_steps: 50}}
+        {extra}"""
+
+
+def test_off_by_default_and_a_config_without_it_is_unchanged():
+    r = RecoveryConfig()
+    assert (r.max_restarts, r.window, r.strikes, r.min_nodes, r.keep_global_batch, r.probe_excluded) == (
+        0, None, 2, None, True, True)
+    j = job(f"name: x\ncluster: {{hosts: {hosts(2)}}}\nrunner: {{type: pdsh}}\nbatch: {{micro_batch_size: 1}}\n")
+    assert j.config.recovery == RecoveryConfig() and "recovery" not in j.config.model_fields_set
+    assert j.warnings == () and check(j).problems == ()
+    assert recovery_findings(j) == ([], [])
+
+
+def test_unknown_key_under_recovery_has_a_hint():
+    got = problems("name: x\nbatch: {micro_batch_size: 1}\nrecovery: {max_restart: 2}\n")
+    assert got == [("recovery.max_restart", 3, "unknown key 'max_restart'; did you mean 'max_restarts'?")]
+
+
+def test_a_kubernetes_job_restarts_through_its_operator():
+    got = problems("""\
+        name: x
+        cluster: {num_nodes: 2, nproc_per_node: 1}
+        runner: {type: kubernetes, launcher: torchrun, kubernetes: {image: i}}
+        batch: {micro_batch_size: 1}
+        recovery: {max_restarts: 3}
+        """)
+    assert got == [("recovery.max_restarts", 5, "restarts on Kubernetes are the operator's (the PyTorchJob's "
+                    "restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with pdsh, pdsh_docker, "
+                    "local and slurm (inside its allocation)")]
+
+
+def test_min_nodes_above_the_node_count_and_without_restarts():
+    assert problems(six_nodes("{max_restarts: 3, min_nodes: 7}")) == [
+        ("recovery.min_nodes", 5, "7 is more than the 6 nodes of the job")]
+    assert warnings(six_nodes("{min_nodes: 7}")) == [
+        ("recovery.min_nodes", 5, "has no effect while recovery.max_restarts is 0 (hfscale relaunches nothing)")]
+
+
+def test_the_global_batch_must_be_keepable_at_every_node_count_down_to_min_nodes():
+    assert problems(six_nodes("{max_restarts: 3, min_nodes: 4}")) == [
+        ("recovery.min_nodes", 5, "the global batch 12 (micro 1 x accumulation 2 x 6 ranks) cannot be kept at 5 "
+         "nodes; it can at 1, 2, 3, 4, 6 nodes: raise recovery.min_nodes to 6 (the job then never shrinks), or "
+         "choose a global batch that 60 divides (micro 1 x the ranks at each of 4 to 6 nodes)")]
+    assert warnings(six_nodes("{max_restarts: 3, min_nodes: 6}")) == []
+    seven = """\
+        name: x
+        cluster: {hosts: %s}
+        runner: {type: pdsh}
+        batch: {micro_batch_size: 2, global_batch_size: 84}
+        recovery: {max_restarts: 3, min_nodes: 2}
+        """ % hosts(7)
+    assert problems(seven) == [
+        ("recovery.min_nodes", 5, "the global batch 84 (micro 2 x accumulation 6 x 7 ranks) cannot be kept at 4, 5 "
+         "nodes; it can at 1, 2, 3, 6, 7 nodes: raise recovery.min_nodes to 6, or choose a global batch that 840 "
+         "divides (micro 2 x the ranks at each of 2 to 7 nodes)")]
+
+
+def test_tensor_parallel_ranks_share_samples_and_groups_must_fit():
+    text = """\
+        name: x
+        cluster: {hosts: %s}
+        runner: {type: pdsh}
+        distributed: {backend: fsdp, parallelism: {dp_replicate_size: 2, dp_shard_size: 2, tp_size: 2}}
+        batch: {micro_batch_size: 1, global_batch_size: 8}
+        recovery: {max_restarts: 3, min_nodes: 1}
+        """ % hosts(2, slots=4)
+    j = job(text)
+    assert (j.data_parallel_size, j.gradient_accumulation_steps) == (4, 2)
+    assert [accumulation_at(j, n) for n in (1, 2, 3)] == [4, 2, None]  # 3 nodes: 6 data-parallel ranks
+    smaller = job_on(j, j.hosts[:1])  # the replicas shrink, the shards stay
+    p = smaller.config.distributed.parallelism
+    assert (smaller.world_size, p.dp_replicate_size, p.dp_shard_size, p.tp_size) == (4, 1, 2, 2)
+    assert (smaller.gradient_accumulation_steps, smaller.global_batch_size) == (4, 8)
+    spanning = text.replace("dp_replicate_size: 2, dp_shard_size: 2, tp_size: 2", "cp_size: 2, tp_size: 4")
+    assert problems(spanning.replace("global_batch_size: 8", "global_batch_size: 2")) == [
+        ("recovery.min_nodes", 6, "the global batch 2 (micro 1 x accumulation 2 x 1 rank) cannot be kept at 1 "
+         "node; it can at 2 nodes: raise recovery.min_nodes to 2 (the job then never shrinks); at 1 node the "
+         "processes do not split into whole tensor x context x sequence parallel groups of 8 ranks")]
+
+
+def test_a_shrinking_global_batch_is_a_warning():
+    assert warnings(six_nodes("{max_restarts: 3, min_nodes: 4, keep_global_batch: false}")) == [
+        ("recovery.keep_global_batch", 5, "false: when the job shrinks below its 6 nodes (down to "
+         "recovery.min_nodes 4), the global batch 12 shrinks with the ranks, and so the loss curve changes; set it "
+         "to true to keep the global batch")]
+
+
+def test_checkpoints_to_restart_from():
+    text = six_nodes("{max_restarts: 3}").replace("save_steps: 50", "save_steps: 100")
+    assert warnings(text) == [
+        ("training.save_steps", 6, "100 >= max_steps 100: no checkpoint is saved before the job ends, so a restart "
+         "(recovery.max_restarts) starts again at step 0; save more often to resume from one")]
+    assert warnings(text.replace("recovery: {max_restarts: 3}", "recovery: {}")) == []
+    plain = six_nodes("{max_restarts: 3}").replace("training: {max_steps: 100, save_steps: 50}",
+                                                   "training: {script: train.py, pass_args: none}")
+    assert [w for w in warnings(plain) if w[0].startswith("recovery")] == [
+        ("recovery.max_restarts", 5, "hfscale cannot see a plain script's checkpoints (training.pass_args: none): "
+         "each restart runs train.py again as it is, so it must resume from its own newest checkpoint by itself")]
+
+
+def test_slurm_shrinks_inside_its_allocation():
+    j = job("""\
+        name: x
+        cluster: {num_nodes: 4, nproc_per_node: 2}
+        runner: {type: slurm}
+        batch: {micro_batch_size: 1, global_batch_size: 24}
+        recovery: {max_restarts: 3, min_nodes: 3}
+        """)
+    assert j.warnings == ()
+    smaller = job_on(j, tuple(HostSpec(host=f"n{i}", slots=2) for i in range(3)))  # the allocation's nodes left
+    assert (smaller.num_nodes, smaller.world_size, smaller.gradient_accumulation_steps) == (3, 6, 4)
+
+
+def test_accumulation_at_fewer_nodes():
+    j = job(six_nodes("{max_restarts: 3, min_nodes: 6}").replace(hosts(6), hosts(3)).replace("min_nodes: 6",
+                                                                                             "min_nodes: 1"))
+    assert [accumulation_at(j, n) for n in (3, 2, 1)] == [4, 6, 12]
+    assert accumulation_at(j, 5) is None and accumulation_at(j, 24) is None
+
+
+THREE = """\
+    name: x
+    cluster: {hosts: [{host: node0, slots: 2}, {host: node1, slots: 2}, {host: node2, slots: 2}], master_addr: node0}
+    runner: {type: pdsh}
+    env: {per_host: {node0: {NCCL_SOCKET_IFNAME: eth1}, node2: {NCCL_SOCKET_IFNAME: eth2}}}
+    batch: {micro_batch_size: 1, global_batch_size: 12}
+    recovery: {max_restarts: 3, min_nodes: 1}
+    """
+
+
+def test_job_on_fewer_hosts_keeps_the_global_batch_and_moves_the_master():
+    j = job(THREE)
+    assert (j.world_size, j.gradient_accumulation_steps, j.master_addr) == (6, 2, "node0")
+    smaller = job_on(j, j.hosts[1:])
+    assert (smaller.world_size, smaller.gradient_accumulation_steps, smaller.global_batch_size) == (4, 3, 12)
+    assert smaller.master_addr == "node1" and smaller.config.cluster.master_addr == "node1"
+    assert [h.host for h in smaller.hosts] == ["node1", "node2"] and smaller.config.cluster.hostfile is None
+    assert set(smaller.config.env.per_host) == {"node2"}
+    assert smaller.source == j.source and smaller.line_of is j.line_of
+    one = job_on(smaller, smaller.hosts[1:])
+    assert (one.world_size, one.gradient_accumulation_steps, one.global_batch_size, one.master_addr) == (
+        2, 6, 12, "node2")
+    kept = job_on(j, j.hosts[:2])  # the master stays
+    assert kept.master_addr == "node0" and kept.gradient_accumulation_steps == 3
+    assert job_on(j, j.hosts) is j
+
+
+def test_job_on_without_keep_global_batch_keeps_the_accumulation():
+    j = job(THREE.replace("min_nodes: 1}", "min_nodes: 1, keep_global_batch: false}"))
+    smaller = job_on(j, j.hosts[1:])
+    assert (smaller.world_size, smaller.gradient_accumulation_steps, smaller.global_batch_size) == (4, 2, 8)
+
+
+def test_job_on_refuses_a_job_that_does_not_add_up():
+    j = job(THREE.replace("global_batch_size: 12", "global_batch_size: 6").replace("min_nodes: 1", "min_nodes: 3"))
+    with pytest.raises(ConfigError, match="recovery.min_nodes"):
+        job_on(j, j.hosts[1:])
