@@ -31,6 +31,8 @@ MARKER_CAP = 16 * MiB  # hfscale_complete.json lists every file of a checkpoint
 INDEX_CAP = 64 * MiB  # model.safetensors.index.json
 FLIGHT_CAP = 64 * MiB  # a rank's flight recorder dump
 LOG_TAIL = 64 * KiB  # what status shows of each node log
+TIMELINE_CAP = 64 * MiB  # <run dir>/timeline.jsonl: its newest 64 MiB
+TIMELINE_LINE_CAP = METRICS_LINE_CAP  # one event: three lists of up to 10,000 hosts
 
 # 2000-01-01 .. 2200-01-01: a clock gone wrong or a forged record, not a time a run had
 TIME_MIN, TIME_MAX = 946_684_800.0, 7_258_118_400.0
@@ -45,6 +47,8 @@ RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 HOST = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")
 RunState = Literal["running", "finished", "failed", "stopped", "hung", "preempted", "submitted"]
 Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
+# why an attempt of a job failed (hfscale.launch.recovery)
+Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed"]
 
 
 def _no_bool(v: Any) -> Any:
@@ -204,3 +208,27 @@ class OutputLock(Record):
     pid_ns: Count | None = None
     run_dir: Text
     started: Timestamp
+
+
+Hosts = Annotated[list[Host], Field(max_length=10_000)]
+
+
+class TimelineEvent(Record):
+    """One line of ``<run dir>/timeline.jsonl`` (hfscale.launch.timeline): what happened to the attempts
+    of a job that recovers from failures (hfscale.launch.supervisor); hfscale.runs.goodput reads them."""
+
+    kind: Literal["launch", "failure", "stopped", "relaunch", "training", "gave_up", "finished"]
+    attempt: Count
+    at: Timestamp
+    cause: Cause | None = None
+    host: Host | None = None
+    what: Annotated[str, Field(max_length=1000)] | None = None
+    error: Annotated[str, Field(max_length=300)] | None = None
+    hosts: Hosts | None = None
+    excluded: Hosts | None = None
+    readmitted: Hosts | None = None
+    step: Count | None = None  # failure: the last step reported; training: the first step done after a (re)launch
+    resume_step: Count | None = None  # relaunch: the checkpoint step it resumes from
+    world_size: Count | None = None
+    accumulation: Count | None = None
+    step_time: Annotated[float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)] | None = None  # s/step

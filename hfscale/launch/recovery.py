@@ -1,0 +1,256 @@
+"""What to do after an attempt of a job failed (pure: no files, no processes, no clock; times are
+passed in). hfscale.launch.supervisor stops the job, asks :func:`decide`, and relaunches or gives up.
+
+- Off: ``recovery.max_restarts: 0``.
+- At most ``max_restarts`` restarts within ``window`` seconds (the whole job when None).
+- No restart storm for a bug: the same error ``BUG_REPEATS`` times in a row, each before any
+  training step, gives up at once.
+- Strikes: a fault attributed to a host counts against it, except when the previous fault ended
+  with the same error on another host (a bug moves between hosts; a broken host does not). A host
+  at ``strikes`` is excluded when ``min_nodes`` is set and enough hosts remain; with ``min_nodes``
+  unset it is retried in place; below ``min_nodes`` the job gives up. A lost host is excluded at
+  once when ``min_nodes`` allows.
+- Readmission: an excluded host that passed a probe since (``healthy_again``) comes back once, its
+  strikes cleared; excluded again, it stays out for the rest of the job.
+
+Errors compare after :func:`normalise_error`: without rank or host prefixes, addresses, pids,
+ranks, ports, times, so the same bug on two hosts reads the same.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from hfscale.core.records import Cause
+
+__all__ = ["Cause", "Fault", "Policy", "Relaunch", "GiveUp", "History", "normalise_error", "last_error", "decide",
+           "probe_targets"]
+
+BUG_REPEATS = 3  # the same error this many times in a row before any step: a bug, not a host
+ERROR_CAP = 300  # characters of a normalised error
+LINE_CAP = 8192  # characters of a line looked at
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One failure of one attempt, as the supervisor saw it."""
+
+    cause: Cause
+    host: str | None  # the host it is attributed to (None: not attributable, e.g. the launcher itself)
+    rc: int  # the exit code hfscale reported for the attempt
+    what: str  # hfscale's one-line message ("node1 failed (exit code 1)")
+    error: str  # the failing rank's last error line (normalise_error), "" if none
+    at: float  # when it was detected (time.time())
+    steps_done: bool  # whether this attempt completed at least one training step
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``recovery`` of the config, with the job's hosts (config order)."""
+
+    max_restarts: int
+    window: float | None
+    strikes: int
+    min_nodes: int | None
+    hosts: tuple[str, ...]
+
+    @staticmethod
+    def of(recovery_config: Any, hosts: tuple[str, ...]) -> "Policy":
+        """The policy of a ``recovery`` config section (read by attribute; None: recovery off)."""
+        window = getattr(recovery_config, "window", None)
+        return Policy(max_restarts=int(getattr(recovery_config, "max_restarts", 0) or 0),
+                      window=None if window is None else float(window),
+                      strikes=max(1, int(getattr(recovery_config, "strikes", 2))),
+                      min_nodes=getattr(recovery_config, "min_nodes", None), hosts=tuple(hosts))
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """Relaunch the job on ``hosts`` (config order)."""
+
+    hosts: tuple[str, ...]
+    excluded: tuple[str, ...]  # excluded from now on (cumulative)
+    newly_excluded: tuple[str, ...]
+    readmitted: tuple[str, ...]
+    reason: str  # one line for the terminal
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop for good; ``reason`` is one line for the terminal."""
+
+    reason: str
+
+
+@dataclass
+class History:
+    """What the supervisor keeps across attempts (:func:`decide` updates it)."""
+
+    faults: list[Fault] = field(default_factory=list)
+    strikes: dict[str, int] = field(default_factory=dict)
+    excluded: list[str] = field(default_factory=list)
+    readmitted_once: set[str] = field(default_factory=set)
+    restarts_at: list[float] = field(default_factory=list)
+
+
+# prefixes of a line as hfscale shows it: pdsh's, the host's ("node1: "), the rank's ("[rank1]: ", "[default0]:")
+_PDSH = re.compile(r"^pdsh@[^:\s]+: ")
+_RANK = re.compile(r"^\[(?:default|rank)?\d+\]: ?")
+_HOST = re.compile(r"^(?P<name>[A-Za-z0-9][\w.-]*): ")
+# a leading "Name: " that is a message's own, not a host: "ValueError: ...", "UserWarning: ..."
+_NOT_HOST = re.compile(r"(?:\w+\.)*[A-Z]\w*(?:Error|Exception|Warning|Interrupt|Exit|Iteration)|Error|Exception")
+# an exception's name: "ValueError", "torch.distributed.DistBackendError", "Exception"
+_EXC_NAME = re.compile(r"(?:\w+\.)*(?:[A-Z]\w*)?(?:Error|Exception)")
+_EXCEPTION = re.compile(rf"^(?P<name>{_EXC_NAME.pattern})(?::\s.*|:)?$")
+_ROOT_CAUSE = re.compile(r"^exitcode\s*:\s*(?P<rc>-?\d+)")
+_WRAPPER = "ChildFailedError"  # torchrun's summary of its ranks' failures: the root cause follows
+_VARIABLE = [  # what differs between the same failure on two hosts, ranks or runs
+    (re.compile(r"\b\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"), "<time>"),
+    (re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?\b"), "<time>"),
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "0x?"),
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b"), "<ip>"),
+    (re.compile(r"(?:(?<=<ip>)|(?<=\])|(?<=localhost)):\d{1,5}\b"), ":<port>"),
+    (re.compile(r"\b(pid|PID|tid|rank|Rank|local_rank|global_rank|port|device|GPU|cuda|node|process)"
+                r"(\s*[:=]?\s*)\d+\b"), r"\1\2N"),
+    (re.compile(r"\[(?:rank|default)?\d+\]"), "[rank N]"),
+]
+_SPACES = re.compile(r"\s+")
+
+
+def _strip_prefixes(line: str) -> str:
+    text = line.strip()
+    for _ in range(4):  # "pdsh@x: node1: [rank1]: ..."
+        before = text
+        text = _PDSH.sub("", text)
+        m = _HOST.match(text)
+        if m and not _NOT_HOST.fullmatch(m["name"]):
+            text = text[m.end():]
+        text = _RANK.sub("", text).lstrip()
+        if text == before:
+            break
+    return text
+
+
+def normalise_error(line: str) -> str:
+    """``line`` without what differs between the same failure on two hosts or ranks: the pdsh, host
+    and rank prefixes, hex addresses, IP addresses, ports, times, and the numbers of pids, ranks,
+    devices; spaces collapsed, at most ERROR_CAP characters."""
+    text = _strip_prefixes(line[:LINE_CAP])
+    for pattern, repl in _VARIABLE:
+        text = pattern.sub(repl, text)
+    return _SPACES.sub(" ", text).strip()[:ERROR_CAP]
+
+
+def last_error(lines: Iterable[str]) -> str:
+    """The failing rank's error among ``lines``, normalised: the last line that is a Python exception
+    ("ValueError: ...", "...Exception: ...", a bare "RuntimeError"), torchrun's ChildFailedError
+    summary aside; without one, torchrun's root cause ("exitcode  : -9" -> "exitcode -9"); "" if neither."""
+    exception = root = ""
+    for line in lines:
+        text = _strip_prefixes(line[:LINE_CAP])
+        m = _EXCEPTION.match(text)
+        if m and not m["name"].endswith(_WRAPPER):
+            exception = normalise_error(text)
+            continue
+        r = _ROOT_CAUSE.match(text)
+        if r:
+            root = f"exitcode {r['rc']}"
+    return exception or root
+
+
+def _names(hosts: Iterable[str]) -> str:
+    return ", ".join(hosts) or "no host"
+
+
+def _times(n: int) -> str:
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
+def _repeated(faults: list[Fault]) -> int:
+    """How many of the last faults in a row ended with the last one's (non-empty) error."""
+    error, n = faults[-1].error, 0
+    if not error:
+        return 0
+    for f in reversed(faults):
+        if f.error != error:
+            break
+        n += 1
+    return n
+
+
+def probe_targets(policy: Policy, history: History) -> tuple[str, ...]:
+    """The excluded hosts worth probing between attempts (config order): not readmitted before."""
+    return tuple(h for h in policy.hosts if h in history.excluded and h not in history.readmitted_once)
+
+
+def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozenset[str], now: float
+           ) -> Relaunch | GiveUp:
+    """Record ``fault`` in ``history`` and say what to do: relaunch (on which hosts, and why) or
+    give up (why). ``healthy_again``: excluded hosts that passed a probe since the last attempt."""
+    history.faults.append(fault)
+    if policy.max_restarts <= 0:
+        return GiveUp("recovery is off (recovery.max_restarts: 0)")
+    repeated = _repeated(history.faults)
+    bug_at = min(BUG_REPEATS, policy.max_restarts + 1)
+    if repeated >= bug_at and not any(f.steps_done for f in history.faults[-bug_at:]):
+        return GiveUp(f"the same error {_times(bug_at)} in a row before any training step: {fault.error}; "
+                      "this looks like a bug in the job, not a failed host")
+    recent = [t for t in history.restarts_at if policy.window is None or now - t <= policy.window]
+    if len(recent) >= policy.max_restarts:
+        within = f" within {policy.window:g} s" if policy.window is not None else ""
+        why = (f"the last {repeated} attempts ended with the same error: {fault.error}" if repeated >= 2
+               else f"the last attempt ended: {fault.what}")
+        return GiveUp(f"gave up after {len(recent)} restart{'s' * (len(recent) != 1)}{within}: {why}")
+
+    readmitted = tuple(h for h in policy.hosts if h in healthy_again and h in history.excluded
+                       and h not in history.readmitted_once)
+    for h in readmitted:
+        history.excluded.remove(h)
+        history.readmitted_once.add(h)
+        history.strikes[h] = 0
+    active = [h for h in policy.hosts if h not in history.excluded]
+    host = fault.host if fault.host in active else None
+    newly: tuple[str, ...] = ()
+    if host is None:
+        head = fault.what
+    else:
+        previous = history.faults[-2] if len(history.faults) > 1 else None
+        moved = (previous is not None and fault.error != "" and previous.error == fault.error
+                 and previous.host is not None and previous.host != host)
+        floor = max(1, policy.min_nodes) if policy.min_nodes is not None else None
+        if fault.cause == "host_lost" and floor is not None and len(active) - 1 >= floor:
+            history.strikes[host] = history.strikes.get(host, 0) + 1
+            newly = (host,)
+            head = f"{fault.what}: {host} was lost (relaunching onto it does not bring it back): excluded"
+        elif moved:
+            head = (f"{fault.what}; {previous.host} ended with the same error before "  # type: ignore[union-attr]
+                    f"(a bug moves between hosts): no strike against {host}")
+        else:
+            n = history.strikes[host] = history.strikes.get(host, 0) + 1
+            if n < policy.strikes:
+                head = f"{fault.what} (strike {n} of {policy.strikes} against {host})"
+            elif floor is None:
+                head = f"{host} failed {_times(n)}; recovery.min_nodes is not set, so it is retried"
+            elif len(active) - 1 < floor:
+                left = len(active) - 1
+                return GiveUp(f"{host} failed {_times(n)} and excluding it would leave {left} "
+                              f"node{'s' * (left != 1)}, below recovery.min_nodes {policy.min_nodes}")
+            else:
+                newly = (host,)
+                head = f"{host} failed {_times(n)} (strikes {policy.strikes}): excluded"
+        if newly:
+            history.excluded.append(host)
+            if host in history.readmitted_once:
+                head += " for good (it failed again after it was readmitted)"
+    hosts = tuple(h for h in policy.hosts if h not in history.excluded)
+    parts = [head]
+    if readmitted:
+        probes = "its probe" if len(readmitted) == 1 else "their probes"
+        parts.append(f"{_names(readmitted)} passed {probes}: readmitted")
+    parts.append(f"relaunching on {_names(hosts)} ({len(hosts)} of {len(policy.hosts)} nodes)" if policy.hosts
+                 else "relaunching on this machine")
+    history.restarts_at.append(now)
+    return Relaunch(hosts=hosts, excluded=tuple(h for h in policy.hosts if h in history.excluded),
+                    newly_excluded=newly, readmitted=readmitted, reason="; ".join(parts))

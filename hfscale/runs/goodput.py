@@ -1,0 +1,191 @@
+"""Goodput: how much of a run's time trained, and where the rest went (pure; it reads the
+hfscale.launch.timeline.Timeline it is given).
+
+From the events of ``timeline.jsonl`` (hfscale.core.records.TimelineEvent):
+
+- **wall**: from the first ``launch`` event to ``finished`` or ``gave_up`` (``now`` while the job
+  runs; without ``now``, the newest event).
+- **start**: the first launch to the first attempt's first step (``training``), model loading
+  included; to its failure when it never completed a step.
+- per failure of an attempt:
+
+  - **detection**: the failure's time minus that of the attempt's last step, estimated as the
+    attempt's first ``training`` time + (failure step - that training step) x the attempt's step
+    time, within [first training, failure]; 0 when the attempt did no step or the step or the step
+    time is unknown;
+  - **stop**: ``stopped`` - ``failure``;
+  - **restart**: ``stopped`` to the next attempt's first step (probes, resharding, relaunch, model
+    loading), or to that attempt's failure when it did no step; 0 when no relaunch followed;
+  - **recompute**: (failure step - the next ``relaunch``'s ``resume_step``) x step time, at least 0
+    (a relaunch without ``resume_step`` starts from step 0); 0 when no relaunch followed.
+
+- **productive**: the final step reached (the step of the last ``finished`` or ``failure`` event)
+  x the median of the attempts' step times, at most wall.
+- **other**: wall - productive - the time lost above, at least 0 (steps not otherwise counted,
+  the supervisor's own time, what could not be estimated).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hfscale.core.untrusted import printable
+
+if TYPE_CHECKING:
+    from hfscale.core.records import TimelineEvent
+    from hfscale.launch.timeline import Timeline
+
+BUCKETS = ("start", "detection", "stop", "restart", "recompute", "other")
+MAX_NAMES = 8  # hosts named on a line; the rest are counted
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """A run's time: ``wall`` (s), of it ``productive``, and ``lost`` per cause (keys: BUCKETS, in that order)."""
+
+    wall: float
+    productive: float
+    lost: dict[str, float]
+    restarts: int
+    excluded: tuple[str, ...]
+
+    @property
+    def ratio(self) -> float:
+        return self.productive / self.wall if self.wall > 0 else 0.0
+
+
+def _firsts(events: tuple["TimelineEvent", ...], kind: str) -> dict[int, "TimelineEvent"]:
+    """The first event of ``kind`` of each attempt."""
+    out: dict[int, TimelineEvent] = {}
+    for e in events:
+        if e.kind == kind:
+            out.setdefault(e.attempt, e)
+    return out
+
+
+def _detection(failure: "TimelineEvent", training: "TimelineEvent | None") -> float:
+    if training is None or failure.step is None or training.step is None or failure.step_time is None:
+        return 0.0
+    last = training.at + (failure.step - training.step) * failure.step_time
+    return failure.at - min(max(last, training.at), failure.at)
+
+
+def goodput(timeline: "Timeline", now: float | None = None) -> Goodput | None:
+    """The goodput of a run's timeline (definitions: the module's docstring); None without a launch event."""
+    events = timeline.events
+    first = next((i for i, e in enumerate(events) if e.kind == "launch"), None)
+    if first is None:
+        return None
+    events = events[first:]
+    launch = events[0]
+    ends = [e for e in events if e.kind in ("finished", "gave_up")]
+    end = ends[-1].at if ends else now if now is not None else max(e.at for e in events)
+    wall = max(0.0, end - launch.at)
+    trainings, failures = _firsts(events, "training"), _firsts(events, "failure")
+
+    def first_step_or_failure(attempt: int) -> float:
+        e = trainings.get(attempt) or failures.get(attempt)
+        return e.at if e is not None else end
+
+    lost = dict.fromkeys(BUCKETS, 0.0)
+    lost["start"] = max(0.0, first_step_or_failure(launch.attempt) - launch.at)
+    for i, e in enumerate(events):
+        if e.kind != "failure" or failures[e.attempt] is not e:
+            continue
+        later = events[i + 1:]
+        stopped = next((s for s in later if s.kind == "stopped" and s.attempt == e.attempt), None)
+        relaunch = next((r for r in later if r.kind == "relaunch" and r.attempt > e.attempt), None)
+        lost["detection"] += max(0.0, _detection(e, trainings.get(e.attempt)))
+        if stopped is not None:
+            lost["stop"] += max(0.0, stopped.at - e.at)
+        if relaunch is not None:
+            since = stopped.at if stopped is not None else e.at
+            lost["restart"] += max(0.0, first_step_or_failure(relaunch.attempt) - since)
+            if e.step is not None and e.step_time is not None:
+                lost["recompute"] += max(0, e.step - (relaunch.resume_step or 0)) * e.step_time
+    step_times = [e.step_time for e in events if e.kind in ("failure", "finished") and e.step_time is not None]
+    final = next((e.step for e in reversed(events) if e.kind in ("finished", "failure") and e.step is not None), 0)
+    productive = min(wall, final * statistics.median(step_times)) if step_times else 0.0
+    lost["other"] = max(0.0, wall - productive - sum(lost.values()))
+    relaunches = [e for e in events if e.kind == "relaunch"]
+    excluded = tuple(relaunches[-1].excluded or ()) if relaunches else ()
+    return Goodput(wall, productive, lost, len(relaunches), excluded)
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.1f} s"
+
+
+def _names(hosts: list[str] | tuple[str, ...]) -> str:
+    shown = ", ".join(hosts[:MAX_NAMES])
+    return shown + (f" and {len(hosts) - MAX_NAMES} more" if len(hosts) > MAX_NAMES else "")
+
+
+def lines(g: Goodput) -> list[str]:
+    """What ``hfscale status``/``report`` print of a run's goodput (buckets under 0.05 s left out)."""
+    lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"
+    excluded = f"excluded: {_names(g.excluded)}" if g.excluded else "no host excluded"
+    return [f"goodput {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}",
+            f"restarts {g.restarts}, {excluded}"]
+
+
+def _event_line(e: "TimelineEvent", t0: float) -> str:
+    head = f"+{e.at - t0:.1f} s  attempt {e.attempt}  {e.kind}"
+    if e.kind == "failure":
+        parts = [head] + ([e.host] if e.host else [])
+        what = printable(e.what or "", 1000)
+        parts.append(f"{e.cause}: {what}" if e.cause and what else e.cause or what or "failed")
+        if e.step is not None:
+            parts.append(f"at step {e.step}")
+        return "  ".join(parts)
+    if e.kind == "relaunch":
+        text = f"on {_names(e.hosts)}" if e.hosts else "on the same hosts"
+        notes = ([f"excluded {_names(e.excluded)}"] if e.excluded else []) + (
+            [f"readmitted {_names(e.readmitted)}"] if e.readmitted else [])
+        text += f" ({'; '.join(notes)})" if notes else ""
+        text += f", resuming from step {e.resume_step}" if e.resume_step is not None else ", from the start"
+        text += f", world {e.world_size}" if e.world_size is not None else ""
+        text += f", accumulation {e.accumulation}" if e.accumulation is not None else ""
+        return f"{head}  {text}"
+    return f"{head}  {printable(e.what or '', 1000)}".rstrip()
+
+
+def timeline_lines(t: "Timeline") -> list[str]:
+    """One line per failure, relaunch and giving up, times from the first launch."""
+    if not t.events and not t.skipped:
+        return []
+    launch = next((e for e in t.events if e.kind == "launch"), t.events[0] if t.events else None)
+    t0 = launch.at if launch is not None else 0.0
+    out = [_event_line(e, t0) for e in t.events if e.kind in ("failure", "relaunch", "gave_up")]
+    if t.skipped:
+        out.append(f"({t.skipped} bad timeline line{'s' * (t.skipped != 1)} skipped)")
+    if t.cut:
+        out.append("(only the newest part of the timeline was read: it is over its size limit)")
+    return out
+
+
+def status_lines(run_dir: str | Path, now: float | None = None) -> list[str]:
+    """``hfscale status``'s lines for a job that recovers (none without a timeline): restarts,
+    excluded hosts, goodput (``now``: the job still runs)."""
+    from hfscale.core.untrusted import Unreadable
+    from hfscale.launch.timeline import read_timeline
+
+    try:
+        t = read_timeline(run_dir)
+    except Unreadable as e:
+        return [f"timeline     unreadable: {printable(str(e), 500)}"]
+    g = goodput(t, now)
+    if g is None:
+        return []
+    lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"
+    out = [f"restarts     {g.restarts}" + (f"; excluded: {_names(g.excluded)}" if g.excluded else ""),
+           f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
+    gave_up = [e for e in t.events if e.kind == "gave_up"]
+    if gave_up:
+        out.append(f"gave up      {printable(gave_up[-1].what or '', 1000)}")
+    if t.skipped or t.cut:
+        out.append(f"timeline     {t.skipped} bad line(s) skipped" + ("; only its newest part read" if t.cut else ""))
+    return out
