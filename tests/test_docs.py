@@ -18,7 +18,7 @@ from doc_commands import MAIN_JOB, NOT_HERE, blocks, commands, commands_of, page
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-PAGES = ["config-reference", "launch", "engines", "memory", "runs", "your-own-script", "import", "slurm",
+PAGES = ["config-reference", "launch", "engines", "memory", "runs", "recovery", "your-own-script", "import", "slurm",
          "kubernetes", "troubleshooting", "bench"]
 SET_UP = ["pip install torch==2.13.0 && pip install -e . && hfscale launch examples/tiny_cpu/config.yaml",
           "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest"]

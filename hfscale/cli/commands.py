@@ -151,7 +151,7 @@ def import_cmd(accelerate_yaml: str, deepspeed: str | None, hostfile: str | None
     click.echo(f"wrote {out}; check it with: hfscale check {out}")
 
 
-def _context(job, extra_args: tuple[str, ...], restart: bool):
+def _context(job, extra_args: tuple[str, ...], restart: bool, job_id: str | None = None, attempt: int = 0):
     import os
     import secrets
     import time
@@ -159,11 +159,11 @@ def _context(job, extra_args: tuple[str, ...], restart: bool):
     from hfscale.launch.node_command import LaunchContext, output_dir_to_scan
     from hfscale.checkpoints.resume import scan_output
 
-    job_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+    job_id = job_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
     where = output_dir_to_scan(job)
     # a DeepSpeed checkpoint of another world size is resumed through a universal checkpoint (hfscale.checkpoints.reshard)
     scan = scan_output(where, job.world_size, reshard=job.deepspeed is not None) if where else None
-    return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart)
+    return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart, attempt)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -218,7 +218,13 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
     try:
-        rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
+        if job.config.recovery.max_restarts and plan.mode == "stream":
+            from hfscale.launch.supervisor import supervise
+
+            rc = supervise(job, lambda j, n: _context(j, script_args, restart and n == 0, plan.job_id, n),
+                           lambda p: Console(mode or "normal", hosts=p.line_hosts), lambda s: click.echo(s, err=True))
+        else:
+            rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
     except Refused as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)

@@ -119,7 +119,7 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     r = job.config.runner
     runner = RUNNERS[r.type]
     base = r.run_dir if os.path.isabs(r.run_dir) else posixpath.join(ctx.cwd, r.run_dir)
-    run_dir = posixpath.normpath(posixpath.join(base, f"{job.config.name}-{ctx.job_id}"))
+    run_dir = posixpath.normpath(posixpath.join(base, f"{job.config.name}-{ctx.run_id or ctx.job_id}"))
     rank_dir = runner.rank_dir or run_dir
     problems = extra_args_problems(job, ctx.extra_args, posixpath.join(rank_dir, DEEPSPEED_FILE))
     if problems:

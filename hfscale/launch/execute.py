@@ -18,23 +18,23 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable
 
 from hfscale.core import exitcodes
 from hfscale.core.atomic_files import write_files
 from hfscale.core.exitcodes import signal_name
 from hfscale.core.shell import Command, Ran
-from hfscale.launch.console import HOST_PREFIX, Console, follow_progress, never_raises
-from hfscale.launch.disk_full import Signs, told
-from hfscale.launch.first_failure import FirstFailure
+from hfscale.launch.console import Console, follow_progress, never_raises
+from hfscale.launch.disk_full import told
 from hfscale.launch.follow import follow_detached
-from hfscale.launch.node_lines import Failure, Nodes, parse
+from hfscale.launch.node_lines import Failure
 from hfscale.launch.output_lock import hold
+from hfscale.launch.run_output import RunOutput
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
 from hfscale.launch.runners.stopping import STOP_GRACE_S
-from hfscale.launch.spec import LaunchPlan, Watch
-from hfscale.launch.watchdog import Watchdog, judge
+from hfscale.launch.spec import LaunchPlan, Outcome, Watch
+from hfscale.launch.watchdog import Watchdog, conclude
 
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the stop runs again this often
@@ -54,18 +54,16 @@ class _Run:
         self.plan = plan
         self._signals = signals  # execute's signal handler appends the first stop signal here
         self.echo = echo
-        self.logs: dict[str, TextIO] = {h: open(run_dir / LOGS_DIR / f"{h}.log", "a", encoding="utf-8") for h in plan.logs}
-        self.failure: tuple[str, int] | None = None
+        self.out = RunOutput(plan.logs, plan.runner, run_dir, echo, self._node_failed)
+        self.failure: tuple[str, int] | None = None  # (where, exit code) of the first failure
+        self.what, self.failed_at = "", 0.0  # what was said of it, and when
         self.hung = False  # the failure is the hang watchdog's (a node may exit 4 too)
-        self.nodes = Nodes()  # each host's state, from its lines (hfscale.launch.node_lines)
         self._stop_lock = threading.Lock()
         self._stopping = False
         self._stopper: threading.Thread | None = None
         self.proc: subprocess.Popen | None = None
-        self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.launch.disk_full)
         self.following = False  # main started a detached job and ended: its process group is gone
         self.ended = threading.Event()  # the job is over: the watchdog stops watching
-        self.first = FirstFailure(self._node_failed)  # the ranks a dead rank took down wait for it
 
     @property
     def signalled(self) -> int | None:
@@ -75,21 +73,10 @@ class _Run:
     @property
     def exited(self) -> set[str]:
         """The hosts that printed their exit line."""
-        return self.nodes.exited
+        return self.out.nodes.exited
 
     def route(self, line: str) -> None:
-        m = HOST_PREFIX.match(line)
-        host = m["host"] if m and m["host"] in self.logs else None
-        if host is None and len(self.logs) == 1:
-            host = next(iter(self.logs))
-        if host is not None:
-            self.logs[host].write(line + "\n")
-            self.logs[host].flush()
-        self.echo(line)
-        self.disk.see(host or (m["host"] if m else self.plan.runner), line)
-        failure = self.nodes.see(parse(line))
-        if failure is not None and self.failure is None and self.signalled is None:
-            self.first.offer(failure)
+        self.out.route(line, self.failure is not None or self.signalled is not None)
 
     def _node_failed(self, f: Failure) -> None:
         if self.signalled is None:
@@ -100,7 +87,7 @@ class _Run:
         with self._stop_lock:
             if self.failure is not None:
                 return
-            self.failure = (where, rc)
+            self.failure, self.what, self.failed_at = (where, rc), what, time.time()
         self.echo(f"hfscale: {what}; stopping the job on every node")
         self.stop()
 
@@ -170,8 +157,7 @@ class _Run:
 
     def close(self) -> None:
         self.ended.set()
-        for f in self.logs.values():
-            f.close()
+        self.out.close()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -211,6 +197,22 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
 
     From the first line on, SIGINT, SIGTERM and SIGHUP stop the job: before ``main`` starts
     nothing is started; after, the plan's cleanup runs on every node."""
+    return execute_attempt(plan, record, echo).rc
+
+
+def execute_attempt(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None,
+                    attempt: int = 0) -> Outcome:
+    """``execute``, saying how it ended. ``attempt`` > 0: a relaunch by hfscale.launch.supervisor
+    into the same run directory (the previous attempt's files move to attempts/<n>/)."""
+    runs: list[_Run] = []
+    rc = _execute(plan, record, echo, attempt, runs)
+    if not runs or runs[0].failure is None:
+        return Outcome(rc, signalled=bool(runs and runs[0].signalled is not None))
+    r = runs[0]
+    return Outcome(rc, r.failure[0], r.what, r.hung, r.signalled is not None, r.failed_at)
+
+
+def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, attempt: int, runs: list[_Run]) -> int:
     console = echo if isinstance(echo, Console) else None
     echo = never_raises(echo or (lambda s: print(s, flush=True)))
     if plan.mode == "done":
@@ -240,12 +242,13 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
         if not move_aside(plan.moves, echo):
             return 1
         try:
-            run_dir = write_run_dir(plan, record)
+            run_dir = write_run_dir(plan, record, attempt)
         except OSError as e:
             echo(f"hfscale: cannot create the run directory {e.filename or plan.run_dir}: {e.strerror or e}; "
                  "nothing was started")
             return exitcodes.BAD_INPUT
-        record_state(run_dir, **this_launcher(), state="running", job_id=plan.job_id, runner=plan.runner)
+        launcher = {k: v for k, v in this_launcher().items() if not (attempt and k == "started")}  # the run's start
+        record_state(run_dir, **launcher, state="running", job_id=plan.job_id, runner=plan.runner)
         rc = 0
         for step in plan.prepare:
             if (rc := _prepare(step, run_dir, echo)) or signalled:
@@ -256,6 +259,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
             rc = submit(plan, run_dir, echo)
         else:
             run = _Run(plan, run_dir, echo, signalled)
+            runs.append(run)
             shower = threading.Thread(target=follow_progress, daemon=True, args=(
                 run_dir, run.ended, console.progress, console.tty)) if console and console.mode != "quiet" else None
             if shower is not None:  # rank 0 reports into <run dir>/progress, watchdog on or off
@@ -268,7 +272,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
                     shower.join(5)  # its last line, before the launch's own
                     console.close()
         if rc != 0 and run is not None and not signalled:
-            for line in told(run.disk, plan.output_dir):
+            for line in told(run.out.disk, plan.output_dir):
                 echo(line)
         record_state(run_dir, exit_code=rc, ended=time.time(), state=exitcodes.state_of(
             rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
@@ -322,7 +326,7 @@ def _stream(run: _Run) -> int:
     rc = run.proc.wait()
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
     if run.signalled is None:
-        run.first.settle()  # every node has reported: one that only lost a peer is the failure
+        run.out.first.settle()  # every node has reported: one that only lost a peer is the failure
     if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
         # what main started may outlive it (a killed srun's step inside an allocation): stop it
         run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
@@ -330,7 +334,7 @@ def _stream(run: _Run) -> int:
         run.following = True  # main only started the nodes: its process group is gone
         follow_detached(run, run.plan.follow)
         if run.signalled is None:
-            run.first.settle()
+            run.out.first.settle()
     run.finish()
     if run.signalled is not None:
         return 128 + run.signalled
@@ -356,17 +360,10 @@ def _watch(run: _Run, watch: Watch) -> None:
                                stderr=subprocess.DEVNULL, timeout=DUMP_TIMEOUT_S, start_new_session=True)
             except (subprocess.TimeoutExpired, OSError) as e:
                 run.echo(f"hfscale: the stack dump did not finish: {e}")
-        verdict, text = judge(dog, reason, time.monotonic())
-        report_path = Path(watch.report)
-        try:
-            write_files(report_path.parent, {report_path.name: text})
-        except OSError as e:
-            run.echo(f"hfscale: cannot write {report_path}: {e.strerror or e}")
-        stuck = verdict.stuck[0] if verdict.stuck else None
-        where = dog.ranks[stuck].host if stuck in dog.ranks else "the job"
+        hang = conclude(dog, reason, time.monotonic(), run.echo)
         if run.failure is None and run.signalled is None:
             run.hung = True
-            run.fail(where, exitcodes.HUNG, f"hang: {verdict.line} ({reason}); report in {report_path}")
+            run.fail(hang.where, exitcodes.HUNG, hang.what)
         return
 
 

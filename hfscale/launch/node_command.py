@@ -23,6 +23,19 @@ from hfscale.training.heartbeat import FLIGHT_DIR
 
 BUILTIN_ENTRY = "hfscale.training.train"
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+_ATTEMPT = re.compile(r"-r[0-9]{1,6}$")  # a relaunch's job id: <the run's job id>-r<attempt>
+
+
+def attempt_id(job_id: str, attempt: int) -> str:
+    """The job id of attempt ``attempt`` of a run (hfscale.launch.supervisor): the run's own for the
+    first, ``<id>-r<n>`` after: a relaunch's processes must not carry the id the previous attempt's
+    stop still kills by (hfscale.launch.runners.stopping)."""
+    return job_id if attempt == 0 else f"{job_id}-r{attempt}"
+
+
+def run_of(job_id: str) -> str:
+    """The run's job id of an attempt's (``attempt_id`` undone)."""
+    return _ATTEMPT.sub("", job_id)
 
 
 @dataclass(frozen=True)
@@ -36,13 +49,15 @@ class LaunchContext:
     extra_args: tuple[str, ...] = ()
     output: OutputScan | None = None  # the checkpoints in training.output_dir (output_dir_to_scan)
     restart: bool = False  # --restart: move the checkpoints aside and start at step 0
+    run_id: str | None = None  # a relaunch's: the run directory's job id (job_id is the attempt's)
 
     @staticmethod
     def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=(),
-           output: OutputScan | None = None, restart: bool = False) -> "LaunchContext":
-        if not JOB_ID_RE.match(job_id):
+           output: OutputScan | None = None, restart: bool = False, attempt: int = 0) -> "LaunchContext":
+        if not JOB_ID_RE.match(job_id) or not JOB_ID_RE.match(attempt_id(job_id, attempt)):
             raise ValueError(f"job id {job_id!r}: lower-case letters, digits and '-' only")
-        return LaunchContext(cwd, python, job_id, tuple(sorted(shell_env.items())), tuple(extra_args), output, restart)
+        return LaunchContext(cwd, python, attempt_id(job_id, attempt), tuple(sorted(shell_env.items())),
+                             tuple(extra_args), output, restart, job_id if attempt else None)
 
 
 def output_dir_to_scan(job: Job) -> str | None:

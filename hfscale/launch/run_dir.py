@@ -14,7 +14,7 @@ from hfscale.core.pid_identity import ProcessIdentity, this_process
 from hfscale.core.shell import Command
 from hfscale.core.untrusted import Missing, Unreadable, parse_record, read_record, read_trusted
 from hfscale.launch.spec import LaunchPlan
-from hfscale.training.heartbeat import METRICS_FILE, PROGRESS_DIR
+from hfscale.training.heartbeat import FLIGHT_DIR, METRICS_FILE, PROGRESS_DIR, STACKS_DIR
 
 if TYPE_CHECKING:
     from hfscale.core.records import LauncherState, Rank0Metrics
@@ -26,13 +26,25 @@ CLEANUP_FILE = "cleanup.json"  # the plan's cleanup, for ``hfscale stop`` of a r
 HANG_REPORT = "hang-report.txt"  # the hang watchdog's report
 SLURM_JOB_ID_FILE = "slurm_job_id"  # the id sbatch answered
 STOP_MARKER = "stopping"  # written when the launch stops the job: node lines that start later exit at once
+ATTEMPTS_DIR = "attempts"  # a relaunch (hfscale.launch.supervisor) moves the previous attempt's files here
+BEATS_DIR = "alive"  # a detached launch's node heartbeats (hfscale.launch.runners.pdsh)
+_PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, STOP_MARKER, HANG_REPORT, PLAN_FILE)
 
 
-def write_run_dir(plan: LaunchPlan, record: str) -> Path:
+def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
     """Create the run directory with the generated files, the plan as text, logs/, and the private
-    files (real secret values) readable by this user only."""
+    files (real secret values) readable by this user only. ``attempt`` > 0: a relaunch into the
+    same directory; the previous attempt's logs, progress, stacks, stop marker and plan move to
+    attempts/<attempt - 1>/ first, and the files are written again (hosts and batch may differ)."""
     run_dir = Path(plan.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=False)
+    if attempt > 0:
+        keep = run_dir / ATTEMPTS_DIR / str(attempt - 1)
+        keep.mkdir(parents=True, exist_ok=False)
+        for name in _PER_ATTEMPT:
+            if os.path.lexists(run_dir / name):
+                os.rename(run_dir / name, keep / name)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=False)
     write_files(run_dir, {**dict(plan.files), PLAN_FILE: record})
     private = {name: text.real for name, text in plan.private}
     if plan.cleanup is not None:

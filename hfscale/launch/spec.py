@@ -162,3 +162,15 @@ class LaunchPlan:
             out.append(f"  {self.cleanup.shell()}")
         out += [f"note: {n}" for n in self.notes]
         return "\n".join(out) + "\n"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one run of a plan ended: its exit code, and the first failure (where, what was said)."""
+
+    rc: int
+    where: str | None = None  # the host (or the runner's program) that failed first
+    what: str = ""
+    hung: bool = False  # the hang watchdog stopped it
+    signalled: bool = False  # a signal (Ctrl-C, the scheduler's TERM) stopped it
+    failed_at: float | None = None  # when the failure was noticed (time.time())

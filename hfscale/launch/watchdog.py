@@ -22,8 +22,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+from hfscale.core.atomic_files import write_files
 from hfscale.core.records import FLIGHT_CAP, TEXT_CAP
 from hfscale.core.untrusted import Unreadable, read_bytes, read_json
 from hfscale.launch.spec import Watch
@@ -282,6 +283,27 @@ def report(reason: str, verdict: Verdict, ranks: dict[int, Progress], changed: d
     for r in sorted(stacks):
         lines += ["", f"--- rank {r}", stacks[r].rstrip()]
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What the launch says and stops for: the host of the first stuck rank, and the message."""
+
+    where: str
+    what: str
+
+
+def conclude(dog: Watchdog, reason: str, now: float, echo: Callable[[str], None]) -> Hang:
+    """Judge the hang once the stacks are on disk, write the report (a write that fails is said)."""
+    verdict, text = judge(dog, reason, now)
+    report_path = Path(dog.watch.report)
+    try:
+        write_files(report_path.parent, {report_path.name: text})
+    except OSError as e:
+        echo(f"hfscale: cannot write {report_path}: {e.strerror or e}")
+    stuck = verdict.stuck[0] if verdict.stuck else None
+    where = dog.ranks[stuck].host if stuck in dog.ranks else "the job"
+    return Hang(where, f"hang: {verdict.line} ({reason}); report in {report_path}")
 
 
 def judge(dog: Watchdog, reason: str, now: float) -> tuple[Verdict, str]:

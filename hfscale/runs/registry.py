@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
 from hfscale.core.pid_identity import ProcessIdentity, liveness
+from hfscale.runs.goodput import status_lines
 from hfscale.core.records import LauncherState, Rank0Metrics, RunState
 from hfscale.training.heartbeat import PROGRESS_DIR, Progress, read_progress
 from hfscale.launch.run_dir import (CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
@@ -360,6 +361,7 @@ def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
                      + (f"; behind: {', '.join(behind[:8])}" if behind else ""))
     if (i.path / HANG_REPORT).is_file():
         lines.append(f"hang report  {printable(str(i.path / HANG_REPORT))}")
+    lines += status_lines(i.path, time.time() if i.state == "running" else None)  # a job that recovers
     lines += [f"skipped      {printable(n, 500)}" for n in i.notes]
     for log in log_files(i.path):
         lines += ["", f"--- {printable(str(log))} (last lines)", *_tail(log, 5)]

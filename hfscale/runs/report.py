@@ -21,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from hfscale.core.atomic_files import write_files
+from hfscale.core.untrusted import Unreadable
+from hfscale.launch.node_command import run_of
 from hfscale.launch.run_dir import CONFIG_COPY, PLAN_FILE
+from hfscale.launch.timeline import Timeline, read_timeline
+from hfscale.runs.goodput import goodput, lines, timeline_lines
 from hfscale.runs.history import (MAX_RANK_LINES, METRICS_FILE, PER_RANK, TRAINER_STATE, ReportError, RunData, rank_stats,
                           read_run)
 
@@ -220,8 +224,8 @@ def _when(t: Any) -> str | None:
 def _other_launch(r: dict[str, Any], job: Any, t0: float | None, t1: float | None) -> bool:
     """Whether metrics record ``r`` was written by another launch than this run's: by its job id,
     else (written without one) by its time against the run's start and end."""
-    if "job" in r and isinstance(job, str):
-        return r["job"] != job
+    if "job" in r and isinstance(job, str):  # a relaunch's attempts are this run's (hfscale.launch.supervisor)
+        return not isinstance(r["job"], str) or run_of(r["job"]) != run_of(job)
     t = _num(r.get("time"))
     return t is not None and ((t0 is not None and t < t0) or (t1 is not None and t > t1))
 
@@ -240,6 +244,61 @@ def _summary(d: RunData) -> str:
     return "<dl>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in items if v is not None) + "</dl>"
 
 
+_SEGMENT_COLOURS = {"training": "#2e7d32", "start": "#9e9e9e", "detection": "#ef6c00", "stop": "#c62828",
+                    "restart": "#1565c0"}
+
+
+def _segments(t: Timeline, end: float) -> list[tuple[str, float, float]]:
+    """(what, from, to) along the run: start, training, detection (the end of a failed attempt's
+    training, from its last step), stop and restart, from the timeline's events."""
+    out: list[tuple[str, float, float]] = []
+    mark, what = None, "start"
+    for e in t.events:
+        if e.kind in ("launch", "relaunch"):
+            mark, what = (e.at, "start") if e.kind == "launch" else (mark, what)
+        elif e.kind == "training" and mark is not None:
+            out.append((what, mark, e.at))
+            mark, what = e.at, "training"
+        elif e.kind == "failure" and mark is not None:
+            last = e.at
+            if what == "training" and e.step is not None and e.step_time is not None:
+                first = next((x for x in t.events if x.kind == "training" and x.attempt == e.attempt), None)
+                if first is not None and first.step is not None:
+                    last = min(max(first.at + (e.step - first.step) * e.step_time, mark), e.at)
+            out += [(what, mark, last), ("detection", last, e.at)]
+            mark, what = e.at, "stop"
+        elif e.kind == "stopped" and mark is not None:
+            out.append(("stop", mark, e.at))
+            mark, what = e.at, "restart"
+        elif e.kind in ("finished", "gave_up") and mark is not None:
+            out.append((what, mark, e.at))
+            mark = None
+    if mark is not None:
+        out.append((what, mark, end))
+    return [s for s in out if s[2] > s[1]]
+
+
+def _recovery(d: RunData) -> str:
+    """The timeline of a job that recovers (hfscale.launch.supervisor): a bar of its wall time by
+    phase, goodput, and one line per failure and relaunch."""
+    try:
+        t = read_timeline(d.run_dir)
+    except Unreadable as e:
+        return _note(f"the timeline is unreadable: {e}")
+    g = goodput(t, time.time() if d.state.state == "running" else None)
+    if g is None:
+        return _note("not a job that recovers (recovery.max_restarts is 0): no timeline")
+    t0 = next(e.at for e in t.events if e.kind == "launch")
+    segs, width = _segments(t, t0 + g.wall), 900.0
+    scale = width / g.wall if g.wall > 0 else 0.0
+    rects = "".join(f'<rect x="{(a - t0) * scale:.1f}" y="0" width="{max(0.5, (b - a) * scale):.1f}" height="24" '
+                    f'fill="{_SEGMENT_COLOURS[w]}"><title>{_e(w)} {b - a:.1f} s</title></rect>' for w, a, b in segs)
+    legend = " ".join(f'<span style="color:{c}">&#9632;</span> {_e(w)}' for w, c in _SEGMENT_COLOURS.items())
+    bar = f'<svg width="{width:.0f}" height="24" role="img" aria-label="timeline">{rects}</svg><p>{legend}</p>'
+    items = "".join(f"<li>{_e(line)}</li>" for line in timeline_lines(t))
+    return "".join(f"<p>{_e(line)}</p>" for line in lines(g)) + bar + f"<ul>{items}</ul>"
+
+
 def render_html(d: RunData) -> str:
     """The page (needs matplotlib for its plots)."""
     notes = "".join(f'<p class="note">{_e(n)}</p>' for n in d.notes)
@@ -249,6 +308,7 @@ def render_html(d: RunData) -> str:
         f"<title>hfscale report: {_e(d.name)}</title><style>{STYLE}</style></head><body>\n"
         f"<h1>hfscale report: {_e(d.name)}</h1>{_summary(d)}{notes}\n"
         f'<section id="training"><h2>Training</h2>{_plots(d)}</section>\n'
+        f'<section id="recovery"><h2>Recovery</h2>{_recovery(d)}</section>\n'
         f'<section id="stragglers"><h2>Stragglers</h2>{_stragglers(d)}</section>\n'
         f'<section id="config"><h2>Resolved config</h2><p>{_e(d.run_dir / CONFIG_COPY)}</p>'
         f"<pre>{_e(d.config_text)}</pre></section>\n"

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from hfscale.config.envvars import host_env, host_secret
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
-from hfscale.launch.run_dir import LOGS_DIR, STOP_MARKER
+from hfscale.launch.run_dir import BEATS_DIR, LOGS_DIR, STOP_MARKER
 from hfscale.launch.spec import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
@@ -41,7 +41,6 @@ STOPPED_EXIT = 143  # a node whose line started after the stop: as if it had bee
 ENV_FILE = "env.sh"
 NODES_FILE = "nodes.sh"
 HOSTS_FILE = "pdsh_hosts"
-BEATS_DIR = "alive"
 HEARTBEAT_S = 10
 LOST_AFTER_S = 40  # four heartbeats missed: noticed 40-45 s after a node died
 

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Benchmark: from a fault to training again, by phase (issue 23), on the namespace cluster.
+
+A 3-node job (one rank per node, DeepSpeed ZeRO-2 on CPU, a tiny GPT-2, a checkpoint every
+``--save-steps`` steps, ``recovery.max_restarts``) runs under ``hfscale launch``. The bench makes
+``--faults`` faults of one ``--kind``, each once the previous relaunch trains again:
+
+- ``kill``: node2's training processes SIGKILLed (a GPU fault, the OOM killer);
+- ``freeze``: node1's frozen with SIGSTOP (found by the hang watchdog, ``--watchdog`` s);
+- ``link``: node2's link cut (ssh's keep-alives or the watchdog; node2 is then excluded and the job
+  goes on with 2 nodes, the checkpoint converted for 2 ranks).
+
+Per fault, from the bench's own clock (the moment it injected the fault) and the run's
+timeline.jsonl (hfscale.launch.timeline): detection (fault -> failure noticed), stop (-> every
+node stopped), decision (-> relaunch: probes, the plan), restart (-> the first step of the new
+attempt: processes, model load, resharding) and recompute (the steps since the resumed
+checkpoint x the step time). Then the run's goodput as ``hfscale status`` computes it.
+
+    python bench/bench_recovery.py                     # 3 kill faults, about 3 min
+    python bench/bench_recovery.py --kind freeze --faults 2 --watchdog 15
+    python bench/bench_recovery.py --kind link --faults 1
+
+Needs root (network namespaces, sshd, pdsh: tests/cluster). Prints one line per fault and a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cluster import run_on, start_cluster, stop_cluster  # noqa: E402
+from hfscale.launch.timeline import read_timeline  # noqa: E402
+from hfscale.runs.goodput import goodput, lines  # noqa: E402
+
+MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 64,
+         "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def config(tmp: Path, hosts: list[str], args: argparse.Namespace) -> Path:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    doc = {"name": "bench-recovery", "cluster": {"hosts": [{"host": h, "slots": 1} for h in hosts], "master_port": 29961},
+           "runner": {"type": "pdsh", "launcher": "torchrun", "run_dir": str(tmp / "runs"), "connect_timeout": 5},
+           "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
+           "batch": {"micro_batch_size": 2, "global_batch_size": 12},
+           "env": {"vars": {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
+                            "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}},
+           "watchdog": {"timeout": args.watchdog, "first_step": 240},
+           "training": {"output_dir": str(tmp / "out"), "max_steps": args.steps, "save_steps": args.save_steps,
+                        "logging_steps": 1, "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "seed": 3,
+                        "model": {"config": MODEL}, "data": {"block_size": 32}},
+           "recovery": {"max_restarts": args.faults + 2, "strikes": 2, "min_nodes": 2}}
+    path = tmp / "bench-recovery.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def step_of(run: Path) -> int:
+    try:
+        return json.loads((run / "progress" / "metrics.json").read_text()).get("step") or 0
+    except (OSError, ValueError):
+        return 0
+
+
+def wait(cond, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise SystemExit(f"hfscale ended (exit code {proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def inject(kind: str, cluster) -> None:
+    if kind == "kill":
+        run_on(cluster, "node2", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
+    elif kind == "freeze":
+        run_on(cluster, "node1", "pkill -STOP '^python'", timeout=30)
+    else:
+        subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v2", "down"], check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--kind", choices=["kill", "freeze", "link"], default="kill")
+    ap.add_argument("--faults", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=0, help="max_steps (default: 12 per fault + 12)")
+    ap.add_argument("--save-steps", type=int, default=4)
+    ap.add_argument("--watchdog", type=int, default=20, help="watchdog.timeout, seconds")
+    args = ap.parse_args()
+    args.steps = args.steps or 12 * args.faults + 12
+    tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    tmp.chmod(0o755)
+    cluster = start_cluster(3, tmp / "cluster")
+    injected: list[tuple[float, int]] = []
+    try:
+        path = config(tmp, cluster.nodes, args)
+        t0 = time.time()
+        log = open(tmp / "hfscale.out", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(path)], cwd=ROOT, env=cluster.env(),
+                                stdout=log, stderr=subprocess.STDOUT)
+        runs = tmp / "runs"
+        wait(lambda: runs.is_dir() and any(runs.iterdir()), proc, "the run directory")
+        (run,) = list(runs.iterdir())
+        for n in range(args.faults):
+            wait(lambda: any(e.kind == "training" and e.attempt == n for e in read_timeline(run).events), proc,
+                 f"attempt {n} training")
+            at = step_of(run) + 4
+            wait(lambda: step_of(run) >= at, proc, f"step {at}")
+            injected.append((time.time(), step_of(run)))
+            inject(args.kind, cluster)
+        rc = proc.wait(timeout=1800)
+        wall = time.time() - t0
+    finally:
+        if args.kind == "link":
+            subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v2", "up"], check=False)
+        stop_cluster(cluster)
+    events = read_timeline(run).events
+    print(f"{args.kind} x {len(injected)}: hfscale exit code {rc}, wall {wall:.1f} s, output in {tmp / 'hfscale.out'}")
+    phases: dict[str, list[float]] = {k: [] for k in ("detection", "stop", "decision", "restart", "recompute", "total")}
+    for n, (fault_at, step) in enumerate(injected):
+        def first(kind: str, attempt: int):
+            return next((e for e in events if e.kind == kind and e.attempt == attempt), None)
+        failure, stopped, relaunch, training = first("failure", n), first("stopped", n), first("relaunch", n + 1), \
+            first("training", n + 1)
+        if None in (failure, stopped, relaunch, training):
+            print(f"fault {n + 1}: the timeline misses an event (failure/stopped/relaunch/training)")
+            continue
+        recompute = max(0, (failure.step or step) - (relaunch.resume_step or 0)) * (failure.step_time or 0.0)
+        got = {"detection": failure.at - fault_at, "stop": stopped.at - failure.at, "decision": relaunch.at - stopped.at,
+               "restart": training.at - relaunch.at, "recompute": recompute}
+        got["total"] = training.at - fault_at + recompute
+        for k, v in got.items():
+            phases[k].append(v)
+        print(f"fault {n + 1} at step {step}: {failure.cause} on {failure.host or '-'}; "
+              + ", ".join(f"{k} {v:.1f} s" for k, v in got.items())
+              + f"; relaunched on {', '.join(relaunch.hosts or [])} from step {relaunch.resume_step}")
+    print("median: " + ", ".join(f"{k} {statistics.median(v):.1f} s" for k, v in phases.items() if v))
+    g = goodput(read_timeline(run))
+    if g is not None:
+        print("; ".join(lines(g)))
+
+
+if __name__ == "__main__":
+    main()

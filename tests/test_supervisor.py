@@ -1,0 +1,62 @@
+"""The supervisor's pieces that need no process (issue 23): an attempt's job id and run directory,
+what a relaunch moves aside, and a report counting a relaunch's metrics as the run's own. The
+supervisor itself runs in tests/test_recovery_cluster.py."""
+
+from __future__ import annotations
+
+
+from pathlib import Path
+
+import yaml
+
+from hfscale.launch.build import build_plan
+from hfscale.launch.node_command import LaunchContext, attempt_id, run_of
+from hfscale.launch.run_dir import write_run_dir
+from hfscale.rules.config_file import load_job
+from hfscale.runs.report import _other_launch
+
+JOB_ID = "20261126-000000-abcdef"
+PYTHON = "/usr/bin/python3"  # written into the plans, never run
+
+
+def _job(tmp: Path):
+    doc = {"name": "heal", "cluster": {"nproc_per_node": 1}, "runner": {"run_dir": str(tmp / "runs")},
+           "distributed": {"backend": "ddp"}, "precision": "no", "batch": {"micro_batch_size": 1},
+           "training": {"output_dir": str(tmp / "out"), "max_steps": 4}, "recovery": {"max_restarts": 2}}
+    path = tmp / "heal.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_job(path)
+
+
+def test_each_attempt_has_its_own_job_id_and_the_runs_directory():
+    assert attempt_id(JOB_ID, 0) == JOB_ID and attempt_id(JOB_ID, 3) == f"{JOB_ID}-r3"
+    assert run_of(f"{JOB_ID}-r3") == JOB_ID and run_of(JOB_ID) == JOB_ID
+    ctx = LaunchContext.of("/w", PYTHON, JOB_ID, {}, attempt=2)
+    assert ctx.job_id == f"{JOB_ID}-r2" and ctx.run_id == JOB_ID
+    assert LaunchContext.of("/w", PYTHON, JOB_ID, {}).run_id is None
+
+
+def test_a_relaunch_moves_the_previous_attempts_files_aside(tmp_path):
+    job = _job(tmp_path)
+    first = build_plan(job, LaunchContext.of(str(tmp_path), PYTHON, JOB_ID, {}))
+    run = write_run_dir(first, "plan of attempt 0\n")
+    (run / "logs" / "local.log").write_text("attempt 0's lines\n")
+    (run / "progress" / "metrics.json").write_text('{"step": 3}')
+    (run / "stopping").touch()  # the stop marker of attempt 0's stop: attempt 1's node lines must start
+    (run / "timeline.jsonl").write_text("")
+    again = build_plan(job, LaunchContext.of(str(tmp_path), PYTHON, JOB_ID, {}, attempt=1))
+    assert again.run_dir == first.run_dir and again.job_id == f"{JOB_ID}-r1"
+    assert f"HFSCALE_JOB_ID={JOB_ID}-r1" in again.render()  # what attempt 0's stop kills by is not this
+    assert write_run_dir(again, "plan of attempt 1\n", attempt=1) == run
+    kept = run / "attempts" / "0"
+    assert (kept / "logs" / "local.log").read_text() == "attempt 0's lines\n"
+    assert (kept / "progress" / "metrics.json").exists() and (kept / "stopping").exists()
+    assert (kept / "plan.txt").read_text() == "plan of attempt 0\n"
+    assert not (run / "stopping").exists() and list((run / "logs").iterdir()) == []
+    assert (run / "plan.txt").read_text() == "plan of attempt 1\n" and (run / "timeline.jsonl").exists()
+
+
+def test_a_relaunchs_metrics_are_the_runs_own_in_the_report():
+    assert not _other_launch({"job": f"{JOB_ID}-r2"}, JOB_ID, None, None)
+    assert not _other_launch({"job": JOB_ID}, f"{JOB_ID}-r1", None, None)
+    assert _other_launch({"job": "20261126-000000-fedcba"}, JOB_ID, None, None)
