@@ -5,16 +5,19 @@ A 3-node job (one rank per node, DeepSpeed ZeRO-2 on CPU, a tiny GPT-2, a checkp
 ``--save-steps`` steps, ``recovery.max_restarts``) runs under ``hfscale launch``. The bench makes
 ``--faults`` faults of one ``--kind``, each once the previous relaunch trains again:
 
-- ``kill``: node2's training processes SIGKILLed (a GPU fault, the OOM killer);
-- ``freeze``: node1's frozen with SIGSTOP (found by the hang watchdog, ``--watchdog`` s);
-- ``link``: node2's link cut (ssh's keep-alives or the watchdog; node2 is then excluded and the job
-  goes on with 2 nodes, the checkpoint converted for 2 ranks).
+- ``kill``: a node's training processes SIGKILLed (a GPU fault, the OOM killer);
+- ``freeze``: a node's frozen with SIGSTOP (found by the hang watchdog, ``--watchdog`` s);
+- ``link``: a node's link cut (the watchdog or ssh's keep-alives; the node is then left out and the
+  job goes on with 2 nodes, the checkpoint converted for 2 ranks).
+
+The node is the last one of the running attempt (node2 first; node1 once node2 is left out).
 
 Per fault, from the bench's own clock (the moment it injected the fault) and the run's
 timeline.jsonl (hfscale.launch.timeline): detection (fault -> failure noticed), stop (-> every
-node stopped), decision (-> relaunch: probes, the plan), restart (-> the first step of the new
-attempt: processes, model load, resharding) and recompute (the steps since the resumed
-checkpoint x the step time). Then the run's goodput as ``hfscale status`` computes it.
+node stopped), decision (-> relaunch: probes, the plan), retries (attempts that failed before
+training again, e.g. the relaunch that finds a cut-off host unreachable), restart (the last
+relaunch -> its first step: processes, model load, resharding) and recompute (the steps since the
+resumed checkpoint x the step time). Then the run's goodput as ``hfscale status`` computes it.
 
     python bench/bench_recovery.py                     # 3 kill faults, about 3 min
     python bench/bench_recovery.py --kind freeze --faults 2 --watchdog 15
@@ -84,13 +87,19 @@ def wait(cond, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
         time.sleep(0.2)
 
 
-def inject(kind: str, cluster) -> None:
+def victim(run: Path) -> str:
+    """The last host of the running attempt (node0, rank 0's, is spared: its progress file is read)."""
+    hosts = [e.hosts for e in read_timeline(run).events if e.kind in ("launch", "relaunch") and e.hosts]
+    return hosts[-1][-1]
+
+
+def inject(kind: str, cluster, host: str) -> None:
     if kind == "kill":
-        run_on(cluster, "node2", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
+        run_on(cluster, host, "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
     elif kind == "freeze":
-        run_on(cluster, "node1", "pkill -STOP '^python'", timeout=30)
+        run_on(cluster, host, "pkill -STOP '^python'", timeout=30)
     else:
-        subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v2", "down"], check=True)
+        subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v{host.removeprefix('node')}", "down"], check=True)
 
 
 def main() -> None:
@@ -120,34 +129,43 @@ def main() -> None:
                  f"attempt {n} training")
             at = step_of(run) + 4
             wait(lambda: step_of(run) >= at, proc, f"step {at}")
+            host = victim(run)
             injected.append((time.time(), step_of(run)))
-            inject(args.kind, cluster)
+            inject(args.kind, cluster, host)
         rc = proc.wait(timeout=1800)
         wall = time.time() - t0
     finally:
         if args.kind == "link":
-            subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v2", "up"], check=False)
+            for i in range(3):
+                subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v{i}", "up"], check=False)
         stop_cluster(cluster)
     events = read_timeline(run).events
     print(f"{args.kind} x {len(injected)}: hfscale exit code {rc}, wall {wall:.1f} s, output in {tmp / 'hfscale.out'}")
-    phases: dict[str, list[float]] = {k: [] for k in ("detection", "stop", "decision", "restart", "recompute", "total")}
+    phases: dict[str, list[float]] = {k: [] for k in ("detection", "stop", "decision", "retries", "restart", "recompute",
+                                                     "total")}
     for n, (fault_at, step) in enumerate(injected):
-        def first(kind: str, attempt: int):
-            return next((e for e in events if e.kind == kind and e.attempt == attempt), None)
-        failure, stopped, relaunch, training = first("failure", n), first("stopped", n), first("relaunch", n + 1), \
-            first("training", n + 1)
-        if None in (failure, stopped, relaunch, training):
-            print(f"fault {n + 1}: the timeline misses an event (failure/stopped/relaunch/training)")
+        failure = next((e for e in events if e.kind == "failure" and e.at >= fault_at), None)
+        if failure is None:
+            print(f"fault {n + 1}: no failure after it in the timeline")
             continue
-        recompute = max(0, (failure.step or step) - (relaunch.resume_step or 0)) * (failure.step_time or 0.0)
-        got = {"detection": failure.at - fault_at, "stop": stopped.at - failure.at, "decision": relaunch.at - stopped.at,
-               "restart": training.at - relaunch.at, "recompute": recompute}
+        a = failure.attempt
+        stopped = next((e for e in events if e.kind == "stopped" and e.attempt == a), None)
+        training = next((e for e in events if e.kind == "training" and e.attempt > a), None)
+        first = next((e for e in events if e.kind == "relaunch" and e.attempt == a + 1), None)
+        if None in (stopped, training, first):
+            print(f"fault {n + 1}: the timeline misses an event (stopped/relaunch/training)")
+            continue
+        last = [e for e in events if e.kind == "relaunch" and e.attempt <= training.attempt][-1]
+        recompute = max(0, (failure.step or step) - (last.resume_step or 0)) * (failure.step_time or 0.0)
+        got = {"detection": failure.at - fault_at, "stop": stopped.at - failure.at, "decision": first.at - stopped.at,
+               "retries": last.at - first.at, "restart": training.at - last.at, "recompute": recompute}
         got["total"] = training.at - fault_at + recompute
         for k, v in got.items():
             phases[k].append(v)
-        print(f"fault {n + 1} at step {step}: {failure.cause} on {failure.host or '-'}; "
+        causes = [e.cause for e in events if e.kind == "failure" and a <= e.attempt < training.attempt]
+        print(f"fault {n + 1} at step {step}: {', then '.join(c or '?' for c in causes)} on {failure.host or '-'}; "
               + ", ".join(f"{k} {v:.1f} s" for k, v in got.items())
-              + f"; relaunched on {', '.join(relaunch.hosts or [])} from step {relaunch.resume_step}")
+              + f"; relaunched on {', '.join(last.hosts or [])} from step {last.resume_step}")
     print("median: " + ", ".join(f"{k} {statistics.median(v):.1f} s" for k, v in phases.items() if v))
     g = goodput(read_timeline(run))
     if g is not None:

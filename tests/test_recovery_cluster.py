@@ -51,7 +51,7 @@ def train_config(tmp: Path, name: str, out: Path, port: int, hosts: list[str] | 
            "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
            "batch": {"micro_batch_size": 2, "global_batch_size": 12},
            "env": {"vars": node_env()},
-           "watchdog": {"timeout": 25, "first_step": 240},
+           "watchdog": {"timeout": 15, "first_step": 240},
            "training": {"output_dir": str(out), "max_steps": MAX_STEPS, "save_steps": 3, "logging_steps": 1,
                         "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "seed": 3,
                         "model": {"config": MODEL}, "data": {"block_size": 32}},
