@@ -69,8 +69,8 @@ def test_a_kubernetes_job_restarts_through_its_operator():
         recovery: {max_restarts: 3}
         """)
     assert got == [("recovery.max_restarts", 5, "restarts on Kubernetes are the operator's (the PyTorchJob's "
-                    "restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with pdsh, pdsh_docker, "
-                    "local and slurm (inside its allocation)")]
+                    "restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with the runners whose "
+                    "jobs hfscale runs itself: local, pdsh and pdsh_docker")]
 
 
 def test_min_nodes_above_the_node_count_and_without_restarts():
@@ -142,15 +142,20 @@ def test_checkpoints_to_restart_from():
          "each restart runs train.py again as it is, so it must resume from its own newest checkpoint by itself")]
 
 
-def test_slurm_shrinks_inside_its_allocation():
-    j = job("""\
+def test_slurm_is_refused_until_its_relaunch_is_built():
+    """A submitted job runs without hfscale; relaunching inside an allocation is not written: check
+    says so instead of printing a recovery line that nothing would carry out."""
+    slurm = """\
         name: x
         cluster: {num_nodes: 4, nproc_per_node: 2}
         runner: {type: slurm}
         batch: {micro_batch_size: 1, global_batch_size: 24}
         recovery: {max_restarts: 3, min_nodes: 3}
-        """)
-    assert j.warnings == ()
+        """
+    got = problems(slurm)
+    assert len(got) == 1 and got[0][:2] == ("recovery.max_restarts", 5)
+    assert got[0][2].startswith("not built for runner slurm yet: a submitted job runs without hfscale")
+    j = job(slurm.replace("max_restarts: 3, min_nodes: 3", "keep_global_batch: true"))
     smaller = job_on(j, tuple(HostSpec(host=f"n{i}", slots=2) for i in range(3)))  # the allocation's nodes left
     assert (smaller.num_nodes, smaller.world_size, smaller.gradient_accumulation_steps) == (3, 6, 4)
 

@@ -278,8 +278,8 @@ class WatchdogConfig(Strict):
 
 class RecoveryConfig(Strict):
     """What ``hfscale launch`` does after a rank fails, a node is lost or the job hangs: stop the job and
-    relaunch it from the newest complete checkpoint, without a host that keeps failing (pdsh, pdsh_docker,
-    local and slurm runners)."""
+    relaunch it from the newest complete checkpoint, without a host that keeps failing (runners local,
+    pdsh and pdsh_docker)."""
 
     max_restarts: int = Field(
         0, ge=0, le=10_000, description="Relaunches hfscale makes by itself after a rank failure, a lost node or a "

@@ -16,7 +16,7 @@ from hfscale.rules.resolved import Job
 
 Found = list[tuple[tuple, str]]
 HERE = ("recovery",)
-SUPPORTED = "pdsh, pdsh_docker, local and slurm (inside its allocation)"
+SUPPORTED = "the runners whose jobs hfscale runs itself: local, pdsh and pdsh_docker"
 
 
 def _group(job: Job) -> int | None:
@@ -103,6 +103,11 @@ def recovery_findings(job: Job) -> tuple[Found, Found]:
     if job.config.runner.type == "kubernetes":
         problems.append((HERE + ("max_restarts",), "restarts on Kubernetes are the operator's (the PyTorchJob's "
                          f"restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with {SUPPORTED}"))
+        return problems, warnings
+    if job.config.runner.type == "slurm":  # a submitted job is Slurm's; relaunching inside an allocation is not built
+        problems.append((HERE + ("max_restarts",), "not built for runner slurm yet: a submitted job runs without "
+                         "hfscale, and relaunching inside an allocation (srun --exclude) is not written; use Slurm's "
+                         f"own requeue (sbatch --requeue) for now; hfscale's recovery works with {SUPPORTED}"))
         return problems, warnings
     if r.min_nodes is not None and r.min_nodes > nodes:
         problems.append((HERE + ("min_nodes",), f"{r.min_nodes} is more than the {_nodes([nodes])} of the job"))
