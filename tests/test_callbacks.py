@@ -248,20 +248,20 @@ def test_two_rank_deepspeed_metrics_and_straggler(tmp_path_factory):
     assert metrics[-1]["eta_s"] == 0 and all(math.isfinite(r["eta_s"]) for r in metrics)
     # Both callbacks gathered on rank 0 exactly once per report: never on the other steps.
     assert res["gathers"] == len(metrics) + len(stragglers)
-    # Rank 1 sleeps 30 ms in every forward pass (threshold 1.3; the first window includes warm-up).
+    # Rank 1 sleeps 100 ms in every forward pass (threshold 1.3; the first window includes warm-up).
     host = socket.gethostname()
     for r in stragglers:
         assert set(r) == STRAGGLER_FIELDS
         assert r["slowest_rank"] == 1 and r["slowest_host"] == host and r["hosts"] == [host, host]
-        assert r["forward_s_per_rank"][1] > 0.03 and r["threshold"] == 1.3
+        assert r["forward_s_per_rank"][1] > 0.1 and r["threshold"] == 1.3
         # the median of the ranks other than the slowest: with 2 ranks, the faster one's time
         assert r["median_forward_s"] == pytest.approx(r["forward_s_per_rank"][0])
         assert r["ratio"] == pytest.approx(r["forward_s_per_rank"][1] / r["forward_s_per_rank"][0])
     for r in stragglers[1:]:
-        # rank 1 is slower by about its 30 ms sleep; rank 0's own forward time grows on a loaded
+        # rank 1 is slower by about its 100 ms sleep; rank 0's own forward time grows on a loaded
         # machine (38.6 ms once, in a CI run sharing its 2 cores), so the gap is what is asserted
         fast, slow = r["forward_s_per_rank"]
-        assert r["straggler"] is True and slow - fast > 0.015
+        assert r["straggler"] is True and slow - fast > 0.05
     assert f"rank 1 on host {host}" in ref.log and "straggler at step 4:" in ref.log
     # Wall time per step is the same on both ranks (they wait for each other): why forward time is used.
     assert stragglers[-1]["step_time_s_per_rank"][0] == pytest.approx(stragglers[-1]["step_time_s_per_rank"][1], rel=0.2)

@@ -194,6 +194,12 @@ def test_job_on_fewer_hosts_keeps_the_global_batch_and_moves_the_master():
     assert job_on(j, j.hosts) is j
 
 
+def test_a_master_address_of_a_host_still_in_the_job_is_kept():
+    """master_addr written as node0's IP address: leaving node2 out keeps it (it names no host left out)."""
+    j = job(THREE.replace("master_addr: node0", "master_addr: 10.0.0.1"))
+    assert job_on(j, j.hosts[:2]).master_addr == "10.0.0.1"
+
+
 def test_job_on_without_keep_global_batch_keeps_the_accumulation():
     j = job(THREE.replace("min_nodes: 1}", "min_nodes: 1, keep_global_batch: false}"))
     smaller = job_on(j, j.hosts[1:])

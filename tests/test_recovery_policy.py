@@ -80,10 +80,27 @@ def test_the_same_error_three_times_before_any_step_is_a_bug():
 
 def test_the_bug_rule_needs_three_in_a_row_with_no_step():
     p, h = policy(max_restarts=10, min_nodes=None, strikes=10), History()
-    outs = [decide(p, h, fault("node0", BOOM, steps=s), frozenset(), T0 + i)
+    outs = [decide(p, h, fault(HOSTS[i % 3], BOOM, steps=s), frozenset(), T0 + i)
             for i, s in enumerate((False, True, False, False))]  # one attempt trained: not a storm yet
     assert all(isinstance(o, Relaunch) for o in outs)
-    assert isinstance(decide(p, h, fault("node0", BOOM, steps=False), frozenset(), T0 + 9), GiveUp)
+    assert isinstance(decide(p, h, fault("node2", BOOM, steps=False), frozenset(), T0 + 9), GiveUp)
+
+
+def test_the_same_error_on_one_host_is_left_to_its_strikes():
+    """A host that fails alike every time (an ECC error at start-up) is hardware: its strikes leave it
+    out; the bug verdict is for an error seen on more than one host."""
+    p, h = policy(max_restarts=10, min_nodes=2, strikes=3), History()
+    outs = [decide(p, h, fault("node1", BOOM, steps=False), frozenset(), T0 + i) for i in range(3)]
+    assert all(isinstance(o, Relaunch) for o in outs)
+    assert outs[-1].hosts == ("node0", "node2") and outs[-1].newly_excluded == ("node1",)
+
+
+def test_normalising_a_hostile_line_is_fast():
+    import time
+
+    t0 = time.perf_counter()
+    normalise_error("ValueError: pid" + " " * 8000 + "x")
+    assert time.perf_counter() - t0 < 0.5  # the number pattern once backtracked quadratically
 
 
 def test_the_bug_rule_with_fewer_restarts_allowed():
@@ -284,6 +301,15 @@ def test_goodput_of_two_failures():
     assert g.ratio == 0.5
     assert lines(g) == ["goodput 50.0% (productive 30.0 s of 60.0 s); lost: start 3.0 s, detection 4.5 s, "
                         "stop 1.5 s, restart 9.5 s, recompute 4.0 s, other 7.5 s", "restarts 2, excluded: node1"]
+
+
+def test_goodput_counts_only_the_steps_this_run_made():
+    """A run that resumed at step 9,000 from an earlier run's checkpoint made 500 steps, not 9,500."""
+    events = (TimelineEvent(kind="launch", attempt=0, at=T0, resume_step=9000),
+              TimelineEvent(kind="training", attempt=0, at=T0 + 100, step=9001),
+              TimelineEvent(kind="finished", attempt=0, at=T0 + 600, step=9500, step_time=1.0))
+    g = goodput(Timeline(events))
+    assert (g.wall, g.productive) == (600.0, 500.0)
 
 
 def test_goodput_of_a_running_job_and_of_no_launch():

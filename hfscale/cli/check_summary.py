@@ -82,9 +82,11 @@ def _recovery(job: Job) -> str:
 
     r = job.config.recovery
     window = f" in {r.window} s" if r.window else ""
-    what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host out after {r.strikes} failure(s)"
-    if r.min_nodes is None or r.min_nodes >= job.num_nodes:
+    what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host left out after {r.strikes} failure(s)"
+    if r.min_nodes is None:
         return what + "; never shrinking (a failed host is retried)"
+    if r.min_nodes >= job.num_nodes:
+        return what + f"; never shrinking (min_nodes {r.min_nodes}: a host at its strikes ends the job)"
     what += f", down to {r.min_nodes} node(s)"
     if not r.keep_global_batch:
         return what + "; the global batch shrinks with the ranks"

@@ -113,7 +113,7 @@ _VARIABLE = [  # what differs between the same failure on two hosts, ranks or ru
     (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b"), "<ip>"),
     (re.compile(r"(?:(?<=<ip>)|(?<=\])|(?<=localhost)):\d{1,5}\b"), ":<port>"),
     (re.compile(r"\b(pid|PID|tid|rank|Rank|local_rank|global_rank|port|device|GPU|cuda|node|process)"
-                r"(\s*[:=]?\s*)\d+\b"), r"\1\2N"),
+                r"(\s*(?:[:=]\s*)?)\d+\b"), r"\1\2N"),
     (re.compile(r"\[(?:rank|default)?\d+\]"), "[rank N]"),
 ]
 _SPACES = re.compile(r"\s+")
@@ -194,7 +194,9 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
         return GiveUp("recovery is off (recovery.max_restarts: 0)")
     repeated = _repeated(history.faults)
     bug_at = min(BUG_REPEATS, policy.max_restarts + 1)
-    if repeated >= bug_at and not any(f.steps_done for f in history.faults[-bug_at:]):
+    last = history.faults[-bug_at:]
+    one_host = len({f.host for f in last}) == 1 and last[0].host is not None  # a host failing alike: its strikes decide
+    if repeated >= bug_at and not any(f.steps_done for f in last) and not one_host:
         return GiveUp(f"the same error {_times(bug_at)} in a row before any training step: {fault.error}; "
                       "this looks like a bug in the job, not a failed host")
     recent = [t for t in history.restarts_at if policy.window is None or now - t <= policy.window]

@@ -12,6 +12,7 @@ Starts no process itself: each attempt and each probe is ``hfscale.launch.execut
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -27,13 +28,15 @@ from hfscale.launch.execute import execute_attempt, run_probes
 from hfscale.launch.node_command import LaunchContext
 from hfscale.launch.preflight import evaluate, probes
 from hfscale.launch.recovery import Cause, Fault, GiveUp, History, Policy, decide, last_error, probe_targets
-from hfscale.launch.run_dir import LOGS_DIR, read_metrics
+from hfscale.launch.output_lock import Refused
+from hfscale.launch.run_dir import ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_state, record_state
 from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.launch.timeline import append_event
 from hfscale.rules.relaunch import job_on
 from hfscale.rules.resolved import Job
+from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
 
-WATCH_STEPS_S = 0.5  # rank 0's step is read this often during an attempt (one small file)
+WATCH_STEPS_S = 0.5  # rank 0's step is read this often during an attempt (its one-line progress file)
 PROBE_TIMEOUT_S = 30.0  # per excluded host, ssh + preflight
 
 
@@ -51,25 +54,34 @@ class Steps:
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
 
-def _watch_attempt(run_dir: str, steps: Steps, done: threading.Event, ready: Callable[[], None],
-                   started: Callable[[int, float], None]) -> None:
-    """Until the attempt ends: ``ready`` once its run directory exists (an attempt's first writes
-    it), then rank 0's latest step, read every WATCH_STEPS_S; ``started`` at its first step."""
-    while not os.path.isdir(os.path.join(run_dir, LOGS_DIR)):
+def _ready(run_dir: str, attempt: int) -> bool:
+    """Whether this attempt's run directory is in place: made (the first), or the previous attempt's
+    files moved aside (its plan is the last thing moved: rank 0's old progress is gone by then)."""
+    if attempt == 0:
+        return os.path.isdir(os.path.join(run_dir, LOGS_DIR))
+    return os.path.lexists(os.path.join(run_dir, ATTEMPTS_DIR, str(attempt - 1), PLAN_FILE))
+
+
+def _watch_attempt(run_dir: str, attempt: int, after: int, steps: Steps, done: threading.Event,
+                   ready: Callable[[], None], started: Callable[[int, float], None]) -> None:
+    """Until the attempt ends: ``ready`` once its run directory is in place, then rank 0's step
+    (progress/rank-0, written at every step), read every WATCH_STEPS_S and timed on this host's
+    clock when seen; ``started`` at the first step done after ``after`` (the step it resumed from:
+    the rank writes that one when training begins)."""
+    while not _ready(run_dir, attempt):
         if done.wait(WATCH_STEPS_S):
             return
     ready()
+    rank0 = Path(run_dir) / PROGRESS_DIR / "rank-0"
     while not done.wait(WATCH_STEPS_S):
-        try:
-            m = read_metrics(run_dir)
-        except (Unreadable, OSError):
+        p = read_progress(rank0, Path(run_dir))
+        if p is None or p.step <= after or (steps.last is not None and p.step <= steps.last[0]):
             continue
-        if m.step is None or m.time is None or (steps.last is not None and m.step <= steps.last[0]):
-            continue
+        now = time.time()
         if steps.first is None:
-            steps.first = (m.step, m.time)
-            started(m.step, m.time)
-        steps.last = (m.step, m.time)
+            steps.first = (p.step, now)
+            started(p.step, now)
+        steps.last = (p.step, now)
 
 
 def _cause(o: Outcome, hosts: set[str]) -> Cause:
@@ -110,26 +122,60 @@ def _resume_step(ctx: LaunchContext) -> int | None:
     return scan.state.global_step if scan.state is not None else None
 
 
+class _Stopped(Exception):
+    """A stop signal between attempts (``hfscale stop``, a scheduler's TERM, a closed terminal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_between_attempts(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
 def supervise(job: Job, context: Callable[[Job, int], LaunchContext], echo_for: Callable[[LaunchPlan], Callable[[str], None]],
               say: Callable[[str], None]) -> int:
     """Run ``job`` until it ends, relaunching it after failures as ``job.config.recovery`` allows.
     ``context(job, attempt)``: the launch context of an attempt (the checkpoints scanned anew, the
-    same job id); ``echo_for(plan)``: the output of one attempt; ``say``: hfscale's own lines.
+    run's job id); ``echo_for(plan)``: the output of one attempt; ``say``: hfscale's own lines.
     Returns the exit code of the last attempt (0: finished). A signal during an attempt stops it
-    as any launch's; Ctrl-C between attempts (nothing runs then) ends the supervision."""
+    as any launch's (``execute`` holds the handlers then); between attempts (nothing runs) it ends
+    the supervision: no relaunch."""
+    previous = {s: signal.signal(s, _stop_between_attempts) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    runs: list[str] = []
     try:
-        return _supervise(job, context, echo_for, say)
-    except KeyboardInterrupt:
-        say("hfscale: interrupted between attempts (nothing was running); not relaunched")
-        return 130
+        return _supervise(job, context, echo_for, say, runs)
+    except _Stopped as e:
+        say(f"hfscale: got {signal.Signals(e.signum).name} between attempts (nothing was running); not relaunched")
+        if runs:
+            record_state(runs[0], state="stopped", exit_code=128 + e.signum, ended=time.time())
+            _event(runs[0], kind="gave_up", attempt=0, what=f"stopped by {signal.Signals(e.signum).name} between attempts")
+        return 128 + e.signum
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _say_policy(policy: Policy, nodes: int, say: Callable[[str], None]) -> None:
+    if policy.min_nodes is None:
+        shrink = ", never shrinking (a failed host is retried)"
+    elif policy.min_nodes >= nodes:
+        shrink = f", never shrinking (min_nodes {policy.min_nodes}: a host at its strikes ends the job)"
+    else:
+        shrink = f", down to {policy.min_nodes} node(s)"
+    say(f"hfscale: recovery on: up to {policy.max_restarts} restart(s)" + (f" in {policy.window} s" if policy.window
+        else "") + f", a host left out after {policy.strikes} failure(s)" + shrink)
 
 
 def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
-               echo_for: Callable[[LaunchPlan], Callable[[str], None]], say: Callable[[str], None]) -> int:
+               echo_for: Callable[[LaunchPlan], Callable[[str], None]], say: Callable[[str], None],
+               runs: list[str]) -> int:
     policy = Policy.of(job.config.recovery, tuple(h.host for h in job.hosts))
     history = History([], {}, [], set(), [])
     current, attempt, python = job, 0, job.config.runner.python or ""
     ctx = context(current, attempt)
+    _say_policy(policy, job.num_nodes, say)
     while True:
         try:
             plan = build_plan(current, ctx)
@@ -137,31 +183,45 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
             say(f"error: {e.render()}")
             return exitcodes.BAD_INPUT
         run_dir = plan.run_dir
-        if plan.mode == "done":
-            say(f"hfscale: attempt {attempt}: nothing left to train; the job is finished")
+        runs[:] = [run_dir]
+        if plan.mode == "done":  # a relaunch after the last checkpoint: a rank failed as the job ended
+            say(f"hfscale: nothing left to train after attempt {attempt - 1}: the job is finished")
+            record_state(run_dir, state="finished", exit_code=0, ended=time.time())
             _event(run_dir, kind="finished", attempt=attempt)
             return 0
-        if attempt == 0:
-            say(f"hfscale: recovery on: up to {policy.max_restarts} restart(s)"
-                + (f" in {policy.window} s" if policy.window else "") + f", a host excluded after {policy.strikes} "
-                f"failure(s)" + (f", down to {policy.min_nodes} node(s)" if policy.min_nodes else ", never shrinking"))
+        resume = _resume_step(ctx)
         launch = dict(kind="launch", attempt=0, hosts=[h.host for h in current.hosts], world_size=current.world_size,
-                      accumulation=current.gradient_accumulation_steps, resume_step=_resume_step(ctx))
-        steps, done, n = Steps(), threading.Event(), attempt
+                      accumulation=current.gradient_accumulation_steps, resume_step=resume)
+        steps, done, n, launched = Steps(), threading.Event(), attempt, threading.Event()
+
+        def ready() -> None:
+            if n == 0:
+                _event(run_dir, **launch)
+            launched.set()
+
         watcher = threading.Thread(target=_watch_attempt, daemon=True, args=(
-            run_dir, steps, done, (lambda: _event(run_dir, **launch)) if attempt == 0 else (lambda: None),
+            run_dir, attempt, resume or 0, steps, done, ready,
             lambda s, t: _event(run_dir, kind="training", attempt=n, at=t, step=s)))
         watcher.start()
-        outcome = execute_attempt(plan, plan.render(), echo_for(plan), attempt)
+        try:
+            outcome = execute_attempt(plan, plan.render(), echo_for(plan), attempt)
+        except Refused as e:  # another launch took the output_dir between two attempts
+            say(f"error: {e}; not relaunched")
+            _event(run_dir, kind="gave_up", attempt=attempt, what=f"not relaunched: {str(e)[:900]}")
+            return exitcodes.BAD_INPUT
+        finally:
+            done.set()
+            watcher.join(5)
         stopped = time.time()
-        done.set()
-        watcher.join(5)
+        if attempt == 0 and not launched.is_set() and os.path.isdir(run_dir):  # it ended before the watcher looked
+            _event(run_dir, **launch, at=_started(run_dir) or stopped)
         if outcome.rc == 0:
             _event(run_dir, kind="finished", attempt=attempt, at=stopped, step=steps.last[0] if steps.last else None,
                    step_time=steps.step_time)
             return 0
         if outcome.signalled or outcome.where is None:  # stopped by hand, or nothing ran (no node failed)
             return outcome.rc
+        record_state(run_dir, state="running", exit_code=None, ended=None)  # deciding: hfscale stop still applies
         hosts = {h.host for h in current.hosts}
         cause = _cause(outcome, hosts)
         host = outcome.where if outcome.where in hosts else None
@@ -179,22 +239,35 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         healthy = healthy_again(job, targets, python or _python()) if targets else frozenset()
         decision = decide(policy, history, fault, healthy, time.time())
         if isinstance(decision, GiveUp):
-            say(f"hfscale: {decision.reason}")
-            _event(run_dir, kind="gave_up", attempt=attempt, what=decision.reason[:1000])
-            return outcome.rc
+            return _give_up(run_dir, attempt, outcome.rc, decision.reason, say)
         try:
             current = job_on(job, tuple(h for h in job.hosts if h.host in decision.hosts))
         except ConfigError as e:
-            say(f"hfscale: cannot relaunch on {', '.join(decision.hosts)}: {e.render()}")
-            _event(run_dir, kind="gave_up", attempt=attempt, what=f"cannot relaunch on {', '.join(decision.hosts)}")
-            return outcome.rc
+            return _give_up(run_dir, attempt, outcome.rc, f"cannot relaunch on {', '.join(decision.hosts)}: "
+                            f"{e.render()}", say)
         attempt += 1
-        say(f"hfscale: restart {attempt} of at most {policy.max_restarts}: {decision.reason}")
+        within = f" within {policy.window} s" if policy.window else ""
+        say(f"hfscale: restart {attempt} (at most {policy.max_restarts}{within}): {decision.reason}; attempt "
+            f"{attempt - 1}'s logs and reports move to {os.path.join(run_dir, ATTEMPTS_DIR, str(attempt - 1))}")
         ctx = context(current, attempt)  # the checkpoints as they are now
         _event(run_dir, kind="relaunch", attempt=attempt, hosts=list(decision.hosts),
                excluded=list(decision.excluded), readmitted=list(decision.readmitted),
                resume_step=_resume_step(ctx), world_size=current.world_size,
                accumulation=current.gradient_accumulation_steps)
+
+
+def _give_up(run_dir: str, attempt: int, rc: int, reason: str, say: Callable[[str], None]) -> int:
+    say(f"hfscale: {reason}")
+    record_state(run_dir, state="failed", exit_code=rc, ended=time.time())
+    _event(run_dir, kind="gave_up", attempt=attempt, what=reason[:1000])
+    return rc
+
+
+def _started(run_dir: str) -> float | None:
+    try:
+        return read_state(run_dir).started
+    except (Unreadable, OSError):
+        return None
 
 
 def _python() -> str:
@@ -203,13 +276,19 @@ def _python() -> str:
     return sys.executable
 
 
+_ESSENTIAL = ("kind", "attempt", "at", "cause", "host", "what", "hosts", "excluded", "readmitted")
+
+
 def _event(run_dir: str, **fields: object) -> None:
     """Append one event to the run's timeline; ``at`` defaults to now. A write that fails is
     skipped (the job goes on; its timeline then misses the event)."""
+    fields = {k: v for k, v in fields.items() if v is not None}
     fields.setdefault("at", time.time())
-    try:
-        event = TimelineEvent.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValueError:
+    for keep in (fields, {k: v for k, v in fields.items() if k in _ESSENTIAL}):  # a bad measure costs that field
+        try:
+            event = TimelineEvent.model_validate(keep)
+        except ValueError:
+            continue
+        if os.path.isdir(run_dir):
+            append_event(run_dir, event)
         return
-    if os.path.isdir(run_dir):
-        append_event(run_dir, event)

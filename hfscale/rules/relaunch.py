@@ -41,9 +41,9 @@ def job_on(job: Job, hosts: tuple[HostSpec, ...]) -> Job:
         cluster["hosts"] = [h.model_dump() for h in hosts]
         cluster["hostfile"] = None
     names = {h.host.lower() for h in hosts}
-    if cfg.cluster.master_addr is not None and cfg.cluster.master_addr.lower() not in names and hosts and \
-            names != {h.host.lower() for h in job.hosts}:
-        cluster["master_addr"] = hosts[0].host
+    left_out = {h.host.lower() for h in job.hosts} - names
+    if cfg.cluster.master_addr is not None and cfg.cluster.master_addr.lower() in left_out and hosts:
+        cluster["master_addr"] = hosts[0].host  # an address of a host still in the job is kept
     per_host = data.get("env", {}).get("per_host")
     if per_host and not job.scheduled:
         data["env"]["per_host"] = {h: v for h, v in per_host.items() if h.lower() in names}

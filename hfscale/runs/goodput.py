@@ -19,8 +19,8 @@ From the events of ``timeline.jsonl`` (hfscale.core.records.TimelineEvent):
   - **recompute**: (failure step - the next ``relaunch``'s ``resume_step``) x step time, at least 0
     (a relaunch without ``resume_step`` starts from step 0); 0 when no relaunch followed.
 
-- **productive**: the final step reached (the step of the last ``finished`` or ``failure`` event)
-  x the median of the attempts' step times, at most wall.
+- **productive**: the steps this run made (the step of the last ``finished`` or ``failure`` event,
+  less the first launch's ``resume_step``) x the median of the attempts' step times, at most wall.
 - **other**: wall - productive - the time lost above, at least 0 (steps not otherwise counted,
   the supervisor's own time, what could not be estimated).
 """
@@ -108,7 +108,8 @@ def goodput(timeline: "Timeline", now: float | None = None) -> Goodput | None:
                 lost["recompute"] += max(0, e.step - (relaunch.resume_step or 0)) * e.step_time
     step_times = [e.step_time for e in events if e.kind in ("failure", "finished") and e.step_time is not None]
     final = next((e.step for e in reversed(events) if e.kind in ("finished", "failure") and e.step is not None), 0)
-    productive = min(wall, final * statistics.median(step_times)) if step_times else 0.0
+    done = max(0, final - (launch.resume_step or 0))  # the run may have started from an earlier run's checkpoint
+    productive = min(wall, done * statistics.median(step_times)) if step_times else 0.0
     lost["other"] = max(0.0, wall - productive - sum(lost.values()))
     relaunches = [e for e in events if e.kind == "relaunch"]
     excluded = tuple(relaunches[-1].excluded or ()) if relaunches else ()
