@@ -58,6 +58,8 @@ PDSH = {
         "optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupCosineLR"}}},
     "accelerate": {"gpu_ids": "0"},
     "watchdog": {"timeout": 300, "first_step": 900, "script_reports_steps": True},
+    "recovery": {"max_restarts": 3, "window": 3600, "strikes": 2, "min_nodes": 1, "keep_global_batch": True,
+                 "probe_excluded": True},
     "precision": "bf16",
     "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 2},
     "gradient_clipping": 1.0,
@@ -89,7 +91,7 @@ DOCKER = {
                                                  "mounts": [{"host": "/data", "container": "/data"}]}},
 }
 SLURM = {
-    **PDSH, "name": "hostile-s",
+    **PDSH, "name": "hostile-s", "recovery": {},  # not built for slurm yet: refused with max_restarts
     "cluster": {"num_nodes": 2, "nproc_per_node": 1},
     "runner": {"type": "slurm", "setup": "true", "workdir": "/w", "python": "/opt/py",
                "slurm": {"partition": "gpu", "account": "a", "time": "01:00:00", "job_name": "j", "signal": "USR1@60",
@@ -97,7 +99,7 @@ SLURM = {
     "env": {"vars": {"A_VAR": "a"}, "forward": ["WANDB_*"]},
 }
 K8S = {
-    **PDSH, "name": "hostile-k",
+    **PDSH, "name": "hostile-k", "recovery": {},  # restarts there are the operator's: refused with max_restarts
     "cluster": {"num_nodes": 2, "nproc_per_node": 1},
     "runner": {"type": "kubernetes", "launcher": "torchrun", "python": "python3", "workdir": "/w",
                "kubernetes": {"image": "img:1", "namespace": "ml", "service_account": "sa", "shm_size": "8Gi",
