@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # a test using a cluster fixture (tests/cluster/fixtures.py) is also cluster.
 UNIT_MODULES = frozenset({
     "test_accelerate_keys", "test_architecture", "test_checkpoint_files", "test_docs_reference", "test_follow",
-    "test_fuzz", "test_kubernetes", "test_memory_measured", "test_network", "test_node_lines", "test_render",
+    "test_fuzz", "test_kubernetes", "test_lock_follows_job", "test_memory_measured", "test_network", "test_node_lines", "test_render",
     "test_recovery_config", "test_recovery_policy", "test_supervisor", "test_schedule",
     "test_tiers", "test_validation",
 })
@@ -81,6 +81,21 @@ def job_pids(job: str) -> list[int]:
             if want in environ.split(b"\0"):
                 found.append(int(entry.name))
     return found
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Each step's loss of the healing tests' job (tests/test_recovery_cluster.py train_config) run
+    without a fault on 3 local processes, REFERENCE_STEPS steps (the tests compare their own steps,
+    a prefix: the learning rate is constant). Run once per session."""
+    from test_recovery_cluster import REFERENCE_STEPS, losses, train_config
+
+    tmp = tmp_path_factory.mktemp("uninterrupted-")
+    config = train_config(tmp, "ref", tmp / "out", 29931, None, max_steps=REFERENCE_STEPS)
+    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return losses(tmp / "out" / f"checkpoint-{REFERENCE_STEPS}")
 
 
 def read_until(proc: subprocess.Popen, marker: str, count: int, timeout: float = 120) -> list[str]:

@@ -61,8 +61,9 @@ def wait_for(predicate, timeout: float = 60, what: str = "") -> None:
 # ---- one job per output_dir -----------------------------------------------------------------------
 
 def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
-    """Refused while the first launch runs; still refused once its launcher was killed -9 while its
-    job's processes train on; taken over (and said) once those are stopped."""
+    """Refused while the first launch runs; once its launcher was killed -9 while its job's processes
+    train on, the next launch waits for that job to stop itself (Ctrl-C gives up: nothing started);
+    taken over (and said) once those are stopped."""
     out = tmp_path / "out"
     job = job_file(tmp_path, "one", out, python=standin(tmp_path))
     first = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(job)], cwd=ROOT,
@@ -90,9 +91,19 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
         first.kill()  # the launcher dies without a word; its job's processes live on
         first.wait(timeout=10)
         assert job_pids(held["job_id"])
-        again = hfscale("launch", str(job))  # ... and still train into out: the lock still holds
-        assert again.returncode == 2 and "its launcher is gone, but its job's processes still run here" in again.stderr
-        assert f"stop them first, hfscale stop {held['run_dir']}" in again.stderr, again.stderr
+        # ... and still train into out: the lock still holds. The same launch waits for the job to stop
+        # itself (its keeper: tests/test_keeper.py); Ctrl-C gives up, nothing started
+        again = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(job)], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = again.stdout.readline()
+        assert (f"is in use by job {held['job_id']}, whose launcher (host {socket.gethostname()}, pid {first.pid}) is "
+                f"gone; its job still runs on local and stops itself within 50 s") in line, line
+        assert "waiting for it, Ctrl-C to give up" in line
+        assert json.loads(lock.read_text())["job_id"] == held["job_id"] and job_pids(held["job_id"])
+        again.send_signal(signal.SIGINT)
+        rest, _ = again.communicate(timeout=30)
+        assert again.returncode == 130 and "hfscale: gave up waiting; nothing was started" in rest, rest
+        assert len(list((tmp_path / "runs").iterdir())) == 1
         stopped = hfscale("stop", held["run_dir"])  # the recorded cleanup of the died run
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         wait_for(lambda: not job_pids(held["job_id"]), 15, "the died job's processes to end")

@@ -273,20 +273,21 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
     exception, nothing followed."""
     if os.geteuid() != 0 and variant in ("devzero", "other_uid"):
         pytest.skip("needs root (mknod, chown); CI is root")
-    from hfscale.launch import output_lock
+    from hfscale.launch import beats, output_lock
     from hfscale.launch.follow import Follower, LogTail
     from hfscale.launch.spec import Follow, Watch
     from hfscale.launch.watchdog import Watchdog, read_flight, read_stacks
 
     run, out = tmp_path / "run", tmp_path / "out"
-    for d in ("progress", "stacks", "flight", "alive", "logs"):
+    for d in ("progress", "stacks", "flight", "alive", "logs", "orphaned"):
         (run / d).mkdir(parents=True)
     out.mkdir()
     good = {out / "_hfscale-lock.json": json.dumps({"job_id": corpus.JOB, "host": "elsewhere", "pid": 5,
                                                    "proc_start": 1, "run_dir": "/r", "started": time.time()}),
             run / "progress" / "rank-0": "4 123 node0 9\n", run / "stacks" / "rank-0.txt": "Thread 1\n",
             run / "flight" / "rank-0.json": json.dumps([{"entries": [{"collective_seq_id": 3}]}]),
-            run / "alive" / "node0": "7\n", run / "logs" / "node0.log": "a line\n"}
+            run / "alive" / "node0": "7\n", run / "logs" / "node0.log": "a line\n",
+            run / "launcher.beat": "00000000000000000003\n", run / "orphaned" / "node0": "1764180000\n"}
     secrets = tmp_path / "secrets"
     secrets.mkdir()
     for path, text in good.items():
@@ -316,6 +317,9 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
         follow.lines()
         follow.silent(100.0, set())
         LogTail({"x": run / "logs" / "node0.log"}).lines()
+        seen = beats.watch(run, 0.3)  # what a later launch and status read of a died job's heartbeats
+        assert seen is not None and not seen.launcher_beats and seen.running == ()
+        assert beats.orphan(run, time.time()) is None or beats.orphan(run, time.time()).running in ((), ("node0",))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     assert time.monotonic() - t0 < 10

@@ -33,6 +33,15 @@ def test_a_host_goes_silent_talking_exited_and_each_ending_has_its_failure():
     nodes.see(parse("node2: Connection closed"))
     assert nodes.see(parse("pdsh@l: node2: ssh exited with exit code 255")).what == (
         "lost the connection to node2 over ssh (Connection closed)")
+    nodes.see(parse("node5: step 1"))
+    nodes.see(parse("node5: {'hfscale/straggler_ratio': 1.02}"))  # the node's own last line, then its processes killed
+    assert nodes.see(parse("pdsh@l: node5: ssh exited with exit code 255")).what == (
+        "the line on node5 ended with no exit code and its ssh session closed without ssh saying why: its processes "
+        "were killed (kill -9, the OOM killer) or its connection dropped")
+    nodes.see(parse("node6: step 1"))
+    nodes.see(parse("node6: Timeout, server node6 not responding."))  # ServerAliveCountMax keep-alives missed
+    assert nodes.see(parse("pdsh@l: node6: ssh exited with exit code 255")).what == (
+        "lost the connection to node6 over ssh (Timeout, server node6 not responding.)")
     assert nodes.see(parse("pdsh@l: node3: ssh killed by signal 9")) == Failure(
         "node3", 137, "the ssh to node3 was killed (SIGKILL)")
     assert nodes.see(parse("node4: HFSCALE_EXIT rc=1")) == Failure("node4", 1, "node4 failed (exit code 1)")

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.core.shell import Command, render
+from hfscale.core.shell import Command, Line, Sh, render
 from hfscale.launch.build import build_plan
 from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.runners.keeper import keeper_line, keeper_of
 from hfscale.launch.runners.stopping import dump_script, stop_script
-from hfscale.launch.spec import Follow, Watch
+from hfscale.launch.spec import Follow, Keeper, Watch
 
 from conftest import job_of, job_pids
 
@@ -36,10 +37,13 @@ LOCAL = """
 
 def test_local_accelerate_plan_exact():
     plan = build_plan(job_of(LOCAL), CTX)
-    assert plan.main.argv == (
-        "/opt/py/bin/python", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
-        "--module", "hfscale.training.run_script", "--plain", "train.py", "--epochs", "2",
-    )
+    launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
+                "--module hfscale.training.run_script --plain train.py --epochs 2")
+    # a shell starts the node's keeper (it stops the job when the launcher's heartbeat stops), then
+    # becomes the launcher: its pid and exit status are main's
+    keeper = render(keeper_line(keeper_of(RUN), Line((Sh(stop_script("20261122-120000-abcdef")),))), False)
+    assert plan.main.real_argv() == ["bash", "-c", f"export HFSCALE_HOST=local; {keeper} exec {launcher}"]
+    assert render(plan.nodes[0].command) == launcher and plan.keeper == keeper_of(RUN)
     assert plan.main.cwd == "/work"
     assert dict(plan.main.env) == {
         "HFSCALE_JOB_ID": "20261122-120000-abcdef",
@@ -117,10 +121,16 @@ def test_pdsh_plan_exact():
     launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
                 "--machine_rank \"$HFSCALE_NODE_RANK\" --module hfscale.training.run_script --plain train.py "
                 "--name 'x; rm -rf /'")
+    # the node's keeper: stops the node's job (as the cleanup does) when the launcher's heartbeat stops
+    keeper = render(keeper_line(keeper_of(RUN), Line((Sh(stop_script("20261122-120000-abcdef")),))), False, pdsh=True)
+    assert keeper.startswith("( trap ") and keeper.endswith(" & hb=$!;")
+    assert f"head -c 64 {RUN}/launcher.beat" in keeper and f" 1<> {RUN}/alive/\"$HFSCALE_HOST\";" in keeper
+    assert "env -u HFSCALE_JOB_ID bash -c " + shlex.quote(stop_script("20261122-120000-abcdef")) in keeper
     # a line that starts after a stop (a slow ssh) finds the stop marker and starts nothing
     node = (f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node started'; exit 143; }}; "
+            f"export HFSCALE_HOST=%h; {keeper} "
             f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
-            '; rc=$?; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
+            '; rc=$?; kill $hb 2>/dev/null; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
     # the node's shell starts with the job id in its environment: the stop finds it (and runner.setup)
     script = "exec env HFSCALE_JOB_ID=20261122-120000-abcdef bash -c " + shlex.quote(node)
     assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "2", "-w",
@@ -136,23 +146,22 @@ def test_pdsh_plan_exact():
     assert render(plan.nodes[1].command) == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
     assert plan.cleanup.real_argv()[-1] == stop_script("20261122-120000-abcdef")
+    assert plan.keeper == Keeper(f"{RUN}/launcher.beat", f"{RUN}/alive", f"{RUN}/orphaned", f"{RUN}/logs", 5, 10, 5, 30,
+                                 50)
+    assert (f"launcher heartbeat: {RUN}/launcher.beat, every 5 s\n  each node: heartbeat every 10 s into {RUN}/alive/"
+            "<host>; when the launcher's has not changed for 30 s, the node stops its job") in plan.render()
 
 
 def test_more_hosts_than_fanout_launch_detached_exact():
     """Beyond runner.fanout hosts the launch holds no ssh per host: pdsh starts each node's line
-    (the attached one, unchanged) in a new session, fanout hosts at a time, with its output going
-    to logs/<host>.log and a heartbeat loop beside it; hfscale follows the files."""
+    (the attached one, its keeper included, which also beats for the follower) in a new session,
+    fanout hosts at a time, with its output going to logs/<host>.log; hfscale follows the files."""
     attached = build_plan(job_of(PDSH), CTX)
     plan = build_plan(job_of(PDSH.replace("connect_timeout: 7}", "connect_timeout: 7, fanout: 1}")), CTX)
     node = shlex.split(attached.main.real_argv()[-1])[-1]  # bash -c's script in the attached line
-    node = node.replace("; rc=$?;", "; rc=$?; kill $hb 2>/dev/null;")  # ... which also ends the heartbeat
-    check, node = node.split("; }; ", 1)  # the stop marker is looked at first, before the heartbeat starts
-    check += "; };"
-    beat = ("( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; do n=$((n+1)); "
-            f"echo $n > {RUN}/alive/\"$HFSCALE_HOST\"; sleep 10 & s=$!; wait $s; done ) </dev/null >/dev/null "
-            "2>&1 & hb=$!;")
+    node = node.replace("export HFSCALE_HOST=%h; ( trap", "( trap", 1)  # the detached line sets it before
     script = ("export HFSCALE_HOST=%h; env HFSCALE_JOB_ID=20261122-120000-abcdef setsid bash -c "
-              + shlex.quote(check + " " + beat + " " + node) + f' </dev/null >> {RUN}/logs/"$HFSCALE_HOST".log 2>&1 &')
+              + shlex.quote(node) + f' </dev/null >> {RUN}/logs/"$HFSCALE_HOST".log 2>&1 &')
     assert tuple(plan.main.real_argv()) == ("pdsh", "-R", "ssh", "-S", "-t", "7", "-f", "1", "-w",
                                             f"^{RUN}/pdsh_hosts", "-l", "alice", script)
     assert plan.logs == () and attached.logs == ("node0", "node1") and attached.follow is None
@@ -203,7 +212,7 @@ def test_detached_line_runs_the_node_and_returns(tmp_path):
     run = run_detached_locally(tmp_path, 'sleep 2; echo "rank=$HFSCALE_NODE_RANK sid=$(ps -o sid= $$)"')
     assert time.monotonic() - t0 < 1.5  # pdsh did not wait for the launcher
     rank, exit_line = wait_for_exit_line(run / "logs" / "node1.log").splitlines()
-    assert (run / "alive" / "node1").read_text() == "1\n"  # its first beat (the next one would be 10 s later)
+    assert (run / "alive" / "node1").read_text() == "000000000001\n"  # its first beat (the next one 10 s later)
     assert rank.startswith("rank=1 sid=") and int(rank.split("sid=")[1]) != os.getsid(0)
     assert exit_line == "HFSCALE_EXIT rc=0"
     # nothing of the node's line is left: the heartbeat loop and its sleep ended with it
@@ -211,10 +220,13 @@ def test_detached_line_runs_the_node_and_returns(tmp_path):
 
 
 def test_heartbeat_stopped_between_its_sleep_and_s_leaves_nothing(tmp_path):
-    """The node's line ends while the heartbeat loop has started its sleep but not yet recorded its
-    pid (CI once left a 'sleep 10' behind that way). The window, microseconds in real runs, is
-    widened here to 0.6 s by a sleep put into the real line; the launcher ends inside it."""
-    widen = lambda line: line.replace("& s=$!;", "& sleep 0.6; s=$!;", 1)  # noqa: E731
+    """The node's line ends while the keeper's loop has started its sleep but not yet waits for it
+    (CI once left a 'sleep 10' behind that way). The window, microseconds in real runs, is widened
+    here to 0.6 s by a sleep put into the real line; the launcher ends inside it."""
+    def widen(line: str) -> str:
+        assert "sleep 5 & wait $!;" in line
+        return line.replace("sleep 5 & wait $!;", "sleep 5 & sleep 0.6; wait $!;", 1)
+
     run = run_detached_locally(tmp_path, "sleep 0.2; echo done", widen)
     assert wait_for_exit_line(run / "logs" / "node1.log").splitlines() == ["done", "HFSCALE_EXIT rc=0"]
     assert job_left("20261122-120000-abcdef") == []
@@ -366,7 +378,7 @@ def test_restarts_use_a_c10d_rendezvous_with_the_job_id():
     job = job_of("name: r\ncluster: {nproc_per_node: 2}\nrunner: {launcher: torchrun, max_restarts: 2}\n"
                  "batch: {micro_batch_size: 1}\ntraining: {script: t.py, pass_args: none}\n")
     plan = build_plan(job, CTX)
-    assert plan.main.argv == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
+    assert tuple(plan.nodes[0].command.items) == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
                               "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",
                               "--rdzv-id", "20261122-120000-abcdef", "--max-restarts", "2", "-m",
                               "hfscale.training.run_script", "--plain", "t.py")

@@ -166,6 +166,25 @@ def _context(job, extra_args: tuple[str, ...], restart: bool, job_id: str | None
     return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart, attempt)
 
 
+def _settle(job) -> None:
+    """Wait while the job that holds training.output_dir stops itself (its launcher died), so that
+    the plan resumes from the checkpoint it saves on the way (hfscale.launch.output_lock.settle)."""
+    import os
+    import posixpath
+
+    from hfscale.launch.node_command import output_dir_to_scan
+    from hfscale.launch.output_lock import settle
+
+    where = output_dir_to_scan(job)
+    if where is None:
+        return
+    try:
+        settle(posixpath.normpath(posixpath.join(os.getcwd(), where)), lambda s: click.echo(s, err=True))
+    except KeyboardInterrupt:
+        click.echo("hfscale: gave up waiting; nothing was started", err=True)
+        sys.exit(130)
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("config_file", metavar="CONFIG")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- SCRIPT_ARGS]")
@@ -198,6 +217,8 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
     job = _load(config_file)
     for w in extra_args_warnings(job, script_args):  # a plain script's own values after --
         click.echo(f"warning: {w}", err=True)
+    if not dry_run:
+        _settle(job)
     ctx = _context(job, script_args, restart)
     try:
         plan = build_plan(job, ctx)

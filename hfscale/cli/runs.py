@@ -48,7 +48,9 @@ def status_cmd(run: str, runs_dir: str) -> None:
     if cmd is not None:
         rc, out, err = run_probe(cmd, timeout=20)
         queried = out.strip() or ("not in the queue (ended)" if rc == 0 else f"unknown: {(err or out).strip()[:200]}")
-    click.echo(runs.status_text(info, queried), nl=False)
+    from hfscale.runs.status import status_text
+
+    click.echo(status_text(info, queried), nl=False)
 
 
 @click.command("logs")

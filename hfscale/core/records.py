@@ -208,6 +208,10 @@ class OutputLock(Record):
     pid_ns: Count | None = None
     run_dir: Text
     started: Timestamp
+    runner: Runner | None = None
+    # the job's nodes stop themselves within this many seconds of its launcher's last heartbeat
+    # (hfscale.launch.runners.keeper); None: they do not (a lock of an older hfscale)
+    stops_within_s: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=3600)] | None = None
 
 
 Hosts = Annotated[list[Host], Field(max_length=10_000)]

@@ -24,6 +24,7 @@ from hfscale.core import exitcodes
 from hfscale.core.atomic_files import write_files
 from hfscale.core.exitcodes import signal_name
 from hfscale.core.shell import Command, Ran
+from hfscale.launch.beats import LauncherBeat
 from hfscale.launch.console import Console, follow_progress, never_raises
 from hfscale.launch.disk_full import told
 from hfscale.launch.follow import follow_detached
@@ -98,6 +99,8 @@ class _Run:
         rc = self.proc.wait()
         if rc < 0 and self.failure is None and self.signalled is None and not self._stopping:
             name = os.path.basename(self.plan.main.real_argv()[0])
+            if self.plan.runner == "local":  # a shell that became the launcher (exec)
+                name = os.path.basename(self.plan.nodes[0].command.items[0])  # type: ignore[arg-type]
             self.fail(name, 128 - rc, f"{name} was killed ({signal_name(-rc)})")
 
     def stop(self) -> None:
@@ -232,7 +235,7 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
             run.stop()
 
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
-    held = None
+    held = beat = None
     try:
         held = hold(plan, echo)  # before anything: --restart's moves would take a running job's checkpoints
         if signalled:
@@ -249,6 +252,8 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
             return exitcodes.BAD_INPUT
         launcher = {k: v for k, v in this_launcher().items() if not (attempt and k == "started")}  # the run's start
         record_state(run_dir, **launcher, state="running", job_id=plan.job_id, runner=plan.runner)
+        if plan.keeper is not None:  # while it beats, the nodes' keepers let their job run (hfscale.launch.beats)
+            beat = LauncherBeat(run_dir, echo)
         rc = 0
         for step in plan.prepare:
             if (rc := _prepare(step, run_dir, echo)) or signalled:
@@ -278,6 +283,8 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
             rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
         return rc
     finally:
+        if beat is not None:  # the job has ended on every node (run.finish waited for the stop)
+            beat.stop()
         if held is not None:  # before the handlers go: a second Ctrl-C must not leave the lock behind
             held.release()
         for s, h in previous.items():

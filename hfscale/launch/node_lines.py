@@ -26,6 +26,10 @@ _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 _PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "
                          r"(?:exited with exit code (?P<rc>\d+)|killed by signal (?P<sig>\d+))$")
 SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lost the connection
+# what ssh itself prints when it cannot connect or loses the connection (its last line, through pdsh)
+_SSH_SAID = re.compile(r"^(?:ssh: |ssh_|kex_|client_loop: |Connection (?:to|closed|reset|timed out)|Timeout, server"
+                       r"|Read from remote host|packet_write_wait|Write failed|Broken pipe|Host key verification"
+                       r"|Permission denied|Could not resolve)")
 # what a rank prints when a collective fails because another rank went away (gloo, NCCL, sockets)
 _PEER_LOST = re.compile(r"Connection closed by peer|caused by a remote worker crashing|Connection reset by peer"
                         r"|remote process exited|ncclRemoteError")
@@ -115,8 +119,14 @@ class Nodes:
             return Failure(host, 128 + event.signal, f"the ssh to {host} was killed ({signal_name(event.signal)})")
         assert event.rc is not None
         if event.rc == SSH_FAILED and self.state.get(host) != "exited":
+            last = self._last.get(host)
+            if last is not None and self._lines.get(host, 0) > 1 and not _SSH_SAID.match(last):
+                # ssh said nothing: the node's line was cut (its processes killed) or its session dropped
+                return Failure(host, exitcodes.UNREACHABLE, f"the line on {host} ended with no exit code and its ssh "
+                                                            "session closed without ssh saying why: its processes were "
+                                                            "killed (kill -9, the OOM killer) or its connection dropped")
             what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
-            return Failure(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({self._last.get(host, 'ssh failed')})")
+            return Failure(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({last or 'ssh failed'})")
         return self._failed(host, event.rc) if event.rc else None
 
     def _failed(self, host: str, rc: int) -> Failure:

@@ -4,20 +4,26 @@ checkpoint folders. (Its name starts with ``_``: the Trainer's ``push_to_hub`` l
 
 The lock is a file, not ``flock`` (which NFS does not carry between hosts reliably): it is put in
 place atomically (a hard link of a finished file, ``O_EXCL`` where links are not supported), holds
-the holder's job id, host, pid, start time and pid namespace, and its launcher touches it every
-``BEAT_S`` seconds while the job runs. A second launch finds it and asks whether its holder
-still runs:
+the holder's job id, host, pid, start time, pid namespace, run directory and runner, and its
+launcher touches it every ``BEAT_S`` seconds while the job runs. The lock follows the job, not
+only its launcher: a second launch asks whether anything of the holder's job still runs.
 
-- on the same host, boot and pid namespace: the process recorded, by pid and start time
-  (hfscale.core.pid_identity); a holder whose launcher is gone but whose job's processes still run
-  here (a launcher killed -9 leaves them) still holds it;
-- elsewhere (another host, a container), or when that cannot be checked: the lock's modification
-  time against the file system's own clock (the mtime of a file just written beside it), so
-  hosts' clocks never enter: untouched for ``STALE_S`` seconds is a launcher that died.
+- Its launcher, on the same host, boot and pid namespace: the process recorded, by pid and start
+  time (hfscale.core.pid_identity). Elsewhere (another login node, a container): whether its
+  heartbeat in the run directory changes (hfscale.launch.beats), read on this host's clock.
+- Its nodes: whether their heartbeats (``<run dir>/alive/<host>``, from each node's keeper) change,
+  and the job's processes on this host. A job whose launcher is gone stops itself within the
+  lock's ``stops_within_s`` (hfscale.launch.runners.keeper): ``settle`` waits for that, saying so,
+  before a launch plans its resume.
+- When the run directory cannot be read from here (or the lock is an older hfscale's): the lock's
+  modification time against the file system's own clock (the mtime of a file just written beside
+  it), so hosts' clocks never enter: untouched for ``STALE_S`` seconds is a launch that died, and
+  whose nodes have stopped themselves by then.
 
-A live holder refuses the launch (LockHeld, exit 2, naming its job, host and pid); a dead one's
-lock is taken over, one taker at a time (``_hfscale-lock.json.take``, made with ``O_EXCL``), and
-the launch says so. Files only, no processes: hfscale.launch.execute takes it, touches it, releases it.
+A live holder refuses the launch (LockHeld, exit 2, naming its job, host and pid, and the hosts
+where its job still runs); a dead one's lock is taken over, one taker at a time
+(``_hfscale-lock.json.take``, made with ``O_EXCL``), and the launch says so. Files only, no
+processes: hfscale.launch.execute takes it, touches it, releases it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -33,21 +40,24 @@ from typing import TYPE_CHECKING, Callable
 
 from hfscale.core.pid_identity import ProcessIdentity, job_processes, liveness, this_process
 from hfscale.core.untrusted import Unreadable, parse_record, printable, read_bytes
+from hfscale.launch.beats import WATCH_S, watch
 from hfscale.launch.spec import LOCK_FILE, LaunchPlan
 
 if TYPE_CHECKING:
     from hfscale.core.records import OutputLock
 
 BEAT_S = 10  # the holder touches the lock this often
-STALE_S = 60  # a lock untouched this long (six beats), not checkable by pid: its launcher died
+STALE_S = 60  # a lock untouched this long (six beats), not checkable otherwise: its launcher died, its job stopped
+PROVEN_S = 60.0  # a holder ``settle`` saw dead counts as dead for this long (no second look by acquire)
+MAX_SHOWN = 8  # hosts named in a message; the rest are counted
 TAKE_STALE_S = 30  # a take file this old was left by a taker that died
 LOCK_CAP = 64 * 1024
 ATTEMPTS = 5
 
 
 class LockHeld(Exception):
-    """The output_dir is in use by a running launch (or its lock cannot be judged); the message
-    names it and what to do."""
+    """The output_dir is in use by a running launch or its job (or its lock cannot be judged); the
+    message names it, the hosts where its job still runs, and what to do."""
 
 
 class Refused(Exception):
@@ -79,28 +89,62 @@ def _parse(raw: bytes, path: Path) -> "OutputLock":
     return parse_record(raw, OutputLock, path)
 
 
-def judge(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: float = STALE_S
-          ) -> tuple[bool, str]:
-    """(whether the holder still runs, how that was decided). ``rec`` None: a lock that cannot be
-    read, judged by its age alone."""
-    if rec is not None:
-        who = ProcessIdentity(rec.pid, rec.proc_start, rec.boot_id, rec.host, rec.pid_ns)
-        state = liveness(who)
-        if state == "alive":
-            return True, "its launcher runs"
-        if state == "gone":
-            left = job_processes(rec.job_id)
-            if left:
-                shown = ", ".join(map(str, left[:8]))
-                return True, (f"its launcher is gone, but its job's processes still run here (pids {shown}): stop "
-                              f"them first, hfscale stop {printable(rec.run_dir)}")
-            return False, ("its launcher is gone (no process with that pid and start time) and nothing of its job "
-                           "runs here")
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a lock's holder still runs, how that was decided, and, for a job whose launcher is
+    gone but whose nodes still run and stop themselves (``stops_within_s``), those hosts."""
+
+    alive: bool
+    how: str
+    stopping: tuple[str, ...] = ()
+
+
+def _hosts(hosts: tuple[str, ...] | list[str]) -> str:
+    shown = ", ".join(printable(h, 255) for h in hosts[:MAX_SHOWN])
+    return shown + (f" and {len(hosts) - MAX_SHOWN} more" if len(hosts) > MAX_SHOWN else "")
+
+
+def judge(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: float = STALE_S,
+          watch_s: float = WATCH_S) -> Verdict:
+    """Whether the holder ``rec`` (None: a lock that cannot be read, judged by its age alone) still
+    runs: its launcher, or any node of its job (the module's docstring)."""
+    if rec is None:
+        return _by_age(None, lock_mtime, fs_now, stale_s)
+    who = ProcessIdentity(rec.pid, rec.proc_start, rec.boot_id, rec.host, rec.pid_ns)
+    state = liveness(who)
+    if state == "alive":
+        return Verdict(True, "its launcher runs")
+    here = job_processes(rec.job_id) if state == "gone" else []
+    stop = f"hfscale stop {printable(rec.run_dir)}"
+    dead_here = "its launcher is gone (no process with that pid and start time) and nothing of its job runs here"
+    if state == "gone" and not here and rec.runner in ("local", None):
+        return Verdict(False, dead_here)
+    seen = watch(rec.run_dir, watch_s, launcher=state != "gone") if rec.stops_within_s is not None else None
+    if seen is None:  # the run directory is not visible here, or an older launch's (its nodes never stop themselves)
+        if here:
+            return Verdict(True, f"its launcher is gone, but its job's processes still run here (pids "
+                                 f"{', '.join(map(str, here[:MAX_SHOWN]))}): stop them first, {stop}")
+        return Verdict(False, dead_here) if state == "gone" else _by_age(rec, lock_mtime, fs_now, stale_s)
+    if seen.launcher_beats:
+        return Verdict(True, f"its launcher's heartbeat in {printable(rec.run_dir)} changed {seen.seconds:.0f} s ago")
+    running = seen.running or ((socket.gethostname(),) if here else ())  # a local job's beat says "local"
+    gone = "is gone" if state == "gone" else f"on {rec.host} does not beat ({seen.seconds:.0f} s)"
+    if running:
+        return Verdict(True, f"its launcher {gone}, but its job still runs on {_hosts(running)} (their heartbeats): it "
+                             f"stops itself within {rec.stops_within_s} s of losing its launcher; launch again then, or "
+                             f"stop it now: {stop}", stopping=running)
+    themselves = (f"; {_hosts(seen.stopped_themselves)} stopped the job themselves" if seen.stopped_themselves
+                  else "")
+    return Verdict(False, f"its launcher {gone} and none of its nodes' heartbeats changed for {seen.seconds:.0f} s"
+                          f"{themselves}")
+
+
+def _by_age(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: float) -> Verdict:
     age = fs_now - lock_mtime
     if age > stale_s:
-        return False, (f"not touched for {age:.0f} s (a running launch touches it every {BEAT_S} s); if that job's "
-                       f"nodes still run, stop them: hfscale stop {printable(rec.run_dir) if rec else 'RUN'}")
-    return True, f"touched {max(0.0, age):.0f} s ago"
+        return Verdict(False, f"not touched for {age:.0f} s (a running launch touches it every {BEAT_S} s); if that "
+                              f"job's nodes still run, stop them: hfscale stop {printable(rec.run_dir) if rec else 'RUN'}")
+    return Verdict(True, f"touched {max(0.0, age):.0f} s ago")
 
 
 def _write_new(path: Path, data: bytes) -> None:
@@ -148,10 +192,11 @@ def _one_taker(folder: Path, probe: Path):
 
 
 def acquire(output_dir: str | os.PathLike[str], job_id: str, run_dir: str, stale_s: float = STALE_S,
-            make_parents: bool = True) -> Taken:
+            make_parents: bool = True, runner: str | None = None, stops_within_s: int | None = None) -> Taken:
     """Take the lock of ``output_dir`` for job ``job_id`` (the folder is made, with its parents when
-    ``make_parents``). Raises LockHeld when a running launch holds it, OSError when the folder
-    cannot be made or written."""
+    ``make_parents``); ``stops_within_s``: this job's nodes stop themselves within that many seconds
+    of its launcher's last heartbeat. Raises LockHeld when a running launch (or its job) holds it,
+    OSError when the folder cannot be made or written."""
     from hfscale.core.records import OutputLock
 
     folder = Path(output_dir)
@@ -159,7 +204,8 @@ def acquire(output_dir: str | os.PathLike[str], job_id: str, run_dir: str, stale
     lock = folder / LOCK_FILE
     me = this_process()
     rec = OutputLock(job_id=job_id, host=me.host, pid=me.pid, proc_start=me.start, boot_id=me.boot_id,
-                     pid_ns=me.pid_ns, run_dir=run_dir, started=time.time())
+                     pid_ns=me.pid_ns, run_dir=run_dir, started=time.time(), runner=runner,  # type: ignore[arg-type]
+                     stops_within_s=stops_within_s)
     data = (json.dumps(rec.model_dump(), indent=1) + "\n").encode()
     tmp = folder / f"{LOCK_FILE}.{job_id}"
     with contextlib.suppress(FileNotFoundError):
@@ -213,11 +259,54 @@ def _judged(lock: Path, probe: Path, stale_s: float) -> "tuple[OutputLock | None
         reason = ""
     except Unreadable as e:
         held, reason = None, e.reason
+    proven = _proven_dead.get((str(lock), held.job_id)) if held is not None else None
+    if proven is not None and time.monotonic() - proven[0] < PROVEN_S:
+        return held, (st.st_dev, st.st_ino), proven[1]
     os.utime(probe)  # now, as the file system's clock tells it
-    alive, how = judge(held, st.st_mtime, os.stat(probe).st_mtime, stale_s)
-    if alive:
-        raise LockHeld(_held_message(lock, held, reason, how))
-    return held, (st.st_dev, st.st_ino), how
+    v = judge(held, st.st_mtime, os.stat(probe).st_mtime, stale_s)
+    if v.alive:
+        raise LockHeld(_held_message(lock, held, reason, v.how))
+    return held, (st.st_dev, st.st_ino), v.how
+
+
+# (lock path, job id) -> (when, how): holders settle() saw dead in this process, so that the acquire
+# right after it does not watch their heartbeats a second time
+_proven_dead: dict[tuple[str, str], tuple[float, str]] = {}
+
+
+def settle(output_dir: str | os.PathLike[str], echo: Callable[[str], None], sleep: Callable[[float], None] = time.sleep,
+           clock: Callable[[], float] = time.monotonic, watch_s: float = WATCH_S) -> None:
+    """Before a launch plans its resume: when ``output_dir``'s lock is held by a job whose launcher
+    is gone and whose nodes still run and stop themselves (hfscale.launch.runners.keeper), wait for
+    them to stop (at most their ``stops_within_s`` and one look), saying so; the checkpoint they save
+    on the way is then the one this launch resumes from. Returns at once otherwise: ``acquire``
+    refuses a live holder and takes a dead one's lock. Takes nothing, writes nothing."""
+    lock = Path(output_dir) / LOCK_FILE
+    since = deadline = None
+    while True:
+        try:
+            st = os.lstat(lock)
+            held = _parse(read_bytes(lock, LOCK_CAP), lock)
+        except (OSError, Unreadable):
+            return
+        if held.stops_within_s is None:
+            return
+        v = judge(held, st.st_mtime, time.time(), watch_s=watch_s)
+        if not v.stopping:
+            if not v.alive:
+                _proven_dead[(str(lock), held.job_id)] = (clock(), v.how)
+                if since is not None:
+                    echo(f"hfscale: job {held.job_id} stopped itself ({clock() - since:.0f} s); its output_dir is free")
+            return
+        if deadline is None:
+            since, deadline = clock(), clock() + held.stops_within_s + watch_s
+            echo(f"hfscale: training.output_dir {printable(str(lock.parent))} is in use by job {held.job_id}, whose "
+                 f"launcher (host {held.host}, pid {held.pid}) is gone; its job still runs on {_hosts(v.stopping)} and "
+                 f"stops itself within {held.stops_within_s} s of losing its launcher (the ranks save a checkpoint "
+                 "first): waiting for it, Ctrl-C to give up")
+        if clock() > deadline:
+            return  # acquire refuses, naming the hosts
+        sleep(1.0)
 
 
 def _held_message(lock: Path, held: "OutputLock | None", reason: str, how: str) -> str:
@@ -294,7 +383,8 @@ def hold(plan: LaunchPlan, echo: Callable[[str], None]) -> Held | None:
         return None
     local = plan.runner == "local"  # a remote runner's output_dir may be the nodes' own: no folders made for it
     try:
-        taken = acquire(plan.output_dir, plan.job_id, plan.run_dir, make_parents=local)
+        taken = acquire(plan.output_dir, plan.job_id, plan.run_dir, make_parents=local, runner=plan.runner,
+                        stops_within_s=plan.keeper.stops_within_s if plan.keeper is not None else None)
     except LockHeld as e:
         raise Refused(str(e)) from None
     except OSError as e:

@@ -27,8 +27,11 @@ HANG_REPORT = "hang-report.txt"  # the hang watchdog's report
 SLURM_JOB_ID_FILE = "slurm_job_id"  # the id sbatch answered
 STOP_MARKER = "stopping"  # written when the launch stops the job: node lines that start later exit at once
 ATTEMPTS_DIR = "attempts"  # a relaunch (hfscale.launch.supervisor) moves the previous attempt's files here
-BEATS_DIR = "alive"  # a detached launch's node heartbeats (hfscale.launch.runners.pdsh)
-_PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, STOP_MARKER, HANG_REPORT, PLAN_FILE)
+BEATS_DIR = "alive"  # the nodes' heartbeats, one file per host (hfscale.launch.beats)
+ORPHANED_DIR = "orphaned"  # <host>: that node stopped its job because its launcher's beat stopped
+LAUNCHER_BEAT = "launcher.beat"  # the launcher's heartbeat (hfscale.launch.beats.LauncherBeat)
+_PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, ORPHANED_DIR, STOP_MARKER, HANG_REPORT,
+                PLAN_FILE)
 
 
 def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
@@ -52,7 +55,10 @@ def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
         private[CLEANUP_FILE] = json.dumps({"argv": c.real_argv(), "env": c.real_env(), "cwd": c.cwd}) + "\n"
     write_files(run_dir, private, mode=0o600)
     (run_dir / LOGS_DIR).mkdir()
-    if plan.follow is not None:
+    if plan.keeper is not None:  # the nodes' keepers write here (hfscale.launch.runners.keeper)
+        Path(plan.keeper.beats_dir).mkdir()
+        Path(plan.keeper.orphaned_dir).mkdir()
+    elif plan.follow is not None:
         Path(plan.follow.beats_dir).mkdir()
     if plan.watch is not None:  # the ranks write here; made now so a rank's first write cannot race another's
         Path(plan.watch.progress_dir).mkdir()

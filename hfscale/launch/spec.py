@@ -47,6 +47,26 @@ class Follow:
 
 
 @dataclass(frozen=True)
+class Keeper:
+    """Each node's watch over its launcher (hfscale.launch.runners.keeper, hfscale.launch.beats): while
+    the node's line runs, it rewrites ``beats_dir/<host>`` every ``beat_s`` seconds and reads
+    ``launcher_beat`` (which the launch rewrites every ``launcher_beat_s`` seconds) every
+    ``check_s``; when that has not changed for ``lost_after_s`` seconds (the launcher was killed,
+    its host lost), the node stops its job as the cleanup would (TERM, then KILL) and writes
+    ``orphaned_dir/<host>``. A job whose launcher died ends within ``stops_within_s`` seconds."""
+
+    launcher_beat: str
+    beats_dir: str
+    orphaned_dir: str
+    logs_dir: str
+    launcher_beat_s: int
+    beat_s: int
+    check_s: int
+    lost_after_s: int
+    stops_within_s: int
+
+
+@dataclass(frozen=True)
 class Watch:
     """The hang watchdog (hfscale.launch.watchdog): each rank rewrites ``progress_dir/rank-<RANK>`` after
     every optimizer step (hfscale.training.heartbeat). When no rank has finished a step for ``timeout``
@@ -97,6 +117,7 @@ class LaunchPlan:
     output_dir: str | None = None
     stop_marker: str | None = None  # written before the cleanup runs: a node line that starts later exits at once
     told: tuple[str, ...] = ()  # lines the launch shows on the terminal before it starts (what resuming skipped)
+    keeper: Keeper | None = None  # each node stops its job when the launcher's heartbeat stops
 
     @property
     def line_hosts(self) -> frozenset[str]:
@@ -148,6 +169,13 @@ class LaunchPlan:
                     f"  output: {posixpath.join(f.logs_dir, '<host>.log')}",
                     f"  heartbeat every {f.beat_s} s: {posixpath.join(f.beats_dir, '<host>')}; "
                     f"a host silent for {f.lost_after_s} s is lost"]
+        if self.keeper is not None:
+            k = self.keeper
+            out += [f"launcher heartbeat: {k.launcher_beat}, every {k.launcher_beat_s} s",
+                    f"  each node: heartbeat every {k.beat_s} s into {posixpath.join(k.beats_dir, '<host>')}; when the "
+                    f"launcher's has not changed for {k.lost_after_s} s, the node stops its job (as on failure) and "
+                    f"writes {posixpath.join(k.orphaned_dir, '<host>')}: a job whose launcher died ends within "
+                    f"{k.stops_within_s} s"]
         if self.watch is not None:
             w = self.watch
             first = f", or none in the first {w.first_step} s" if w.first_step else ""

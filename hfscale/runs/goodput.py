@@ -73,8 +73,10 @@ def _detection(failure: "TimelineEvent", training: "TimelineEvent | None") -> fl
     return failure.at - min(max(last, training.at), failure.at)
 
 
-def goodput(timeline: "Timeline", now: float | None = None) -> Goodput | None:
-    """The goodput of a run's timeline (definitions: the module's docstring); None without a launch event."""
+def goodput(timeline: "Timeline", now: float | None = None, last: tuple[float, int] | None = None) -> Goodput | None:
+    """The goodput of a run's timeline (definitions: the module's docstring); None without a launch
+    event. ``last``: (when, step) of rank 0's last step, for a run whose launcher died and whose
+    job trained on without it: the run ends there, with that step."""
     events = timeline.events
     first = next((i for i, e in enumerate(events) if e.kind == "launch"), None)
     if first is None:
@@ -83,6 +85,8 @@ def goodput(timeline: "Timeline", now: float | None = None) -> Goodput | None:
     launch = events[0]
     ends = [e for e in events if e.kind in ("finished", "gave_up")]
     end = ends[-1].at if ends else now if now is not None else max(e.at for e in events)
+    if not ends and last is not None:
+        end = max(end, last[0])
     wall = max(0.0, end - launch.at)
     trainings, failures = _firsts(events, "training"), _firsts(events, "failure")
 
@@ -107,7 +111,12 @@ def goodput(timeline: "Timeline", now: float | None = None) -> Goodput | None:
             if e.step is not None and e.step_time is not None:
                 lost["recompute"] += max(0, e.step - (relaunch.resume_step or 0)) * e.step_time
     step_times = [e.step_time for e in events if e.kind in ("failure", "finished") and e.step_time is not None]
+    started = [e for e in events if e.kind == "training" and e.step is not None]
+    if not ends and last is not None and started and last[1] > started[-1].step and last[0] > started[-1].at:
+        step_times.append((last[0] - started[-1].at) / (last[1] - started[-1].step))  # its own pace, to its last step
     final = next((e.step for e in reversed(events) if e.kind in ("finished", "failure") and e.step is not None), 0)
+    if not ends and last is not None:  # the steps it trained after the timeline's last event
+        final = max(final, last[1])
     done = max(0, final - (launch.resume_step or 0))  # the run may have started from an earlier run's checkpoint
     productive = min(wall, done * statistics.median(step_times)) if step_times else 0.0
     lost["other"] = max(0.0, wall - productive - sum(lost.values()))
@@ -168,9 +177,9 @@ def timeline_lines(t: "Timeline") -> list[str]:
     return out
 
 
-def status_lines(run_dir: str | Path, now: float | None = None) -> list[str]:
+def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[float, int] | None = None) -> list[str]:
     """``hfscale status``'s lines for a job that recovers (none without a timeline): restarts,
-    excluded hosts, goodput (``now``: the job still runs)."""
+    excluded hosts, goodput (``now``: the job still runs; ``last``: see ``goodput``)."""
     from hfscale.core.untrusted import Unreadable
     from hfscale.launch.timeline import read_timeline
 
@@ -178,7 +187,7 @@ def status_lines(run_dir: str | Path, now: float | None = None) -> list[str]:
         t = read_timeline(run_dir)
     except Unreadable as e:
         return [f"timeline     unreadable: {printable(str(e), 500)}"]
-    g = goodput(t, now)
+    g = goodput(t, now, last)
     if g is None:
         return []
     lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"

@@ -1,6 +1,6 @@
-"""The runs in a runs directory, as ``hfscale runs``/``status``/``logs``/``stop`` show them (files
+"""The runs in a runs directory, as ``hfscale runs``/``status``/``logs``/``stop`` find them (files
 only: the run directory's state.json, rank 0's progress/metrics.json, the ranks' progress files,
-the logs; ``hfscale stop`` and the scheduler commands: hfscale.runs.stop).
+the logs; ``hfscale stop`` and the scheduler commands: hfscale.runs.stop; what status prints: hfscale.runs.status).
 
 A run's state: ``running`` while the launching hfscale process lives (checked when it runs on
 this host: the process recorded, by pid and start time, hfscale.core.pid_identity), ``died`` when it
@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
 from hfscale.core.pid_identity import ProcessIdentity, liveness
-from hfscale.runs.goodput import status_lines
 from hfscale.core.records import LauncherState, Rank0Metrics, RunState
 from hfscale.training.heartbeat import PROGRESS_DIR, Progress, read_progress
-from hfscale.launch.run_dir import (CONFIG_COPY, HANG_REPORT, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
+from hfscale.launch.run_dir import (CONFIG_COPY, LOGS_DIR, PLAN_FILE, SLURM_JOB_ID_FILE, STATE_FILE, launcher_of,
                      read_metrics, read_state)
 from hfscale.core.untrusted import Unreadable, decode, open_regular, printable, read_bytes, read_text, read_trusted, real_dir
 
@@ -327,45 +326,6 @@ def print_log(path: Path, write: Callable[[bytes], object]) -> str | None:
     finally:
         os.close(fd)
     return None
-
-
-def _tail(path: Path, lines: int) -> list[str]:
-    from hfscale.core.records import LOG_TAIL
-
-    try:
-        data = read_bytes(path, LOG_TAIL, path.parent.parent, tail=True)  # inside the run directory
-    except Unreadable as e:
-        return [f"({e})"]
-    return data.decode("utf-8", "replace").splitlines()[-lines:]
-
-
-def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
-    """``hfscale status``: the run, rank 0's numbers, each rank's step, a hang report, log tails."""
-    if i.state == "unreadable":
-        return (f"run          {printable(i.name)} ({printable(str(i.path))})\n"
-                f"state        unreadable: {printable(i.problem or '')}\n")
-    slurm = (f"; Slurm job {i.slurm_job}: {printable(scheduler_state)}" if i.slurm_job and scheduler_state else
-             f"; Slurm job {i.slurm_job}" if i.slurm_job else "")
-    lines = [f"run          {printable(i.name)} ({printable(str(i.path))})", f"state        {i.state}"
-             + (f" (exit code {i.exit_code})" if i.exit_code is not None else "") + slurm,
-             f"runner       {i.runner or '-'}; launched by pid {i.pid} on {i.host}",
-             f"started      {_when(i.started)}" + (f"; ended {_when(i.ended)}" if i.ended else ""),
-             f"step         {_steps(i)}" + (f"; loss {i.loss:.4f}" if i.loss is not None else "")
-             + (f"; {i.tokens_per_s:.0f} tokens/s" if i.tokens_per_s is not None else "")]
-    ranks, _ = rank_progress(i.path)
-    ranks.sort(key=lambda p: p.rank)
-    if ranks:
-        lo, hi = min(p.step for p in ranks), max(p.step for p in ranks)
-        behind = [f"rank {p.rank} ({p.host})" for p in ranks if p.step == lo < hi]
-        lines.append(f"ranks        {len(ranks)} reporting; steps {lo}..{hi}"
-                     + (f"; behind: {', '.join(behind[:8])}" if behind else ""))
-    if (i.path / HANG_REPORT).is_file():
-        lines.append(f"hang report  {printable(str(i.path / HANG_REPORT))}")
-    lines += status_lines(i.path, time.time() if i.state == "running" else None)  # a job that recovers
-    lines += [f"skipped      {printable(n, 500)}" for n in i.notes]
-    for log in log_files(i.path):
-        lines += ["", f"--- {printable(str(log))} (last lines)", *_tail(log, 5)]
-    return "\n".join(lines) + "\n"
 
 
 def follow_logs(run: Path, logs: list[Path], write: Callable[[str], object], poll_s: float = 0.5) -> None:

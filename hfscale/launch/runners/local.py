@@ -1,9 +1,13 @@
-"""Runner type local: the launcher on this node, started directly (no shell in between)."""
+"""Runner type local: the launcher on this node, started by a shell that first starts the node's
+keeper (hfscale.launch.runners.keeper) and then becomes the launcher (``exec``): the launcher's
+pid and exit status are the main process's, and a killed ``hfscale launch`` leaves no job
+training unwatched here either."""
 
 from __future__ import annotations
 
-from hfscale.core.shell import Command, Line, Sh, words
+from hfscale.core.shell import Assign, Command, Line, Sh, words
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.runners.keeper import HOST_VAR, keeper_line, keeper_of
 from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.stopping import dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
@@ -16,12 +20,15 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     """``accelerate launch`` (or torchrun) with the generated config, in the working directory;
     stopping it is stopping this job's processes here (torchrun's workers leave its process group)."""
     argv = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, "0"))
-    main = Command(tuple(argv), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
     host = job.hosts[0].host if job.hosts else LOG
+    keeper = keeper_line(keeper_of(c.run_dir), Line((Sh(stop_script(ctx.job_id)),)))
+    line = Line.of(Sh("export"), Assign(HOST_VAR, host), Sh(";", glue=True), keeper, Sh("exec"), words(argv))
+    main = Command(("bash", "-c", line), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
     cleanup = here(stop_script(ctx.job_id))
     dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
     return LaunchPlan(ctx.job_id, "local", c.run_dir, c.files, (NodeLaunch(host, 0, words(argv)),), (host,), main,
-                      cleanup, c.mode, c.notes, moves=c.moves, watch=c.watch, dump=dump)  # type: ignore[arg-type]
+                      cleanup, c.mode, c.notes, moves=c.moves, watch=c.watch, dump=dump,  # type: ignore[arg-type]
+                      keeper=keeper_of(c.run_dir))
 
 
 def here(script: str) -> Command:

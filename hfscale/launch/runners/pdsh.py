@@ -30,19 +30,18 @@ from hfscale.launch.spec import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
                      render, words)
+from hfscale.launch.runners.keeper import HOST_VAR, NODE_BEAT_S, keeper_line, keeper_of
 from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
 from hfscale.launch.ssh import pdsh_argv
 
 RANK_VAR = "HFSCALE_NODE_RANK"
-HOST_VAR = "HFSCALE_HOST"
 UNKNOWN_HOST_EXIT = 97
 STOPPED_EXIT = 143  # a node whose line started after the stop: as if it had been stopped
 ENV_FILE = "env.sh"
 NODES_FILE = "nodes.sh"
 HOSTS_FILE = "pdsh_hosts"
-HEARTBEAT_S = 10
-LOST_AFTER_S = 40  # four heartbeats missed: noticed 40-45 s after a node died
+LOST_AFTER_S = 40  # four heartbeats missed (NODE_BEAT_S): noticed 40-45 s after a node died
 
 
 def env_file(c: Common) -> Text:
@@ -94,26 +93,22 @@ def node_script(before: Line, launcher: list[Word], marker: str, first: Line = L
     return Line.of(check, first, and_then(before, words(launcher)), tail)
 
 
-def fan_out(job_id: str, before: Line, launcher: list[Word], marker: str) -> Line:
+def fan_out(job_id: str, before: Line, launcher: list[Word], marker: str, keeper: Line) -> Line:
     """The one line pdsh sends to every host: a shell started with the job id in its environment
-    (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) runs ``before``
-    and the launcher, and ends by printing the launcher's exit code."""
-    node = node_script(before, launcher, marker)
+    (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) starts the node's
+    keeper (hfscale.launch.runners.keeper), runs ``before`` and the launcher, and ends by printing the
+    launcher's exit code."""
+    first = Line.of(Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh(";", glue=True), keeper)
+    node = node_script(before, launcher, marker, first=first, on_exit="kill $hb 2>/dev/null; ")
     return Line((Sh("exec env"), Assign(JOB_ID_VAR, job_id), Sh("bash -c"), Script(node)), pdsh=True)
 
 
-def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str) -> Line:
+def detached(job_id: str, before: Line, launcher: list[Word], run_dir: str, keeper: Line) -> Line:
     """The line pdsh sends when the launch is detached: start the node's line (``fan_out``'s) in a
-    new session with its output appended to ``logs/<host>.log`` and a heartbeat loop rewriting
-    ``alive/<host>`` while it runs, then return at once."""
-    beat_file = Cat((posixpath.join(run_dir, BEATS_DIR) + "/", Var(HOST_VAR)))
+    new session with its output appended to ``logs/<host>.log``, its keeper rewriting
+    ``alive/<host>`` while it runs (the follower's heartbeat), then return at once."""
     log_file = Cat((posixpath.join(run_dir, LOGS_DIR) + "/", Var(HOST_VAR), ".log"))
-    # the loop ends with the node's line: killed at its end, or finding $$ gone. The trap kills its
-    # jobs, not $s: a TERM between 'sleep &' and 's=$!' would leave that sleep behind (seen in CI)
-    beat = Line.of(Sh("( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; while kill -0 $$ 2>/dev/null; "
-                      "do n=$((n+1)); echo $n >"), beat_file,
-                   Sh(f"; sleep {HEARTBEAT_S} & s=$!; wait $s; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
-    node = node_script(before, launcher, posixpath.join(run_dir, STOP_MARKER), first=beat,
+    node = node_script(before, launcher, posixpath.join(run_dir, STOP_MARKER), first=keeper,
                        on_exit="kill $hb 2>/dev/null; ")
     # ";" not "&&": "a && b &" would background a subshell holding the ssh session's output open
     return Line((Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh("; env", glue=True), Assign(JOB_ID_VAR, job_id),
@@ -128,18 +123,21 @@ class Fanout(NamedTuple):
     follow: Follow | None
 
 
-def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Line, launcher: list[Word]) -> Fanout:
-    """How pdsh reaches the hosts: attached up to ``runner.fanout`` hosts, detached beyond."""
+def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Line, launcher: list[Word], stop: Line
+           ) -> Fanout:
+    """How pdsh reaches the hosts: attached up to ``runner.fanout`` hosts, detached beyond. ``stop``:
+    the runner's stop of this job on a node, which a node's keeper runs when its launcher is gone."""
     listing = posixpath.join(c.run_dir, HOSTS_FILE)
     fanout = job.config.runner.fanout
+    keeper = keeper_line(keeper_of(c.run_dir), stop)
     if len(hosts) <= fanout:
         argv, env = pdsh_argv(job, listing, len(hosts))
         marker = posixpath.join(c.run_dir, STOP_MARKER)
-        return Fanout(Command((*argv, fan_out(job_id, before, launcher, marker)), env), hosts, None)
+        return Fanout(Command((*argv, fan_out(job_id, before, launcher, marker, keeper)), env), hosts, None)
     argv, env = pdsh_argv(job, listing, fanout)
-    follow = Follow(hosts, posixpath.join(c.run_dir, LOGS_DIR), posixpath.join(c.run_dir, BEATS_DIR), HEARTBEAT_S,
+    follow = Follow(hosts, posixpath.join(c.run_dir, LOGS_DIR), posixpath.join(c.run_dir, BEATS_DIR), NODE_BEAT_S,
                     LOST_AFTER_S)
-    return Fanout(Command((*argv, detached(job_id, before, launcher, c.run_dir)), env), (), follow)
+    return Fanout(Command((*argv, detached(job_id, before, launcher, c.run_dir, keeper)), env), (), follow)
 
 
 def kill_line(job_id: str) -> Line:
@@ -155,7 +153,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     hosts = tuple(h.host for h in job.hosts)
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
     listing = posixpath.join(c.run_dir, HOSTS_FILE)
-    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), launcher)
+    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), launcher, Line((Sh(stop_script(ctx.job_id)),)))
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), job.config.runner.fanout))
     cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
     dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
@@ -165,7 +163,8 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                   for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main, cleanup,
                       c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
-                      follow=follow, watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER))
+                      follow=follow, watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
+                      keeper=keeper_of(c.run_dir))
 
 
 class PdshRunner:

@@ -17,6 +17,7 @@ from hfscale.core.shell import Cat, Command, Line, Sh, Var, Word, words
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import STOP_MARKER
 from hfscale.launch.runners import pdsh
+from hfscale.launch.runners.keeper import keeper_of
 from hfscale.launch.runners.local import here
 from hfscale.launch.runners.shared import Common
 from hfscale.launch.runners.stopping import dump_script, stop_script
@@ -73,19 +74,20 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                           ("local",), main, cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
                           watch=c.watch, dump=dump)
     listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
-    main, logs, follow = pdsh.launch(job, c, ctx.job_id, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)))
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
-                   Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))), pdsh=True)
+                   Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))))
+    main, logs, follow = pdsh.launch(job, c, ctx.job_id, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)),
+                                     remove)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
-    cleanup = Command((*stop, remove), stop_env)
+    cleanup = Command((*stop, Line(remove.items, pdsh=True)), stop_env)
     dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
                    stop_env) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
                       cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
                       private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump,
-                      stop_marker=posixpath.join(c.run_dir, STOP_MARKER))
+                      stop_marker=posixpath.join(c.run_dir, STOP_MARKER), keeper=keeper_of(c.run_dir))
 
 
 class PdshDockerRunner:

@@ -1,0 +1,100 @@
+"""A node's keeper (hfscale.launch.runners.keeper), its real shell text run by bash on this machine,
+with short timings: it beats while its launcher beats, and stops the node's job (and only that job)
+when the launcher's heartbeat stops; a line that ends normally takes its keeper with it. On the
+namespace cluster with the product's timings: tests/test_orphans_cluster.py."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import job_pids
+from hfscale.core.shell import Line, Sh, render
+from hfscale.launch.beats import LauncherBeat
+from hfscale.launch.runners.keeper import keeper_line, keeper_of
+from hfscale.launch.runners.pdsh import node_script
+from hfscale.launch.runners.stopping import stop_script
+from hfscale.launch.spec import Keeper
+
+JOB = "20261126-000001-keeper"
+
+
+def short(run: Path, lost_after: int = 3) -> Keeper:
+    k = keeper_of(str(run))
+    return Keeper(k.launcher_beat, k.beats_dir, k.orphaned_dir, k.logs_dir, 1, 1, 1, lost_after, lost_after + 12)
+
+
+def node_line(run: Path, k: Keeper, launcher: list[str], job: str = JOB) -> str:
+    first = Line.of(Sh("export HFSCALE_HOST=node0;"), keeper_line(k, Line((Sh(stop_script(job)),))))
+    line = node_script(Line(()), launcher, posixpath.join(str(run), "stopping"), first=first,
+                       on_exit="kill $hb 2>/dev/null; ")
+    return render(line, shown=False)
+
+
+def start(run: Path, k: Keeper, launcher: list[str], job: str = JOB) -> subprocess.Popen:
+    return subprocess.Popen(["bash", "-c", node_line(run, k, launcher, job)], env={**os.environ, "HFSCALE_JOB_ID": job},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def made(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    for d in ("alive", "orphaned", "logs"):
+        (run / d).mkdir(parents=True)
+    return run
+
+
+def wait(cond, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_a_node_stops_its_job_when_its_launcher_stops_beating(tmp_path):
+    run = made(tmp_path)
+    k = short(run)
+    beat = LauncherBeat(run, print, every=0.5)
+    other = subprocess.Popen(["sleep", "300"], env={**os.environ, "HFSCALE_JOB_ID": "20261126-000002-other"})
+    node = start(run, k, ["sleep", "300"])  # the launcher: a process of this job
+    try:
+        wait(lambda: len(job_pids(JOB)) >= 3 and (run / "alive" / "node0").exists(), 10,
+             "the node's line, its keeper (its first beat) and its launcher")
+        first = (run / "alive" / "node0").read_text()
+        time.sleep(k.lost_after_s + 2)  # longer than lost_after: the launcher beats, nothing stops
+        assert node.poll() is None and len(job_pids(JOB)) >= 3
+        assert (run / "alive" / "node0").read_text() != first and first.strip().isdigit()
+        beat.stop()  # the launcher is killed -9: its heartbeat stops
+        t0 = time.monotonic()
+        took = wait(lambda: not job_pids(JOB), k.lost_after_s + k.check_s + 5, "the job to stop itself")
+        print(f"the job stopped itself {took:.1f} s after its launcher's last beat")
+        assert took >= k.lost_after_s - k.check_s
+        assert (run / "orphaned" / "node0").read_text().strip().isdigit()
+        log = (run / "logs" / "node0.log").read_text()
+        assert "node0: the launcher's heartbeat (launcher.beat in the run directory) has not changed for 3 s: the " \
+               "launcher is gone" in log and "stopping this node's job" in log
+        node.communicate(timeout=10)
+        assert node.returncode != 0  # its launcher was stopped (TERM), no exit line
+        assert other.poll() is None  # another job's process is left alone
+        assert time.monotonic() - t0 < k.lost_after_s + k.check_s + 5
+    finally:
+        beat.stop()
+        other.kill()
+        for pid in job_pids(JOB):
+            os.kill(pid, 9)
+
+
+def test_a_line_that_ends_takes_its_keeper_with_it_and_nothing_is_stopped(tmp_path):
+    run = made(tmp_path)
+    beat = LauncherBeat(run, print, every=0.5)
+    try:
+        node = start(run, short(run), ["sh", "-c", "sleep 2; echo trained"])
+        out, _ = node.communicate(timeout=30)
+        assert node.returncode == 0 and "trained" in out and "HFSCALE_EXIT rc=0" in out
+        wait(lambda: not job_pids(JOB), 5, "the keeper to end with its line")
+        assert not list((run / "orphaned").iterdir()) and (run / "alive" / "node0").exists()
+    finally:
+        beat.stop()
