@@ -451,3 +451,5 @@ def test_stage_table_agrees_with_what_deepspeed_reads():
              if stage not in stages and key in reads[stage] and (key, stage) not in READ_WITHOUT_EFFECT]
     assert not wrong, wrong
     assert all("stage3_gather_16bit_weights_on_model_save" not in reads[s] for s in (0, 1, 2))
+    # the import leaves offload_param out below stage 3 (accelerate writes it at every stage)
+    assert all("offload_param" not in reads[s] for s in (0, 1, 2)) and "offload_param" in reads[3]

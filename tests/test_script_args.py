@@ -250,12 +250,47 @@ def test_warnings_say_what_a_script_will_not_receive():
         "$HFSCALE_DS_CONFIG; an Accelerator reads them under accelerate launch only (else it trains DDP)",
         "training.pass_args (line 4): none: loop.py gets no flags for training.max_steps (line 4), "
         "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.rules.config_file.load_job)",
-        "watchdog.timeout: the hang watchdog starts counting at the first step loop.py reports, so it watches "
+    ]
+    assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
+
+
+def test_a_watchdog_timeout_is_a_warning_only_where_the_yaml_sets_it():
+    plain = "name: p\nbatch: {micro_batch_size: 1}\ntraining: {script: loop.py, pass_args: none}\n"
+    assert [str(w) for w in job_of(plain).warnings] == []  # the default: check's summary says it idles
+    timed = job_of(plain + "watchdog: {timeout: 300}\n")
+    assert [str(w) for w in timed.warnings] == [
+        "watchdog.timeout (line 4): the hang watchdog starts counting at the first step loop.py reports, so it watches "
         "nothing unless loop.py reports its steps: add `from hfscale.training.heartbeat import step` and `step(n)` after each "
         "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), "
         "then set watchdog.script_reports_steps: true (or set watchdog.timeout: null)",
     ]
-    assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
+    from hfscale.cli.check_summary import summary
+
+    assert "watchdog     idle: loop.py reports no steps" in summary(job_of(plain))
+    assert job_of(plain + "watchdog: {timeout: 300, script_reports_steps: true}\n").warnings == ()
+
+
+ZERO3 = "name: z\nbatch: {micro_batch_size: 1}\ndistributed: {deepspeed: {stage: 3}}\n"
+
+
+@pytest.mark.parametrize("training", ["{script: train.py}", "{script: train.py, pass_args: none}"])
+def test_zero3_without_the_16bit_gather_says_a_script_saves_shards_and_names_export(training):
+    job = job_of(ZERO3 + f"training: {training}\n")
+    assert [str(w) for w in job.warnings] == [
+        "distributed.deepspeed.gather_16bit_weights_on_model_save (line 3): false (DeepSpeed's default) under ZeRO-3: when "
+        "train.py saves its model, the output holds only DeepSpeed's per-rank shards, no model file from_pretrained "
+        "loads (the Trainer's save_model writes global_step*/ instead; accelerate's save_model and get_state_dict "
+        "raise). Set it true to gather a 16-bit model at each save (TRL's ZeRO-3 config does), or make one from the "
+        "newest checkpoint afterwards: hfscale export output --out MODEL_DIR"]
+    written = job_of(ZERO3.replace("stage: 3", "stage: 3, gather_16bit_weights_on_model_save: false") +
+                     f"training: {training[:-1]}, output_dir: 'my out'}}\n")
+    said = [str(w) for w in written.warnings if str(w).startswith("distributed.")]
+    assert [w.split(": ", 1)[1][:16] for w in said] == ["false under ZeRO"]  # the YAML's own false
+    assert said[0].endswith("hfscale export 'my out' --out MODEL_DIR")
+    gathered = ZERO3.replace("stage: 3", "stage: 3, gather_16bit_weights_on_model_save: true")
+    assert job_of(gathered + f"training: {training}\n").warnings == ()
+    assert job_of(ZERO3.replace("stage: 3", "stage: 2") + f"training: {training}\n").warnings == ()
+    assert job_of(ZERO3).warnings == ()  # the built-in entry point saves checkpoints only: export reads them
 
 
 def test_check_prints_warnings_on_stderr_and_the_entry(tmp_path):

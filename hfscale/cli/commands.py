@@ -17,6 +17,7 @@ from hfscale.cli.runs import RUN_COMMANDS
 from hfscale.config.errors import ConfigError
 from hfscale.core.exitcodes import BAD_INPUT as EXIT_BAD_INPUT
 from hfscale.core.exitcodes import UNREACHABLE as EXIT_UNREACHABLE
+from hfscale.core.untrusted import printable
 
 
 def _load(path: str):
@@ -30,6 +31,33 @@ def _load(path: str):
     for w in job.warnings:
         click.echo(f"warning: {w}", err=True)
     return job
+
+
+class Number(click.ParamType):
+    """A finite number from ``low`` (excluded for floats) to ``high``: anything else, a 5,000-digit
+    value or nan included, is click's exit 2 naming the option, the value shortened."""
+
+    def __init__(self, kind: type, low: float, high: float):
+        self.kind, self.low, self.high = kind, low, high
+        self.name = "integer" if kind is int else "seconds"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        shown = printable(text, 40)
+        if self.kind is int:  # int() of more than 4,300 digits raises; nothing that long is in range
+            if not (text.isascii() and text.lstrip("+-").isdigit()):
+                self.fail(f"{shown!r} is not a whole number", param, ctx)
+            number = int(text) if len(text) <= 30 else None
+            within = f"from {int(self.low):,} to {int(self.high):,}"
+        else:
+            try:
+                number = float(text)  # a 5,000-digit one is inf
+            except ValueError:
+                self.fail(f"{shown!r} is not a number", param, ctx)
+            within = f"more than {self.low:g} and at most {self.high:g}"
+        if number is None or not (self.low <= number <= self.high) or (self.kind is float and number == self.low):
+            self.fail(f"{shown} is not {within}", param, ctx)  # nan fails the comparison too
+        return number
 
 
 def _written(write, where: str):
@@ -259,10 +287,12 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
 
 @main.command()
 @click.argument("config_file", metavar="CONFIG")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per host.")
+@click.option("--timeout", default=30.0, type=Number(float, 0, 86_400), show_default=True,
+              help="Seconds allowed per host.")
 @click.option("--network", is_flag=True, help="Also measure bandwidth and round trip between the hosts (every pair "
               "up to 16 hosts, else a ring) over NCCL's interface, print the matrix and name slow links.")
-@click.option("--seconds", default=0.5, show_default=True, help="With --network: seconds of data each way per pair.")
+@click.option("--seconds", default=0.5, type=Number(float, 0, 3600), show_default=True,
+              help="With --network: seconds of data each way per pair.")
 def preflight(config_file: str, timeout: float, network: bool, seconds: float) -> None:
     """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
     from hfscale.launch.execute import run_probes
@@ -301,7 +331,7 @@ def preflight(config_file: str, timeout: float, network: bool, seconds: float) -
 @main.command("plan")
 @click.argument("config_file", metavar="CONFIG")
 @click.option("--gpu-memory", metavar="SIZE", help="Memory of one GPU, e.g. 80GiB (default: cluster.gpu_memory).")
-@click.option("--seq-len", type=click.IntRange(1, 10_000_000), help="Tokens per sample (default: the script's "
+@click.option("--seq-len", type=Number(int, 1, 10_000_000), help="Tokens per sample (default: the script's "
               "--block_size/--max_seq_length, or training.data.block_size).")
 @click.option("--model", metavar="PATH", help="The model's config.json or directory (default: the YAML's model).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (bytes).")

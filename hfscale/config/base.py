@@ -101,7 +101,8 @@ def size_bytes(text: str) -> int:
     """Bytes of a memory size such as ``80GiB``, ``81559 MiB`` or ``80GB`` (GB = 10^9 bytes)."""
     m = _SIZE_RE.match(text)
     if m is None:
-        raise ValueError(f"{text!r} is not a memory size such as 80GiB, 81559MiB or 80GB")
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ValueError(f"{shown!r} is not a memory size such as 80GiB, 81559MiB or 80GB")
     return int(float(m["n"]) * _UNITS[m["unit"]])
 
 

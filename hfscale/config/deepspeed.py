@@ -113,7 +113,8 @@ class DsOptimizerConfig(Strict):
     training.learning_rate, adam_beta1/2, adam_epsilon and weight_decay."""
 
     type: Literal["Adam", "AdamW", "Lamb", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"] = Field(
-        "AdamW", description="DeepSpeed optimizer type (further params through 'extra', e.g. torch_adam).")
+        "AdamW", description="DeepSpeed optimizer type (further params through 'extra', e.g. torch_adam). The 1-bit "
+        "ones only where the installed DeepSpeed still builds them, and at stage 0.")
 
 
 class DsSchedulerConfig(Strict):

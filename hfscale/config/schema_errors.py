@@ -132,7 +132,10 @@ def _library_key_hint(here: str, key: str) -> str:
 def _describe(value: Any) -> str:
     kind = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list",
             dict: "a mapping", type(None): "null"}.get(type(value), type(value).__name__)
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than 4,300 digits (sys.get_int_max_str_digits)
+        text = f"a number of about {int(value.bit_length() * 0.30103):,} digits"
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{text} ({kind})"

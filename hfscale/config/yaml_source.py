@@ -8,7 +8,7 @@ arguments, an environment variable: ``AS_WRITTEN``), an unquoted number is its t
 
 Bounded, for a document from anywhere (a colleague's YAML): at most ``MAX_NODES`` values once
 aliases are expanded (a few hundred bytes of nested aliases would otherwise expand to billions),
-no alias that contains itself, nesting at most ``MAX_DEPTH`` deep, integers of at most 30 digits,
+no alias that contains itself, nesting at most ``MAX_DEPTH`` deep, integers of at most 30 digits in any base,
 strings of at most ``MAX_STRING`` characters, no control characters (NUL, newline, ESC, ...) or
 lone surrogates in any key or string, and every float finite.
 """
@@ -58,11 +58,42 @@ class _Checks:
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node):  # type: ignore[override]
-        digits = sum(c.isdigit() for c in str(node.value))
+        value = str(node.value).replace("_", "").lstrip("+-")
+        body = value[2:] if value[:2].lower() in ("0x", "0o", "0b") else value  # 0x of 5,000 digits too
+        digits = sum(c.isalnum() for c in body)
         if digits > MAX_DIGITS:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"a number of {digits} digits (at most {MAX_DIGITS})", node.start_mark)
+            raise _BigNumber(node, f"a number of {digits:,} digits (at most {MAX_DIGITS})")
         return super().construct_yaml_int(node)
+
+
+class _BigNumber(yaml.constructor.ConstructorError):
+    """An integer too long to be a setting (int() of more than 4,300 digits raises); ``node`` is
+    found in the document for its key."""
+
+    def __init__(self, node: yaml.Node, message: str):
+        super().__init__(None, None, message, node.start_mark)
+        self.node = node
+
+
+def _path_to(root: yaml.Node, target: yaml.Node) -> Path:
+    """The path of ``target`` in the tree under ``root`` (of its mapping, for a key); () if absent."""
+    stack: list[tuple[yaml.Node, Path]] = [(root, ())]
+    seen: set[int] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if key_node is target:
+                    return path
+                stack.append((value_node, path + (str(key_node.value),)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(item, path + (i,)) for i, item in enumerate(node.value)]
+    return ()
 
 
 class _PyLoader(_Checks, yaml.SafeLoader):
@@ -262,7 +293,11 @@ def _documents(text: str, loader_cls: type, single: bool) -> list[tuple[yaml.Nod
             if too_big is not None:
                 raise _TooBig(too_big)
             # one pass: the node tree gives the lines, the same tree is constructed into data
-            out.append((root, loader.construct_document(root) if root is not None else None))
+            try:
+                out.append((root, loader.construct_document(root) if root is not None else None))
+            except _BigNumber as e:  # told under its key, not as the document's
+                raise _TooBig(Problem(dotted(_path_to(root, e.node)), str(e.problem), e.node.start_mark.line + 1)
+                              ) from None
         return out
     finally:
         loader.dispose()
@@ -321,6 +356,6 @@ def parse_all(text: str) -> list[Any]:
     try:
         return [data for _, data in _documents(text, _Loader, single=False)]
     except _TooBig as e:
-        raise ValueError(e.problem.message) from None
+        raise ValueError(f"{e.problem.path}: {e.problem.message}" if e.problem.path else e.problem.message) from None
     except (yaml.YAMLError, RecursionError, OverflowError) as e:
         raise ValueError(f"invalid YAML: {e}"[:300]) from None

@@ -25,6 +25,7 @@ from hfscale.rules.trainer_args import given_flags
 
 GiB = 2**30
 _SEQ_FLAGS = ("block_size", "max_seq_length", "max_length", "max_seq_len")
+MAX_SEQ_LEN = 10_000_000  # tokens per sample: plan --seq-len takes 1 to this
 
 
 class SizingError(ValueError):
@@ -111,7 +112,11 @@ def sequence_length(job: Job, seq_len: int | None) -> tuple[int, str]:
     if t.script is None:
         return t.data.block_size, "training.data.block_size"
     for g in given_flags(t.script_args, set(_SEQ_FLAGS)):
-        if len(g.words) == 1 and g.words[0].isdigit() and int(g.words[0]) > 0:
+        if len(g.words) == 1 and g.words[0].isascii() and g.words[0].isdigit():
+            if len(g.words[0]) > 8 or not 0 < int(g.words[0]) <= MAX_SEQ_LEN:  # plan --seq-len's own bounds
+                raise SizingError(f"--{g.name} {g.words[0][:40]}{'...' if len(g.words[0]) > 40 else ''} in "
+                                  f"training.script_args: not a sequence length from 1 to {MAX_SEQ_LEN:,}; give "
+                                  "plan --seq-len N")
             return int(g.words[0]), f"--{g.name} in training.script_args"
     raise SizingError("the script's sequence length is not in the YAML: give plan --seq-len N")
 

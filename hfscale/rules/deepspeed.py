@@ -102,7 +102,7 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
     if ds.round_robin_gradients and ds.offload_optimizer.device != "cpu":
         notes.append((base + ("round_robin_gradients",), "speeds up copying gradients to the CPU; without "
                       "offload_optimizer.device: cpu it does nothing"))
-    out += _schedule_problems(cfg, ds, base)
+    out += _schedule_problems(cfg, ds, base) + _optimizer_problems(ds, base)
     if cfg.precision == "fp8" and ds.stage == 3 and ds.zero3_init and cfg.training.script is not None:
         # hfscale.train sets bf16 in the config its TrainingArguments hold (trainer_args.bf16_under_fp8)
         notes.append((("precision",), "fp8 with ZeRO-3: a Trainer script builds its model under deepspeed.zero.Init "
@@ -141,6 +141,26 @@ def _offload_problems(ds: DeepSpeedSection, base: tuple) -> Found:
     if opt.ratio < 1 and (ds.stage != 3 or opt.device != "cpu"):
         out.append((base + ("offload_optimizer", "ratio"), "partial offload needs stage 3 and device cpu"))
     return out
+
+
+def _optimizer_problems(ds: DeepSpeedSection, base: tuple) -> Found:
+    """An optimizer type the installed DeepSpeed cannot build, or a 1-bit one beside ZeRO (older
+    DeepSpeed asserts "not compatible with ZeRO")."""
+    if ds.optimizer is None:
+        return []
+    from hfscale.config.engine_defaults import ONEBIT
+    from hfscale.config.sources.deepspeed import deepspeed_optimizers
+
+    kind, known = ds.optimizer.type, deepspeed_optimizers()
+    if known is not None and kind.lower() not in known:
+        types = type(ds.optimizer).model_fields["type"].annotation.__args__
+        return [(base + ("optimizer", "type"), f"{kind}: the installed DeepSpeed does not build it (its optimizers: "
+                 f"{', '.join(sorted(known))}; any other type it looks up in torch.optim, which has no {kind}), so "
+                 f"deepspeed.initialize would fail; use {', '.join(t for t in types if t.lower() in known)}")]
+    if kind.lower() in ONEBIT and ds.stage != 0:
+        return [(base + ("optimizer", "type"), f"{kind} is not compatible with ZeRO (DeepSpeed asserts it); stage "
+                 f"is {ds.stage}: set stage 0, or another optimizer")]
+    return []
 
 
 def _schedule_problems(cfg: HfscaleConfig, ds: DeepSpeedSection, base: tuple) -> Found:

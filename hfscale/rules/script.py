@@ -19,13 +19,18 @@ what the DeepSpeed JSON's optimizer and scheduler hold: the script and the engin
 and a warning naming both values where only the script reads it (the script trains with its flag).
 Its steps reach the hang watchdog only if it calls ``hfscale.training.heartbeat.step(n)``: without
 ``watchdog.script_reports_steps: true`` a ``watchdog.first_step`` is an error (it would stop the
-healthy job) and ``watchdog.timeout`` a warning (the watchdog waits for a first step that never comes).
+healthy job) and a ``watchdog.timeout`` the YAML sets a warning (the watchdog waits for a first step that
+never comes; left at its default, ``check``'s summary says the watchdog idles).
+
+Under ZeRO-3 without ``gather_16bit_weights_on_model_save`` a script's own model save holds only
+shards: a warning names ``hfscale export`` (the built-in entry point saves checkpoints only).
 
 Pure: paths come back relative to the YAML (for ``Problem``), nothing is read or started here.
 """
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING, Sequence
 
 from hfscale.config.errors import Problem
@@ -87,6 +92,8 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
                          "false is honoured by the built-in entry point only: transformers builds a script's model "
                          "with deepspeed.zero.Init whenever its TrainingArguments or Accelerator name a stage-3 "
                          "config; remove it, or leave training.script null"))
+    if ds is not None and ds.stage == 3 and not ds.gather_16bit_weights_on_model_save:
+        warnings.append((("distributed", "deepspeed", "gather_16bit_weights_on_model_save"), _shards_only(job)))
     builtin = [p for p in BUILTIN_ONLY if job.is_set(p)]
     if t.pass_args == "none":
         errors, notes = plain_conflicts(job, t.script_args)
@@ -131,6 +138,19 @@ _STEP_LINE = ("add `from hfscale.training.heartbeat import step` and `step(n)` a
               "watchdog.script_reports_steps: true")
 
 
+def _shards_only(job: "Job") -> str:
+    """What a script's own model save holds under ZeRO-3 without the 16-bit gather (transformers'
+    Trainer.save_model catches accelerate's ValueError and writes model_wrapped.save_checkpoint;
+    accelerate's save_model and get_state_dict raise it)."""
+    said = "false" if job.is_set(("distributed", "deepspeed", "gather_16bit_weights_on_model_save")) else \
+        "false (DeepSpeed's default)"
+    return (f"{said} under ZeRO-3: when {job.config.training.script} saves its model, the output holds only "
+            "DeepSpeed's per-rank shards, no model file from_pretrained loads (the Trainer's save_model writes "
+            "global_step*/ instead; accelerate's save_model and get_state_dict raise). Set it true to gather a 16-bit "
+            "model at each save (TRL's ZeRO-3 config does), or make one from the newest checkpoint afterwards: "
+            f"hfscale export {shlex.quote(job.config.training.output_dir)} --out MODEL_DIR")
+
+
 def _watchdog_rules(job: "Job") -> tuple[Found, Found]:
     """A plain script's steps reach the watchdog only through hfscale.training.heartbeat.step: hfscale.launch.watchdog
     counts watchdog.first_step from the start (a job that never reports is stopped as "never finished
@@ -145,7 +165,7 @@ def _watchdog_rules(job: "Job") -> tuple[Found, Found]:
                  f"{script} runs with training.pass_args none, so hfscale sees its steps only if it reports them: "
                  f"the watchdog would stop the job after {w.first_step} s as 'never finished a step', healthy or "
                  f"not. In {script}, {_STEP_LINE}; or remove watchdog.first_step")], []
-    if w.timeout is not None:
+    if w.timeout is not None and job.is_set(("watchdog", "timeout")):  # the default: check's summary says it idles
         return [], [(("watchdog", "timeout"),
                      f"the hang watchdog starts counting at the first step {script} reports, so it watches nothing "
                      f"unless {script} reports its steps: {_STEP_LINE} (or set watchdog.timeout: null)")]

@@ -305,10 +305,10 @@ def pick_log(path: Path, node: str | None) -> list[Path]:
     names = [p.stem for p in logs]
     if node in names:
         return [logs[names.index(node)]]
-    if node.isascii() and node.isdigit() and int(node) < len(logs):
+    if node.isascii() and node.isdigit() and len(node) <= 18 and int(node) < len(logs):  # int() of 4,300+ digits raises
         return [logs[int(node)]]
     shown = ", ".join(printable(n, 80) for n in names[:50]) or "none"
-    raise RunError(f"no log of node {printable(node)!r} in {printable(str(path / LOGS_DIR))}; there are: {shown}")
+    raise RunError(f"no log of node {printable(node, 60)!r} (--node) in {printable(str(path / LOGS_DIR))}; there are: {shown}")
 
 
 def print_log(path: Path, write: Callable[[bytes], object]) -> str | None:

@@ -14,19 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from hfscale.cli.importing.draft import AUTO, Draft
+from hfscale.cli.importing.optimizer import DS, import_optimizer, import_scheduler
 from hfscale.config.deepspeed import DeepSpeedSection
 from hfscale.config.extra_keys import check_extra, ignored_keys
-from hfscale.config.model import TrainingConfig
 from hfscale.config.sources.deepspeed import deepspeed_keys
 from hfscale.config.sources.engine import Section
 from hfscale.rules.deepspeed import SECTIONS, ZERO_KEYS
 
-DS = ("distributed", "deepspeed")
-T = ("training",)
 # what hfscale writes for fp16 beside enabled (render_deepspeed): not repeated in extra
 FP16_WRITTEN = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                 "min_loss_scale": 1}
-SCHEDULES = {"WarmupLR": "constant_with_warmup", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}
 # keys DeepSpeed took under older names whose value changes form (zero_optimization)
 _OLD_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 _AUTO_FROM_MODEL = ("the Trainer derives it from the model's hidden size; hfscale's default (DeepSpeed's) here, set "
@@ -70,8 +67,8 @@ def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str 
         draft.notes.append(f"{source} has no zero_optimization: accelerate's DeepSpeedPlugin refuses such a file; "
                            "hfscale writes stage 0, DeepSpeed's own default")
     _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys, save_16bit)
-    _optimizer(ds.pop("optimizer", None), draft, source, extra)
-    _scheduler(ds.pop("scheduler", None), draft, source, extra)
+    import_optimizer(ds.pop("optimizer", None), draft, source, extra)
+    import_scheduler(ds.pop("scheduler", None), draft, source, extra)
     for name in ("steps_per_print", "communication_data_type"):
         if name in ds:
             _typed(DS + (name,), ds.pop(name), draft, source, name)
@@ -248,9 +245,6 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
                 draft.set(DS + (key,), _default(key), f"auto: {_AUTO_FROM_MODEL}")
             elif value is not None or key == "overlap_comm":
                 draft.set(DS + (key,), value, key=f"zero_optimization.{key}")
-    if ignored:
-        draft.notes.append(f"{source}: left out zero_optimization.{', '.join(ignored)}: DeepSpeed does not use "
-                           f"{'it' if len(ignored) == 1 else 'them'} at ZeRO stage {stage}")
     if "stage3_gather_16bit_weights_on_model_save" in zero:
         gather = zero.pop("stage3_gather_16bit_weights_on_model_save")
         if gather == AUTO:  # accelerate's DeepSpeedPlugin fills it from zero3_save_16bit_model, default false
@@ -264,100 +258,24 @@ def _zero(zero: dict, draft: Draft, source: str, extra: dict, keys: Section | No
                                f"DeepSpeed reads it at stage 3 only, this is stage {stage}")
     for name in ("offload_optimizer", "offload_param"):
         off = zero.pop(name, None)
-        if isinstance(off, dict):
+        if name == "offload_param" and stage in (0, 1, 2) and off is not None:
+            ignored.append(name)  # DeepSpeed accepts it at every stage and reads it at stage 3 only
+        elif isinstance(off, dict):
             model = DeepSpeedSection.model_fields[name].annotation
             typed = {k: (str(v) if k == "nvme_path" else v) for k, v in off.items() if k in model.model_fields}
             draft.set(DS + (name,), typed, key=f"zero_optimization.{name}")
             rest = {k: v for k, v in off.items() if k not in model.model_fields}
             if rest:
                 extra.setdefault("zero_optimization", {})[name] = rest
+    if ignored:
+        draft.notes.append(f"{source}: left out zero_optimization.{', '.join(ignored)}: DeepSpeed does not use "
+                           f"{'it' if len(ignored) == 1 else 'them'} at ZeRO stage {stage}")
     if stage in (1, 2):  # written by hfscale for these stages: only a changed value goes to extra
         for key in ("allgather_partitions", "reduce_scatter"):
             if zero.get(key) is True:
                 zero.pop(key)
     if zero:
         extra.setdefault("zero_optimization", {}).update(zero)
-
-
-def _optimizer(opt: Any, draft: Draft, source: str, extra: dict) -> None:
-    if not isinstance(opt, dict):
-        return
-    opt = dict(opt)
-    kind = opt.pop("type", None)
-    allowed = DeepSpeedSection.model_fields["optimizer"].annotation.__args__[0].model_fields["type"].annotation.__args__
-    match = next((a for a in allowed if isinstance(kind, str) and a.lower() == kind.lower()), None)
-    if match is None:
-        draft.refuse(f"{source}: optimizer.type", f"{kind!r} is not one of {', '.join(allowed)}")
-    else:
-        draft.set(DS + ("optimizer",), {"type": match}, key="optimizer")
-    params = dict(opt.pop("params", None) or {})
-    for key, target in (("lr", "learning_rate"), ("eps", "adam_epsilon"), ("weight_decay", "weight_decay")):
-        if key in params:
-            _auto_or(T + (target,), params.pop(key), draft, f"optimizer.params.{key}")
-    betas = params.pop("betas", None)
-    if isinstance(betas, list) and len(betas) == 2:
-        draft.set(T + ("adam_beta1",), betas[0], key="optimizer.params.betas")
-        draft.set(T + ("adam_beta2",), betas[1], key="optimizer.params.betas")
-    elif betas == AUTO:
-        _auto_or(T + ("adam_beta1",), AUTO, draft)
-        _auto_or(T + ("adam_beta2",), AUTO, draft)
-    if params:
-        opt["params"] = params
-    if opt:
-        extra["optimizer"] = opt
-
-
-def _scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None:
-    if not isinstance(sched, dict):
-        return
-    sched = dict(sched)
-    kind = sched.pop("type", None)
-    params = dict(sched.pop("params", None) or {})
-    if kind not in SCHEDULES:
-        draft.refuse(f"{source}: scheduler.type", f"{kind!r}: hfscale writes {', '.join(SCHEDULES)}")
-        return
-    if "warmup_num_steps" not in params:  # deepspeed/runtime/lr_schedules.py: 1000 steps, peak lr 0.001
-        draft.set(T + ("warmup_steps",), 1000, "absent from the scheduler: DeepSpeed's default warmup_num_steps")
-    warmup = params.pop("warmup_num_steps", 1000)
-    total = params.pop("total_num_steps", None)
-    lr = params.pop("warmup_max_lr", None)
-    if lr is None and kind != "WarmupCosineLR":
-        if draft.get(T + ("learning_rate",)) in (None, 0.001):
-            draft.set(T + ("learning_rate",), 0.001, "absent from the scheduler: DeepSpeed's default warmup_max_lr")
-        else:
-            draft.refuse(f"{source}: scheduler.params", f"no warmup_max_lr: DeepSpeed's {kind} peaks at its default "
-                         f"0.001, not at the optimizer's lr {draft.get(T + ('learning_rate',))}; hfscale writes one "
-                         "learning rate to both: write warmup_max_lr")
-    draft.set(DS + ("scheduler",), {"type": kind}, key="scheduler")
-    schedule = SCHEDULES[kind] if kind != "WarmupLR" or warmup not in (0, AUTO) else "constant"
-    draft.set(T + ("lr_scheduler_type",), schedule)
-    if warmup == AUTO or warmup:
-        _auto_or(T + ("warmup_steps",), warmup, draft, "scheduler.params.warmup_num_steps")
-    if total == AUTO:
-        draft.comments[DS + ("scheduler",)] = ("total_num_steps auto: written as auto while training.max_steps is "
-                                               "null; the Trainer fills in its step count")
-    elif total is not None:
-        draft.set(T + ("max_steps",), total, key="scheduler.params.total_num_steps")
-    if lr is not None and not (lr == AUTO and draft.get(T + ("learning_rate",)) is not None):
-        _auto_or(T + ("learning_rate",), lr, draft, "scheduler.params.warmup_max_lr")
-    written = {"warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0}
-    # DeepSpeed's own defaults where the file leaves them out (hfscale writes the values above)
-    ds_default = {"warmup_type": "log", "cos_min_ratio": 0.0001}
-    for key, default in ds_default.items():
-        if key not in params and (key != "cos_min_ratio" or kind == "WarmupCosineLR"):
-            params[key] = default
-    rest = {k: v for k, v in params.items() if written.get(k, object()) != v
-            and not (k == "warmup_min_lr" and v in (0, AUTO))}
-    if rest:
-        extra["scheduler"] = {"params": rest}
-
-
-def _auto_or(path: tuple[str, ...], value: Any, draft: Draft, key: str | None = None) -> None:
-    """``value``, or for "auto" hfscale's default of ``path`` (a training key), said in a comment."""
-    if value != AUTO:
-        draft.set(path, value, key=key)
-        return
-    draft.set(path, TrainingConfig.model_fields[path[-1]].default, f"auto: the Trainer's {path[-1]}; hfscale's default")
 
 
 def _extra(extra: dict, draft: Draft, source: str, keys: Section | None) -> None:

@@ -35,6 +35,14 @@ WRITTEN = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank
 PLUGIN = {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
           "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping", "zero3_save_16bit_model"}
 
+# accelerate launch: multi_gpu_launcher (torch.distributed.run) for MULTI_GPU whatever num_processes; the
+# Accelerator then reports MULTI_GPU but wraps DDP only for more than one process (use_distributed)
+_ONE_PROCESS = ("{where}: distributed_type {kind} with 1 process: accelerate launch starts it through "
+                "torch.distributed.run as a process group of one (the Accelerator reports {kind}; with one process it "
+                "wraps no DDP and splits no data); hfscale writes NO for one process, which accelerate launch runs as "
+                "one plain process: the same training without a process group (runner.launcher: torchrun starts one, "
+                "for a script that calls torch.distributed itself)")
+
 
 @dataclass(frozen=True)
 class Source:
@@ -101,7 +109,8 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     if kind in SAME_AS_MULTI_GPU:
         backend = "ddp"
         draft.notes.append(f"{where}: distributed_type {kind}: accelerate launch starts it as it starts MULTI_GPU "
-                           "(one process per device, the device type found at run time); hfscale writes MULTI_GPU")
+                           "(one process per device, the device type found at run time)" + (
+                               "" if acc.get("num_processes") == 1 else "; hfscale writes MULTI_GPU"))
     if backend is None:
         draft.refuse(f"{where}: distributed_type", f"{kind!r}: hfscale writes {', '.join(BACKENDS)}")
         backend = "ddp"
@@ -112,6 +121,8 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
         precision = None
     procs = acc.get("num_processes")
     world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
+    if backend == "ddp" and kind != "NO" and procs == 1 and not isinstance(procs, bool):
+        draft.notes.append(_ONE_PROCESS.format(where=where, kind=kind))
     _cluster(acc, hostfile, out_dir, draft, where)
     sp = _sequence_parallel(acc.get("parallelism_config"), world)
     world //= sp  # the batch is per data-parallel rank
@@ -200,6 +211,13 @@ def _cluster(acc: dict, hostfile: Source | None, out_dir: Path | None, draft: Dr
     if port not in (None, 29500):
         draft.set(("cluster", "master_port"), port, key="main_process_port")
     ids = acc.pop("gpu_ids", None)
+    if isinstance(ids, str) and re.fullmatch(r"[0-9]+(,[0-9]+)*,+", ids.replace(" ", "")):
+        # accelerate launch sets CUDA_VISIBLE_DEVICES to it as written; CUDA reads the ids up to the first
+        # empty one (as torch.cuda._parse_visible_devices does), so "0," is GPU 0
+        read = ids.replace(" ", "").rstrip(",")
+        draft.notes.append(f"{where}: gpu_ids {ids!r}: accelerate launch puts it into CUDA_VISIBLE_DEVICES as "
+                           f"written, where the empty id ends the list: GPUs {read}; written as {read!r}")
+        ids = read
     if ids not in (None, "all"):
         draft.set(("accelerate", "gpu_ids"), str(ids), key="gpu_ids")
 
@@ -239,7 +257,11 @@ def _deepspeed(plugin: dict, deepspeed: Source | None, precision: str | None, dr
         for name in ("offload_optimizer", "offload_param"):
             device = plugin.pop(f"{name}_device", "none")
             path = plugin.pop(f"{name}_nvme_path", None)
-            if device not in (None, "none"):
+            if name == "offload_param" and device not in (None, "none") and z["stage"] in (0, 1, 2):
+                # accelerate writes it into the config at every stage; DeepSpeed reads it at stage 3 only
+                draft.notes.append(f"{where}: left out deepspeed_config.offload_param_device {device}: DeepSpeed does "
+                                   f"not use it at ZeRO stage {z['stage']}")
+            elif device not in (None, "none"):
                 z[name] = {"device": device, **({"nvme_path": path} if device == "nvme" and path else {})}
         if "zero3_save_16bit_model" in plugin:
             plugin_save = plugin.pop("zero3_save_16bit_model")

@@ -298,3 +298,20 @@ def deepspeed_keys() -> Section | None:
     for name, message in deepspeed_removed_keys().items():
         keys[name] = Key(unread=f"DeepSpeed refuses it: {message}")
     return Section(keys, ignores_unknown=True)  # DeepSpeedConfig reads what it knows, ignores the rest
+
+
+@lru_cache(maxsize=1)
+def deepspeed_optimizers() -> frozenset[str] | None:
+    """The optimizer types DeepSpeed builds itself (``DEEPSPEED_OPTIMIZERS`` in runtime/config.py, in
+    lower case; the engine looks any other type up in torch.optim); None when DeepSpeed is not
+    installed here or the list cannot be read."""
+    root = package_root("deepspeed")
+    if root is None:
+        return None
+    f = _model_file(root, root / "runtime" / "config.py")
+    for stmt in f.tree.body if f.tree is not None else ():
+        if isinstance(stmt, ast.Assign) and [getattr(t, "id", None) for t in stmt.targets] == ["DEEPSPEED_OPTIMIZERS"] \
+                and isinstance(stmt.value, (ast.List, ast.Tuple)):
+            names = [_key(e, f) for e in stmt.value.elts]
+            return frozenset(n for n in names if n is not None) if None not in names else None
+    return None
