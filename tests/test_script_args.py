@@ -249,10 +249,10 @@ def test_warnings_say_what_a_script_will_not_receive():
         "runner.launcher (line 2): torchrun: a plain script gets the deepspeed settings only by reading "
         "$HFSCALE_DS_CONFIG; an Accelerator reads them under accelerate launch only (else it trains DDP)",
         "training.pass_args (line 4): none: loop.py gets no flags for training.max_steps (line 4), "
-        "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.rules.config_file.load_job)",
+        "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.load_job)",
         "watchdog.timeout: the hang watchdog starts counting at the first step loop.py reports, so it watches "
-        "nothing unless loop.py reports its steps: add `from hfscale.training.heartbeat import step` and `step(n)` after each "
-        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), "
+        "nothing unless loop.py reports its steps: add `import hfscale` and `hfscale.step(n)` after each "
+        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.ProgressCallback())), "
         "then set watchdog.script_reports_steps: true (or set watchdog.timeout: null)",
     ]
     assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
