@@ -107,7 +107,8 @@ def test_the_previous_releases_trainer_script_runs_unchanged(tmp_path):
 @pytest.mark.slow
 def test_the_previous_releases_plain_loop_runs_unchanged(tmp_path):
     """examples/accelerate_loop/train.py as it was (``hfscale.progress``, ``hfscale.load``,
-    ``hfscale.train``), launched by this hfscale as the example is (2 processes, DeepSpeed ZeRO-2)."""
+    ``hfscale.train``), launched by this hfscale as the example is (2 processes, DeepSpeed ZeRO-2);
+    the run ends with the summary its ``hfscale.progress.report`` fed."""
     doc = yaml.safe_load((ROOT / "examples" / "accelerate_loop" / "config.yaml").read_text())
     doc["cluster"]["master_port"] = 29797
     doc["training"].update(script=str(PREVIOUS / "accelerate_loop.py"), max_steps=3, logging_steps=1)
@@ -123,7 +124,10 @@ def test_the_previous_releases_plain_loop_runs_unchanged(tmp_path):
         assert f"DeprecationWarning: {old} moved to {new}" in log
     assert "HFSCALE_RANK rank=1 world_size=2 steps=3 " in r.stdout  # the script's own line
     assert (run / "progress" / "rank-0").read_text().startswith("3 ")  # hfscale.progress.step
-    assert '"step": 3' in (run / "progress" / "metrics.json").read_text()  # hfscale.progress.report
+    assert r.stdout.splitlines()[-4:] == [  # hfscale.progress.report fed the summary
+        next(line for line in r.stdout.splitlines() if line.startswith(f"hfscale: {run.name} finished in ")),
+        "next:", f"  hfscale status {run.name}", f"  hfscale report {run.name}"]
+    assert ": step 3/3, loss " in r.stdout
 
 
 def test_python_m_at_an_old_path_runs_the_module():

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if ds is not None and ds.stage == 3 and args.process_index == 0:
         # deepspeed.zero.Init gives every parameter a ds_id as it is created, partitioned
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-        print(f"hfscale.training.train: model built {'partitioned (zero.Init)' if partitioned else 'whole'}", flush=True)
+        print(f"HFSCALE_TRAIN model built {'partitioned (zero.Init)' if partitioned else 'whole'}", flush=True)
     if tokenizer is None and model.config.vocab_size < BYTE_VOCAB:
         print(f"error: byte-level tokens need vocab_size >= {BYTE_VOCAB}, the model has "
               f"{model.config.vocab_size}", file=sys.stderr)
@@ -211,12 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer.add_callback(SaveAtEnd())
 
     if resume and trainer.is_world_process_zero():
-        print(f"hfscale.training.train: resuming from {resume}", flush=True)
+        print(f"hfscale: resuming from {resume}", flush=True)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
         state = trainer.state
         how = "preempted, checkpoint saved" if preemption.preempted else "done"
-        print(f"HFSCALE_TRAIN {how} step={state.global_step} loss={result.training_loss:.6f} "
+        # for the node log and the tests (the terminal hides HFSCALE_ lines); train_loss: the
+        # Trainer's mean over this run's steps, not the last logged loss the progress line shows
+        print(f"HFSCALE_TRAIN {how} step={state.global_step} train_loss={result.training_loss:.6f} "
               f"resumed_from={resume or '-'}", flush=True)
     return 0
 
