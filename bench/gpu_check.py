@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hfscale.rules.config_file import load_text  # noqa: E402
 from hfscale.rules.trainer_args import training_arguments  # noqa: E402
 from hfscale.training.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, StragglerCallback  # noqa: E402
-from hfscale.training.train import PEAK_TFLOPS, stdlib_bytes  # noqa: E402
+from hfscale.training.instrument import PEAK_TFLOPS  # noqa: E402
+from hfscale.training.train import stdlib_bytes  # noqa: E402
 
 BLOCK = 1024
 

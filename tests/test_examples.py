@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from doc_commands import NOT_HERE, commands, run_as_written
+from doc_commands import NOT_HERE, Command, commands, run_as_written
 
 EXAMPLES = sorted((ROOT / "examples").glob("*/config.yaml"))
 
@@ -57,7 +57,6 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
     config = ROOT / "examples" / "tiny_cpu" / "config.yaml"
     r = _launch(config, tmp_path)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
-    assert "HFSCALE_TRAIN done step=300" in r.stdout
     out = tmp_path / "output" / "tiny_cpu"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-200", "checkpoint-300"]  # limit 2
     assert all((p / "hfscale_complete.json").is_file() for p in out.glob("checkpoint-*"))
@@ -67,11 +66,28 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
     assert all(m["world_size"] == 2 and m["tokens_per_s"] > 0 for m in metrics)
     (run_dir,) = (tmp_path / "runs").iterdir()
     log = (run_dir / "logs" / "local.log").read_text()
-    assert "HFSCALE_TRAIN done step=300" in log
+    train_loss = float(re.search(r"^HFSCALE_TRAIN done step=300 train_loss=([\d.]+) resumed_from=-$", log, re.M)[1])
     # the Trainer's log dicts go to the node log; the terminal gets the progress line
     losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", log)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses  # it learns
-    assert "{'loss'" not in r.stdout and "hfscale: step 300/300 (100%) | loss " in r.stdout
+    last = re.search(r"^hfscale: step 300/300 \(100%\) \| loss ([\d.]+) ", r.stdout, re.M)[1]
+    # the terminal: hfscale's own lines only (no internal HFSCALE_ line, no library line), ending with the
+    # summary (the loss the progress line showed, and the run's mean, named) and the next commands
+    name = run_dir.name
+    summary = (rf"hfscale: {name} finished in \dm\d\ds: step 300/300, loss {last} \(the last logged; mean over the "
+               rf"run {train_loss:.4f}\), [\d.]+k tokens/s")
+    shown = r.stdout.splitlines()
+    assert re.fullmatch(summary, shown[-6]), shown[-6:]
+    assert shown[-5:] == ["hfscale: newest checkpoint output/tiny_cpu/checkpoint-300", "next:",
+                          f"  hfscale status {name}", f"  hfscale report {name}",
+                          f"  hfscale export {name} --out tiny_cpu-model"]
+    ours = ("hfscale: ", "next:", "  hfscale ")
+    assert [line for line in (r.stdout + r.stderr).splitlines() if not line.startswith(ours)] == []
+    print("the README's main job, its terminal:", r.stderr, r.stdout, sep="\n")
+    for command in shown[-3:]:  # the next commands as printed
+        done = run_as_written(Command("terminal", 0, command.strip(), 0), tmp_path, tmp_path / "doc-bin")
+        assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    assert (tmp_path / "tiny_cpu-model" / "model.safetensors").is_file()
 
     again = _launch(config, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -150,6 +166,7 @@ def test_killed_rank_restarts_and_resumes_from_last_complete_checkpoint(tmp_path
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:] + err[-3000:]
-    resumed = re.findall(r"hfscale.training.train: resuming from output/tiny_cpu/checkpoint-(\d+)", out)
+    resumed = re.findall(r"hfscale: resuming from output/tiny_cpu/checkpoint-(\d+)", out)
     assert resumed and int(resumed[-1]) >= 20
-    assert "HFSCALE_TRAIN done step=60" in out
+    (log,) = (tmp_path / "runs").glob("tiny_cpu-*/logs/local.log")
+    assert "HFSCALE_TRAIN done step=60" in log.read_text() and "HFSCALE_TRAIN" not in out

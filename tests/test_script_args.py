@@ -119,13 +119,13 @@ def test_same_value(value, words, same):
 def test_same_value_in_script_args_is_fine_and_not_repeated():
     job = job_of(SFT.replace("--train_file, data.txt]", "--train_file, data.txt, --learning_rate, '0.00002']"))
     plan = build_plan(job, CTX)
-    argv = list(plan.main.argv)
+    argv = list(plan.nodes[0].command.items)  # the launcher (main is a shell that starts the keeper, then execs it)
     assert argv.count("--learning_rate") == 1 and argv[argv.index("--learning_rate") + 1] == "0.00002"
 
 
 def test_dry_run_shows_the_final_argv_of_the_script():
     plan = build_plan(job_of(SFT), LaunchContext.of("/work", "/py", JOB_ID, {}, ["--trust_remote_code"]))
-    assert plan.main.argv == (
+    assert plan.nodes[0].command.items == (
         "/py", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
         "--module", "hfscale.training.run_script", "run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
         *FLAGS, "--trust_remote_code",
@@ -136,7 +136,7 @@ def test_dry_run_shows_the_final_argv_of_the_script():
 
 def test_torchrun_passes_deepspeed_to_a_trainer_script():
     job = job_of(SFT.replace("cluster: {nproc_per_node: 2}", "cluster: {nproc_per_node: 2}\n    runner: {launcher: torchrun}"))
-    argv = build_plan(job, CTX).main.argv
+    argv = build_plan(job, CTX).nodes[0].command.items
     assert argv[:8] == ("/py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--node_rank")
     assert argv[argv.index("-m", 3):argv.index("-m", 3) + 3] == ("-m", "hfscale.training.run_script", "run_clm.py")
     assert argv[-2:] == ("--deepspeed", f"{RUN}/ds_config.json")
@@ -249,9 +249,9 @@ def test_warnings_say_what_a_script_will_not_receive():
         "runner.launcher (line 2): torchrun: a plain script gets the deepspeed settings only by reading "
         "$HFSCALE_DS_CONFIG; an Accelerator reads them under accelerate launch only (else it trains DDP)",
         "training.pass_args (line 4): none: loop.py gets no flags for training.max_steps (line 4), "
-        "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.rules.config_file.load_job)",
+        "training.learning_rate (line 4); it sees them only if it reads $HFSCALE_CONFIG (hfscale.load_job)",
     ]
-    assert build_plan(plain, CTX).main.argv[-1] == "loop.py"  # script_args only: none here
+    assert build_plan(plain, CTX).nodes[0].command.items[-1] == "loop.py"  # script_args only: none here
 
 
 def test_a_watchdog_timeout_is_a_warning_only_where_the_yaml_sets_it():
@@ -260,8 +260,8 @@ def test_a_watchdog_timeout_is_a_warning_only_where_the_yaml_sets_it():
     timed = job_of(plain + "watchdog: {timeout: 300}\n")
     assert [str(w) for w in timed.warnings] == [
         "watchdog.timeout (line 4): the hang watchdog starts counting at the first step loop.py reports, so it watches "
-        "nothing unless loop.py reports its steps: add `from hfscale.training.heartbeat import step` and `step(n)` after each "
-        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), "
+        "nothing unless loop.py reports its steps: add `import hfscale` and `hfscale.step(n)` after each "
+        "optimizer step (n: the step number; a Trainer: trainer.add_callback(hfscale.ProgressCallback())), "
         "then set watchdog.script_reports_steps: true (or set watchdog.timeout: null)",
     ]
     from hfscale.cli.check_summary import summary
@@ -314,4 +314,4 @@ def test_a_checkpoint_named_by_hand_skips_the_launch_decision(tmp_path):
         build_plan(job, LaunchContext.of("/work", "/py", JOB_ID, {}, output=scan))
     chosen = LaunchContext.of("/work", "/py", JOB_ID, {}, ["--resume_from_checkpoint", "other/checkpoint-8"], scan)
     plan = build_plan(job, chosen)
-    assert plan.mode == "stream" and plan.main.argv[-2:] == ("--resume_from_checkpoint", "other/checkpoint-8")
+    assert plan.mode == "stream" and plan.nodes[0].command.items[-2:] == ("--resume_from_checkpoint", "other/checkpoint-8")

@@ -147,8 +147,8 @@ def test_first_step_without_reported_steps_is_refused_and_says_the_line_to_add()
     assert _problems(text) == [
         "watchdog.first_step (line 7): loop.py runs with training.pass_args none, so hfscale sees its steps only "
         "if it reports them: the watchdog would stop the job after 8 s as 'never finished a step', healthy or not. "
-        "In loop.py, add `from hfscale.training.heartbeat import step` and `step(n)` after each optimizer step (n: the step "
-        "number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), then set "
+        "In loop.py, add `import hfscale` and `hfscale.step(n)` after each optimizer step (n: the step "
+        "number; a Trainer: trainer.add_callback(hfscale.ProgressCallback())), then set "
         "watchdog.script_reports_steps: true; or remove watchdog.first_step"]
     ok = job_of(PLAIN.replace("{script_reports_steps: true}", "{first_step: 8, script_reports_steps: true}"))
     assert not [w for w in ok.warnings if w.path.startswith("watchdog")]
@@ -158,12 +158,14 @@ def test_first_step_without_reported_steps_is_refused_and_says_the_line_to_add()
 
 
 def test_timeout_without_reported_steps_is_a_warning_and_the_acknowledgement_is_for_plain_scripts_only():
-    job = job_of(PLAIN.replace("    watchdog: {script_reports_steps: true}\n", ""))
+    job = job_of(PLAIN.replace("    watchdog: {script_reports_steps: true}\n", "    watchdog: {timeout: 300}\n"))
     assert [w.path for w in job.warnings if w.path.startswith("watchdog")] == ["watchdog.timeout"]
+    unset = job_of(PLAIN.replace("    watchdog: {script_reports_steps: true}\n", ""))  # not the YAML's: no warning
+    assert [w.path for w in unset.warnings if w.path.startswith("watchdog")] == []
     trainer = PLAIN.replace("      pass_args: none\n", "").replace(", --data, d.txt]", "]")
     assert _problems(trainer) == [
         "watchdog.script_reports_steps (line 7): only with training.pass_args: none (hfscale adds "
-        "hfscale.training.callbacks.ProgressCallback to a Trainer script's Trainer and to the built-in entry point's)"]
+        "hfscale.ProgressCallback to a Trainer script's Trainer and to the built-in entry point's)"]
 
 
 def test_the_rules_match_how_the_watchdog_judges_a_job_that_reports_nothing(tmp_path):
@@ -188,7 +190,7 @@ def test_checks_summary_claims_no_watchdog_a_plain_script_cannot_feed():
     silent = PLAIN.replace("    watchdog: {script_reports_steps: true}\n", "")
     assert line(silent) == (
         "  watchdog     idle: loop.py reports no steps (pass_args: none), and the watchdog counts from the first one "
-        "(hfscale.training.heartbeat.step(n) in the script, then watchdog.script_reports_steps: true)")
+        "(hfscale.step(n) in the script, then watchdog.script_reports_steps: true)")
     assert line(PLAIN) == ("  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job "
                            "stopped (exit 4)")
     assert line(silent.replace("pass_args: none", "pass_args: trainer").replace(", --data, d.txt]", "]")) == \
@@ -206,7 +208,7 @@ def test_unquoted_numbers_reach_the_script_as_written():
     assert job.config.training.script_args == ("--data", "d.txt", "--lr", "1.0e-3", "--eps", "2e+5", "--frac",
                                                "0.0010", "--id", "007", "--hex", "0x10", "--rate", "1e-3", "--n", "3")
     assert dict(job.config.env.vars) == {"NCCL_IB_TIMEOUT": "022", "RATIO": "0.50"}  # not 18 (octal) and 0.5
-    argv = build_plan(job, CTX).main.argv
+    argv = build_plan(job, CTX).nodes[0].command.items
     assert argv[argv.index("loop.py"):][-14:] == ("--lr", "1.0e-3", "--eps", "2e+5", "--frac", "0.0010", "--id", "007",
                                                   "--hex", "0x10", "--rate", "1e-3", "--n", "3")
     assert job.config.training.learning_rate == 1e-3  # a number where the config wants one

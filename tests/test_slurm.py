@@ -169,7 +169,7 @@ def test_preempted_job_saves_requeues_and_resumes_to_the_same_result(slurm2, uni
     assert second_run, text[-5000:]
     assert "HFSCALE_TRAIN done" not in first_run
     resumed_from = sub.out_dir / f"checkpoint-{step}"
-    assert f"hfscale.training.train: resuming from {resumed_from}" in second_run
+    assert f"hfscale: resuming from {resumed_from}" in second_run
     assert f"HFSCALE_TRAIN done step={MAX_STEPS} " in second_run and f"resumed_from={resumed_from}" in second_run
     assert second_run.rstrip().endswith("HFSCALE_EXIT rc=0"), second_run[-3000:]
 

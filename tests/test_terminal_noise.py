@@ -1,7 +1,8 @@
 """What a real launch of a user script printed on the terminal that belongs in the node logs only:
 datasets' progress lines, DeepSpeed's op builds, the Trainer's final dict, a warning's source line
-when two ranks' warnings interleave, and torch's deprecation of hfscale's own flight recorder
-variable. Each line is still in the log files."""
+when two ranks' warnings interleave or when the warning was printed behind a progress bar (TRL's
+SFT under ZeRO-3 with its tqdm bar), hfscale's own HFSCALE_ markers, and torch's deprecation of
+hfscale's own flight recorder variable. Each line is still in the log files."""
 
 from __future__ import annotations
 
@@ -47,6 +48,27 @@ KEPT = [
 ]
 
 
+# TRL's sft.py (tests/scripts/third_party) under ZeRO-3 on 2 CPU ranks, tqdm on, as the node log has
+# it: tqdm ends its bar with no newline, so a warning printed while the bar runs continues the bar's
+# line, and its source line came to the terminal (3 times in that run, up to 7 in DPO and reward runs)
+C10D = "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: "
+RS = C10D + "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use `torch.distributed.reduce_scatter_single` instead."
+AG = C10D + "`torch.distributed.all_gather_into_tensor` is deprecated. Please use `torch.distributed.all_gather_single` instead."
+BAR = "\u2588\u2588\u258c"  # tqdm's blocks
+TRL_ZERO3 = [
+    "Dropping fully masked examples from train dataset:   0%|          | 0/200 [00:00<?, ? examples/s]",
+    "",
+    "  0%|          | 0/4 [00:00<?, ?it/s]" + RS, SOURCE, RS, SOURCE, AG, SOURCE, AG, SOURCE,
+    "",
+    f" 25%|{BAR}       | 1/4 [00:00<00:00,  6.11it/s]" + RS, SOURCE, RS, SOURCE, AG, SOURCE, AG, SOURCE,
+    "Generating train split: 200 examples [00:00, 88152.67 examples/s]" + AG, SOURCE,  # a bar without a total
+    "Writing model shards: 0it [00:00, ?it/s]\x1b[A",  # tqdm moving the cursor up to its outer bar
+    "\u2705 Training completed.",  # the script's own lines
+    "HFSCALE_TRAIN done step=4 train_loss=5.360700 resumed_from=-",  # hfscale's markers, for the logs and tests
+    "node1: HFSCALE_EXIT rc=0",
+]
+
+
 def _shown(lines: list[str], mode: str = "normal", hosts: frozenset[str] | None = None) -> list[str]:
     c = Console(mode, io.StringIO(), tty=False, hosts=hosts)
     return [line for line in lines if c.shown(line)]
@@ -66,6 +88,14 @@ def test_a_warnings_source_line_is_dropped_only_as_many_times_as_warnings_came()
     assert _shown([WARN] + [f"line {i}" for i in range(16)] + ["    indented"])[-1] == "    indented"
 
 
+def test_a_warning_behind_a_progress_bar_takes_its_source_line_along():
+    assert _shown(TRL_ZERO3, hosts=frozenset({"node0", "node1"})) == ["\u2705 Training completed."]
+    assert _shown(TRL_ZERO3, "verbose") == TRL_ZERO3
+    # the bar alone is noise as before; the line after a bar with no warning is not taken for a source line
+    assert _shown(["  0%|          | 0/4 [00:00<?, ?it/s]", "    an indented line of the script's own"]) == [
+        "    an indented line of the script's own"]
+
+
 def test_a_trace_after_a_warning_is_shown_whole():
     lines = [WARN, "Traceback (most recent call last):", '  File "t.py", line 1, in <module>', "ValueError: x"]
     assert _shown(lines) == lines[1:]
@@ -76,7 +106,11 @@ def test_a_launch_keeps_every_line_in_its_log_and_only_the_rest_on_the_terminal(
     script = tmp_path / "noisy.py"
     script.write_text("import sys\nlines = " + repr(NOISE + KEPT[-1:]) + "\n"
                       "for line in lines:\n    print(line, file=sys.stderr if 'Warning' in line else sys.stdout, "
-                      "flush=True)\n")
+                      "flush=True)\n"
+                      # a tqdm bar on stderr (no newline), a warning printed behind it, its source line
+                      f"sys.stderr.write('\\r  0%|          | 0/4 [00:00<?, ?it/s]'); sys.stderr.flush()\n"
+                      f"sys.stderr.write({RS!r} + '\\n' + {SOURCE!r} + '\\n'); sys.stderr.flush()\n"
+                      "print('HFSCALE_TRAIN done step=4 train_loss=5.1 resumed_from=-', flush=True)\n")
     cfg = tmp_path / "job.yaml"
     cfg.write_text(textwrap.dedent("""
         name: noisy
@@ -91,10 +125,13 @@ def test_a_launch_keeps_every_line_in_its_log_and_only_the_rest_on_the_terminal(
     shown = (r.stdout + r.stderr).splitlines()
     assert "loading my own data: 5 files" in shown
     assert not [line for line in shown if any(n in line for n in ("Generating", "built successfully", "Time to load",
-                                                                   "train_runtime", "return func", "FutureWarning"))]
+                                                                   "train_runtime", "return func", "FutureWarning",
+                                                                   "HFSCALE_TRAIN", "it/s]"))]
     (log,) = (tmp_path / "runs").glob("noisy-*/logs/local.log")
     logged = log.read_text().splitlines()
     assert all(line in logged for line in NOISE), logged
+    assert "  0%|          | 0/4 [00:00<?, ?it/s]" + RS in logged and logged.count(SOURCE) == 3
+    assert "HFSCALE_TRAIN done step=4 train_loss=5.1 resumed_from=-" in logged
 
 
 # --- the flight recorder variable hfscale sets

@@ -155,7 +155,7 @@ def test_builtin_entry_point_trains_zero3_on_cpu(tmp_path, zero3_init):
                        capture_output=True, text=True, timeout=400, env={**os.environ})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     built = "partitioned (zero.Init)" if zero3_init else "whole"
-    assert f"hfscale.training.train: model built {built}" in r.stdout
+    assert f"HFSCALE_TRAIN model built {built}" in r.stdout
     assert "HFSCALE_TRAIN done step=30" in r.stdout
     losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", r.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, losses

@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -22,15 +23,17 @@ from accelerate.utils import DummyOptim, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import hfscale.training.heartbeat
-from hfscale.rules.config_file import load_job
-from hfscale.training.train import stdlib_bytes
+import hfscale
 
 
 def stdlib_blocks(block_size: int, n_blocks: int) -> torch.Tensor:
     """``n_blocks`` rows of ``block_size`` byte tokens from the standard library's .py files (sorted)."""
-    data = stdlib_bytes(block_size * n_blocks)
-    return torch.tensor(list(data), dtype=torch.long).view(n_blocks, block_size)
+    data, n = bytearray(), block_size * n_blocks
+    for path in sorted(Path(os.path.dirname(os.__file__)).glob("*.py")):
+        data += path.read_bytes()
+        if len(data) >= n:
+            return torch.tensor(list(data[:n]), dtype=torch.long).view(n_blocks, block_size)
+    raise SystemExit(f"the standard library has only {len(data)} bytes of source, {n} needed")
 
 
 def main() -> None:
@@ -42,7 +45,7 @@ def main() -> None:
     if not args.config:
         ap.error("--config is required outside hfscale launch")
 
-    job = load_job(args.config)
+    job = hfscale.load_job(args.config)  # the YAML's batch geometry and training settings
     cfg, t = job.config, job.config.training
     steps = args.max_steps or t.max_steps or 100
 
@@ -85,12 +88,12 @@ def main() -> None:
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             step += 1
-            hfscale.training.heartbeat.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
+            hfscale.step(step)  # for hfscale launch's hang watchdog (does nothing elsewhere)
             if accelerator.is_main_process and (step % t.logging_steps == 0 or step == 1):
                 value = loss.item()  # one device sync
                 print(f"step {step}/{steps} loss {value:.4f}", flush=True)
                 # hfscale launch's progress line and hfscale runs (rank 0 only; nothing elsewhere)
-                hfscale.training.heartbeat.report(step=step, max_steps=steps, loss=value)
+                hfscale.report(step=step, max_steps=steps, loss=value)
         if step >= steps:
             break
 

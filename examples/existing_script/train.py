@@ -1,11 +1,12 @@
-"""An existing Hugging Face Trainer script that adopts hfscale's callbacks with two lines (marked ``# hfscale``).
+"""An existing Hugging Face Trainer script that adopts hfscale with three lines (marked ``# hfscale``).
 
     hfscale launch examples/existing_script/config.yaml          # from the repository root
 
 Everything else is a plain Trainer script: TrainingArguments from the command line (hfscale
-passes the flags its YAML determines, ``--deepspeed`` with the generated JSON included, and
-``--resume_from_checkpoint`` on a relaunch), a tiny GPT-2 built from a config (nothing
-downloaded), the bytes of the Python standard library as data.
+passes the flags its YAML determines, ``--deepspeed`` with the generated JSON included), a tiny
+GPT-2 built from a config (nothing downloaded), the bytes of the Python standard library as data.
+``hfscale.instrument`` returns the checkpoint a relaunch passes as ``--resume_from_checkpoint``
+(the newest complete one), outside ``hfscale launch`` too.
 """
 
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
-from hfscale.training.callbacks import CheckpointCompleteCallback, MetricsCallback, PreemptionCallback  # hfscale
+import hfscale  # hfscale
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -40,9 +41,8 @@ def main():
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64,
                                        bos_token_id=0, eos_token_id=0))
     trainer = Trainer(model=model, args=args, train_dataset=Blocks())
-    for cb in (MetricsCallback(seq_len=64, trainer=trainer), PreemptionCallback(), CheckpointCompleteCallback()):
-        trainer.add_callback(cb)  # hfscale
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    resume = hfscale.instrument(trainer, seq_len=64)  # hfscale: callbacks as the YAML says; newest complete checkpoint
+    trainer.train(resume_from_checkpoint=resume)  # hfscale
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ folder without a marker (an unchanged script, or a save cut short) is judged by 
 (:mod:`hfscale.checkpoints.files`: trainer state, an RNG state and DeepSpeed shards for every rank,
 model, optimizer and scheduler, each file whole)::
 
-    from hfscale.checkpoints.resume import latest_checkpoint
+    from hfscale import latest_checkpoint  # the public face
     trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))
 
 Incomplete folders are skipped with an :class:`IncompleteCheckpointWarning` naming the folder and

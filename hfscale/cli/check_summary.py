@@ -68,7 +68,7 @@ def _watchdog(job: Job) -> str:
     if t.script is not None and t.pass_args == "none" and not w.script_reports_steps:
         # hfscale.rules.script._watchdog_rules: the timeout counts from the first reported step
         return (f"idle: {t.script} reports no steps (pass_args: none), and the watchdog counts from the first one "
-                "(hfscale.training.heartbeat.step(n) in the script, then watchdog.script_reports_steps: true)")
+                "(hfscale.step(n) in the script, then watchdog.script_reports_steps: true)")
     first = f", or none in the first {w.first_step} s" if w.first_step else ""
     what = f"no step for {w.timeout} s{first}: every rank's stack, the stuck rank named, the job stopped (exit 4)"
     if job.config.runner.type == "slurm":

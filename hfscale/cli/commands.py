@@ -280,6 +280,13 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
     if plan.mode == "submit":
         what = "handed to the scheduler" if rc == 0 else f"not submitted (exit code {rc})"
         click.echo(f"hfscale: job {plan.job_id} {what}; run directory {plan.run_dir}", err=True)
+    elif rc == 0 and mode != "quiet":  # the summary, from the run directory, and what to do next
+        from hfscale.cli.finish import finish_lines
+
+        scan = None if restart else ctx.output
+        resumed = scan.state.global_step if scan is not None and scan.resume and scan.state else None
+        for line in finish_lines(plan.run_dir, job.config.name, resumed):
+            click.echo(line)
     else:
         click.echo(f"hfscale: job {plan.job_id} ended with exit code {rc}; logs in {plan.run_dir}/logs", err=True)
     sys.exit(rc)

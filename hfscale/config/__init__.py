@@ -6,3 +6,11 @@ engines' own source (no engine is imported).
 
 Layer 1: may import hfscale.core.
 """
+
+
+def __getattr__(name: str) -> object:
+    """The previous release's module of this name (hfscale.core.moved.MOVED_INTO_PACKAGE): its names
+    still work, with a DeprecationWarning naming the module that holds them now."""
+    from hfscale.core.moved import moved_name
+
+    return moved_name(__name__, name)

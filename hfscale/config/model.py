@@ -255,8 +255,8 @@ class TrainingConfig(Strict):
         "about a third more compute for a fraction of the activation memory.")
     report_to: tuple[str, ...] = _seq(("none",), description="Trainer loggers: tensorboard, wandb, mlflow, or none.")
     peak_tflops: float | None = Field(
-        None, gt=0, le=1e6, description="Peak dense TFLOP/s of one device at the training precision, for the built-in entry "
-        "point's MFU (989 for an H100 SXM in bf16). Null: looked up for known GPUs, else MFU is not reported.")
+        None, gt=0, le=1e6, description="Peak dense TFLOP/s of one device at the training precision, for MFU (the built-in "
+        "entry point's, and a script's that calls hfscale.instrument(trainer)) (989 for an H100 SXM in bf16). Null: looked up for known GPUs, else MFU is not reported.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model for the built-in entry point.")
     data: DataConfig = Field(default_factory=DataConfig, description="Data for the built-in entry point.")
 
@@ -271,7 +271,7 @@ class WatchdogConfig(Strict):
         None, ge=1, le=7 * 86400, description="Seconds allowed before the first step (loading, compiling). Null: "
         "not watched.")
     script_reports_steps: bool = Field(
-        False, description="training.pass_args none only: the script calls hfscale.training.heartbeat.step(n) after each "
+        False, description="training.pass_args none only: the script calls hfscale.step(n) after each "
         "optimizer step, so the watchdog sees its steps (a Trainer script and the built-in entry point report "
         "them through hfscale). Without it, first_step is refused: it would stop a healthy job.")
 

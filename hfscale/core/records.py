@@ -111,7 +111,8 @@ class Rank0Metrics(Record):
 
     step: Count | None = None
     max_steps: Count | None = None
-    loss: Number = None
+    loss: Number = None  # the last logged loss (the Trainer's mean over its logging window)
+    train_loss: Number = None  # the mean over the run's steps, reported when training ended
     learning_rate: Number = None
     tokens_per_s: Number = None
     eta_s: Number = None

@@ -1,6 +1,7 @@
 """What ``hfscale launch`` shows on the terminal: one live progress line fed by rank 0's numbers,
-the nodes' errors, hfscale's own lines. Library warnings and info logs, and the Trainer's log
-dicts (the progress line shows them), stay in the node logs (``<run dir>/logs``), which always
+the nodes' errors, hfscale's own lines. Library warnings and info logs (a warning printed behind a
+progress bar too), the Trainer's log dicts (the progress line shows them) and hfscale's internal
+markers (``HFSCALE_TRAIN``, ``HFSCALE_EXIT``) stay in the node logs (``<run dir>/logs``), which always
 get every line. ``--verbose`` shows every line as well; ``--quiet`` only errors and failures.
 
 No processes here: ``execute`` calls a Console for each line and runs ``follow_progress`` in a
@@ -27,6 +28,12 @@ PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is prin
 HOST_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): ")
 _RANK = re.compile(r"^\[(?:default)?rank\d+\]: ?")
 _WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; an indented source line follows
+# the same behind a progress bar: tqdm ends its bar with no newline, so a warning printed while it
+# runs continues the bar's line ("  0%|  | 0/4 [00:00<?, ?it/s]/x/c10d_logger.py:83: FutureWarning: ...")
+_WARNING_BEHIND_BAR = re.compile(r"\]\S+:\d+: \w*Warning: ")
+_CSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal control sequences (tqdm moves the cursor: ESC[A)
+# hfscale's own markers for the node logs and the tests (the built-in entry point's result, a node's exit)
+_INTERNAL = re.compile(r"^HFSCALE_(?:TRAIN|EXIT) ")
 # lines after a warning's first line in which its source line may still come: the ranks share one
 # pipe and write the two lines separately, so another rank's warning can come in between
 _SOURCE_WITHIN = 16
@@ -77,6 +84,7 @@ class Console:
         if m and self.hosts is not None and m["host"] not in self.hosts:
             m = None  # "ValueError: bad batch" from a local run is no host's line
         source, text = (m["host"], _RANK.sub("", line[m.end():])) if m else ("", _RANK.sub("", line))
+        text = _CSI.sub("", text)
         if not text.strip():
             return False
         if "Traceback (most recent call last)" in text:
@@ -95,11 +103,11 @@ class Console:
                 del self._after_warning[source]
             if indented:
                 return False
-        if _WARNING.match(text):
+        if _WARNING.match(text) or _WARNING_BEHIND_BAR.search(text):
             pending = self._after_warning.setdefault(source, [0, 0])
             pending[0], pending[1] = pending[0] + 1, _SOURCE_WITHIN
             return False
-        if any(p.search(text) for p in _NOISE):
+        if _INTERNAL.match(text) or any(p.search(text) for p in _NOISE):
             return False
         return self.mode == "normal" or bool(_ERROR.search(text))
 
@@ -145,12 +153,12 @@ def never_raises(echo: Callable[[str], None]) -> Callable[[str], None]:
     return say
 
 
-def _duration(s: float) -> str:
+def duration_text(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def _count(n: float) -> str:
+def count_text(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
 
 
@@ -164,12 +172,12 @@ def progress_text(m: Rank0Metrics, rate: float | None = None) -> str | None:
     if m.loss is not None:
         parts.append(f"loss {m.loss:.4f}")
     if m.tokens_per_s is not None:
-        parts.append(f"{_count(m.tokens_per_s)} tokens/s")
+        parts.append(f"{count_text(m.tokens_per_s)} tokens/s")
     eta = m.eta_s
     if eta is None and rate and total is not None and total > step:
         eta = (total - step) / rate
     if eta is not None and 0 <= eta < 1e9:
-        parts.append(f"ETA {_duration(eta)}")
+        parts.append(f"ETA {duration_text(eta)}")
     return "hfscale: " + " | ".join(parts)
 
 

@@ -17,7 +17,7 @@ A TrainingArguments flag in its ``script_args`` (or after ``--``) that disagrees
 error where the generated files carry the value too (the batch geometry, precision, clipping, and
 what the DeepSpeed JSON's optimizer and scheduler hold: the script and the engine would disagree),
 and a warning naming both values where only the script reads it (the script trains with its flag).
-Its steps reach the hang watchdog only if it calls ``hfscale.training.heartbeat.step(n)``: without
+Its steps reach the hang watchdog only if it calls ``hfscale.step(n)``: without
 ``watchdog.script_reports_steps: true`` a ``watchdog.first_step`` is an error (it would stop the
 healthy job) and a ``watchdog.timeout`` the YAML sets a warning (the watchdog waits for a first step that
 never comes; left at its default, ``check``'s summary says the watchdog idles).
@@ -77,7 +77,7 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
     warnings: Found = []
     if cfg.watchdog.script_reports_steps and (t.script is None or t.pass_args != "none"):
         problems.append((("watchdog", "script_reports_steps"),
-                         "only with training.pass_args: none (hfscale adds hfscale.training.callbacks.ProgressCallback to a "
+                         "only with training.pass_args: none (hfscale adds hfscale.ProgressCallback to a "
                          "Trainer script's Trainer and to the built-in entry point's)"))
     if t.script is None:
         if t.script_args:
@@ -106,7 +106,7 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
         if named:
             warnings.append((("training", "pass_args"),
                              f"none: {t.script} gets no flags for {', '.join(named)}; it sees them only if it "
-                             "reads $HFSCALE_CONFIG (hfscale.rules.config_file.load_job)"))
+                             "reads $HFSCALE_CONFIG (hfscale.load_job)"))
         problems_w, warnings_w = _watchdog_rules(job)
         problems += problems_w
         warnings += warnings_w
@@ -117,6 +117,10 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
                              f"{what}; an Accelerator reads them under accelerate launch only (else it trains DDP)"))
         return problems, warnings
     for path in builtin:
+        if path == ("training", "peak_tflops"):  # MFU's figure: hfscale.instrument(trainer) reads it too
+            warnings.append((path, f"read by the built-in entry point and hfscale.instrument(trainer) only: {t.script} "
+                                   "gets it if it adds the callbacks with hfscale.instrument"))
+            continue
         warnings.append((path, f"read only by the built-in entry point; {t.script} builds its own model and data "
                                "(pass its own flags, e.g. --model_name_or_path, in training.script_args)"))
     if len(t.report_to) > 1:
@@ -133,8 +137,8 @@ def script_problems(job: "Job") -> tuple[Found, Found]:
     return problems, warnings
 
 
-_STEP_LINE = ("add `from hfscale.training.heartbeat import step` and `step(n)` after each optimizer step (n: the step "
-              "number; a Trainer: trainer.add_callback(hfscale.training.callbacks.ProgressCallback())), then set "
+_STEP_LINE = ("add `import hfscale` and `hfscale.step(n)` after each optimizer step (n: the step "
+              "number; a Trainer: trainer.add_callback(hfscale.ProgressCallback())), then set "
               "watchdog.script_reports_steps: true")
 
 

@@ -3,3 +3,11 @@ and stopping a run.
 
 Layer 7: may import the layers below (core .. launch).
 """
+
+
+def __getattr__(name: str) -> object:
+    """The previous release's module of this name (hfscale.core.moved.MOVED_INTO_PACKAGE): its names
+    still work, with a DeprecationWarning naming the module that holds them now."""
+    from hfscale.core.moved import moved_name
+
+    return moved_name(__name__, name)

@@ -1,12 +1,13 @@
 """Training progress, reported by each rank to ``hfscale launch``'s hang watchdog.
 
-In a plain training loop, one line per optimizer step is all it takes::
+In a plain training loop, one line per optimizer step is all it takes (``step``, ``alive`` and
+``report`` are public: ``hfscale.step``, ...)::
 
-    import hfscale.training.heartbeat
+    import hfscale
     ...
-    hfscale.training.heartbeat.step(step)      # after each optimizer step
+    hfscale.step(step)      # after each optimizer step
 
-The hfscale callbacks do this for the HF Trainer (hfscale.training.callbacks.ProgressCallback; a Trainer
+The hfscale callbacks do this for the HF Trainer (hfscale.ProgressCallback; a Trainer
 script launched by ``hfscale launch`` gets it without a change), and so does the built-in entry
 point. Outside ``hfscale launch`` (no ``HFSCALE_RUN_DIR`` in the environment) it does nothing.
 
@@ -66,7 +67,7 @@ def report(**values: object) -> None:
     """Rank 0's latest numbers (step, max_steps, loss, learning_rate, tokens_per_s, eta_s, ...) for
     ``hfscale launch``'s progress line and ``hfscale runs``: merged into ``progress/metrics.json``
     (replaced atomically). Other ranks, and runs outside ``hfscale launch``, write nothing. In a
-    plain loop: ``hfscale.training.heartbeat.report(step=step, max_steps=total, loss=loss.item())``."""
+    plain loop: ``hfscale.report(step=step, max_steps=total, loss=loss.item())``."""
     target = _target()
     if target is None or target[1] != "0":
         return

@@ -28,12 +28,10 @@ from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.rules.config_file import load_job
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import fit_flight_recorder
+from hfscale.training.instrument import add_callbacks, choose
 from hfscale.training.shutdown import exit_cleanly
 
 BYTE_VOCAB = 256
-
-# Dense bf16/fp16 peak FLOP/s of known data-centre GPUs, for MFU when training.peak_tflops is null.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "V100": 125.0}
 
 
 def stdlib_sources() -> list[str]:
@@ -128,18 +126,6 @@ def build_model(model: ModelConfig, seed: int, zero_init: bool = True):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)), None
 
 
-def peak_flops(job: Job) -> float | None:
-    """Peak FLOP/s of one device: from the config, else looked up by CUDA device name."""
-    if job.config.training.peak_tflops is not None:
-        return job.config.training.peak_tflops * 1e12
-    import torch
-
-    if not torch.cuda.is_available() or job.config.precision == "no":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
-
-
 def _ds_config_path(job: Job) -> str | None:
     """The DeepSpeed JSON hfscale launch wrote, or one written next to the checkpoints."""
     if job.deepspeed is None:
@@ -172,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import Trainer, TrainerCallback
 
-    from hfscale.training.callbacks import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, ProgressCallback,
-                            StragglerCallback)
     from hfscale.checkpoints.resume import decide, first_start, scan_output
+    from hfscale.training.callbacks import PreemptionCallback
     from hfscale.rules.trainer_args import training_arguments
 
     t = job.config.training
@@ -203,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if ds is not None and ds.stage == 3 and args.process_index == 0:
         # deepspeed.zero.Init gives every parameter a ds_id as it is created, partitioned
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-        print(f"hfscale.training.train: model built {'partitioned (zero.Init)' if partitioned else 'whole'}", flush=True)
+        print(f"HFSCALE_TRAIN model built {'partitioned (zero.Init)' if partitioned else 'whole'}", flush=True)
     if tokenizer is None and model.config.vocab_size < BYTE_VOCAB:
         print(f"error: byte-level tokens need vocab_size >= {BYTE_VOCAB}, the model has "
               f"{model.config.vocab_size}", file=sys.stderr)
@@ -221,19 +206,19 @@ def main(argv: list[str] | None = None) -> int:
                 control.should_save = True
 
     trainer = Trainer(model=model, args=args, train_dataset=train)
-    preemption = PreemptionCallback()
-    for cb in (MetricsCallback(seq_len=t.data.block_size, peak_flops_per_device=peak_flops(job), trainer=trainer),
-               StragglerCallback(trainer=trainer), preemption, CheckpointCompleteCallback(), ProgressCallback(),
-               SaveAtEnd()):
-        trainer.add_callback(cb)
+    added = add_callbacks(trainer, choose(job))  # what hfscale.instrument adds for this YAML
+    preemption = next(cb for cb in added if isinstance(cb, PreemptionCallback))
+    trainer.add_callback(SaveAtEnd())
 
     if resume and trainer.is_world_process_zero():
-        print(f"hfscale.training.train: resuming from {resume}", flush=True)
+        print(f"hfscale: resuming from {resume}", flush=True)
     result = trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():
         state = trainer.state
         how = "preempted, checkpoint saved" if preemption.preempted else "done"
-        print(f"HFSCALE_TRAIN {how} step={state.global_step} loss={result.training_loss:.6f} "
+        # for the node log and the tests (the terminal hides HFSCALE_ lines); train_loss: the
+        # Trainer's mean over this run's steps, not the last logged loss the progress line shows
+        print(f"HFSCALE_TRAIN {how} step={state.global_step} train_loss={result.training_loss:.6f} "
               f"resumed_from={resume or '-'}", flush=True)
     return 0
 

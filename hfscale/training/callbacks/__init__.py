@@ -1,10 +1,11 @@
 """Callbacks for the HF Trainer on a cluster: throughput, stragglers, preemption, complete checkpoints.
 
-Each one works on its own in any Trainer script::
+``hfscale.instrument(trainer)`` adds them as the launch's YAML says (hfscale.training.instrument).
+Each one works on its own in any Trainer script (scripts import them from ``hfscale``, the public
+face, which stays put when modules move)::
 
-    from hfscale.training.callbacks import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback,
-                                   ProgressCallback, StragglerCallback)
-    from hfscale.checkpoints.resume import latest_checkpoint
+    from hfscale import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, ProgressCallback,
+                         StragglerCallback, latest_checkpoint)
 
     trainer.add_callback(MetricsCallback(seq_len=2048, peak_flops_per_device=989e12, trainer=trainer))
     trainer.add_callback(StragglerCallback(threshold=1.2, trainer=trainer))
@@ -30,7 +31,7 @@ interpreter finalization can abort a rank that finished its work (SIGABRT, "term
 without an active exception", pytorch/pytorch#190489), which the launcher then reports as a failed
 job. The hook is not registered when training raised: destroying a group while other ranks may
 still be inside a collective can hang. The hook makes that abort rarer, not impossible: end the
-script with ``exit_cleanly()`` (hfscale.training.shutdown) to skip interpreter teardown altogether.
+script with ``hfscale.exit_cleanly()`` to skip interpreter teardown altogether.
 
 Loggers. The metrics are recorded in ``trainer.state.log_history`` and passed to the Trainer's logger
 callbacks (``report_to``: TensorBoard, W&B, MLflow, ...). The Trainer calls callbacks in the order

@@ -11,7 +11,8 @@ from hfscale.training import heartbeat as progress
 
 # the Trainer's log keys -> the names in progress/metrics.json
 _REPORTED = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm", "epoch": "epoch",
-             "hfscale/tokens_per_s": "tokens_per_s", "hfscale/eta_s": "eta_s", "hfscale/mfu": "mfu"}
+             "hfscale/tokens_per_s": "tokens_per_s", "hfscale/eta_s": "eta_s", "hfscale/mfu": "mfu",
+             "train_loss": "train_loss"}  # the Trainer's last log: the mean loss over this run's steps
 
 
 def dropped_engine() -> str | None:

@@ -1,0 +1,121 @@
+"""``hfscale.instrument(trainer)``: hfscale's callbacks on a Trainer in one call, set up as the launch's
+YAML says, and the checkpoint to resume from::
+
+    import hfscale
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    resume = hfscale.instrument(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    hfscale.exit_cleanly()
+
+Under ``hfscale launch`` (``$HFSCALE_CONFIG`` names the run's copy of the YAML) the YAML decides:
+
+- ``MetricsCallback``: MFU from ``training.peak_tflops`` (null: looked up for known GPUs, none at
+  ``precision: "no"``); tokens per sample from ``training.data.block_size`` when the built-in entry
+  point trains (``training.script: null``), else ``seq_len=`` or the Trainer's own token count;
+- ``StragglerCallback`` when the job has more than one rank;
+- ``PreemptionCallback``, ``CheckpointCompleteCallback`` (it takes ``save_total_limit`` over) and
+  ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) always.
+
+Outside it, the defaults: all five, MFU looked up for known GPUs at the Trainer's bf16/fp16. A
+callback of a kind the Trainer already has is not added twice. Returns the newest complete
+checkpoint in ``args.output_dir`` (hfscale.checkpoints.resume.latest_checkpoint), or None.
+
+Imports torch and the callbacks only when called.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hfscale.checkpoints.resume import latest_checkpoint
+
+if TYPE_CHECKING:
+    from hfscale.rules.resolved import Job
+
+# Dense bf16/fp16 peak FLOP/s of known data-centre GPUs, for MFU when training.peak_tflops is null.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "V100": 125.0}
+KINDS = ("metrics", "stragglers", "preemption", "checkpoints", "progress")
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What the YAML (or the defaults) asks for: the callbacks by kind, and the metrics' settings."""
+
+    kinds: tuple[str, ...] = KINDS
+    seq_len: int | None = None
+    peak_tflops: float | None = None  # from the YAML; None: looked up by GPU name
+    # look the peak up by GPU name: the YAML's precision is not "no" (None: the Trainer's bf16/fp16 decides)
+    lookup_peak: bool | None = None
+
+
+def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
+    """The callbacks ``job`` asks for (None: outside hfscale launch, the defaults); ``seq_len``:
+    the caller's tokens per sample, which the built-in entry point's block size replaces."""
+    if job is None:
+        return Chosen(seq_len=seq_len)
+    t = job.config.training
+    kinds = tuple(k for k in KINDS if k != "stragglers" or job.world_size > 1)
+    return Chosen(kinds, t.data.block_size if t.script is None else seq_len, t.peak_tflops,
+                  job.config.precision != "no")
+
+
+def peak_flops(chosen: Chosen, half_precision: bool) -> float | None:
+    """Peak FLOP/s of one device: the YAML's figure, else looked up by CUDA device name."""
+    if chosen.peak_tflops is not None:
+        return chosen.peak_tflops * 1e12
+    if not (half_precision if chosen.lookup_peak is None else chosen.lookup_peak):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def launch_job() -> Job | None:
+    """The job of the ``hfscale launch`` this process runs in (``$HFSCALE_CONFIG``), else None."""
+    path = os.environ.get("HFSCALE_CONFIG")
+    if not path:
+        return None
+    from hfscale.rules.config_file import load_job
+
+    return load_job(path)
+
+
+def add_callbacks(trainer: Any, chosen: Chosen) -> list[Any]:
+    """Add the callbacks ``chosen`` names to ``trainer`` (not a kind it already has); the added ones."""
+    from hfscale.training.callbacks import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback,
+                                            ProgressCallback, StragglerCallback)
+
+    args = trainer.args
+    make = {
+        "metrics": lambda: MetricsCallback(seq_len=chosen.seq_len, trainer=trainer,
+                                           peak_flops_per_device=peak_flops(chosen, bool(args.bf16 or args.fp16))),
+        "stragglers": lambda: StragglerCallback(trainer=trainer),
+        "preemption": PreemptionCallback,
+        "checkpoints": CheckpointCompleteCallback,
+        "progress": ProgressCallback,
+    }
+    kind_of = {"metrics": MetricsCallback, "stragglers": StragglerCallback, "preemption": PreemptionCallback,
+               "checkpoints": CheckpointCompleteCallback, "progress": ProgressCallback}
+    have = list(trainer.callback_handler.callbacks)
+    added = []
+    for kind in chosen.kinds:
+        if not any(isinstance(cb, kind_of[kind]) for cb in have):
+            cb = make[kind]()
+            trainer.add_callback(cb)
+            added.append(cb)
+    return added
+
+
+def instrument(trainer: Any, *, seq_len: int | None = None) -> str | None:
+    """Add hfscale's callbacks to ``trainer`` as the launch's YAML asks (outside ``hfscale launch``:
+    the defaults) and return the checkpoint to resume from (None: start from scratch).
+    ``seq_len``: tokens per sample, for tokens/s and MFU (default: the Trainer's own count when
+    ``include_num_input_tokens_seen`` is on, else unknown)."""
+    add_callbacks(trainer, choose(launch_job(), seq_len))
+    return latest_checkpoint(trainer.args.output_dir)
