@@ -6,9 +6,7 @@ hfscale knows (typed, or accepted in ``extra``)."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
