@@ -34,14 +34,23 @@ UNIT_MODULES = frozenset({
     "test_tiers", "test_validation",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "podman2"})
+# The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,
+# whose nodes have network stacks of their own and mostly wait (ssh keep-alives, watchdogs, keepers),
+# and every other test that starts processes, one after another on this machine's own ports (many
+# trainings use master_port 29500). Unit tests start nothing and run wherever a worker is free.
+LANE_CLUSTER, LANE_LOCAL = "cluster", "local"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        cluster = bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if cluster:
             item.add_marker(pytest.mark.cluster)
-        item.add_marker(pytest.mark.unit if item.path.stem in UNIT_MODULES else pytest.mark.integration)
+        unit = item.path.stem in UNIT_MODULES
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
+        if not unit:  # two lanes under pytest-xdist (pyproject: -n 2 --dist loadgroup); unit tests go where there is room
+            item.add_marker(pytest.mark.xdist_group(LANE_CLUSTER if cluster else LANE_LOCAL))
 
 
 def _no_process(*args, **kwargs):

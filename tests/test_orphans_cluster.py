@@ -20,9 +20,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
+
+import yaml
 
 import pytest
 
@@ -35,6 +38,31 @@ from test_recovery_cluster import REFERENCE_STEPS, losses, train_config
 pytestmark = pytest.mark.slow
 UNWATCHED_BOUND_S = 60
 MAX_STEPS = REFERENCE_STEPS
+# Steps on this machine take 0.06-0.15 s: an orphaned job could finish all its steps in the 30-45 s before
+# it stops itself. While the test's marker file exists (from just before a launcher is killed to the
+# next launch's takeover), each rank sleeps 0.25 s after every step, put in from outside as a user's
+# callback would be: at most 4 steps/s in the orphans' window. Sleeping changes no loss.
+SLOW = textwrap.dedent('''\
+    import os
+
+    if os.environ.get("SLOW_WHILE") and os.environ.get("RANK") is not None:
+        import time
+
+        import transformers
+
+        class SlowWhileMarked(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if os.path.exists(os.environ["SLOW_WHILE"]):
+                    time.sleep(0.25)
+
+        _init = transformers.Trainer.__init__
+
+        def _slowed(self, *a, **k):
+            _init(self, *a, **k)
+            self.add_callback(SlowWhileMarked())
+
+        transformers.Trainer.__init__ = _slowed
+''')
 
 
 class Launch:
@@ -150,6 +178,12 @@ def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_e
     out = tmp_path / "out"
     config = train_config(tmp_path, "orph", out, 29961, cluster.nodes[:3],
                           {"max_restarts": 3, "strikes": 2, "min_nodes": 2, "keep_global_batch": True}, MAX_STEPS)
+    site, slow = tmp_path / "site", tmp_path / "slow"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW)
+    doc = yaml.safe_load(config.read_text())
+    doc["env"]["vars"].update(PYTHONPATH=str(site), SLOW_WHILE=str(slow))
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
     runs = tmp_path / "runs"
     jobs = Jobs()
     launches: list[Launch] = []
@@ -161,6 +195,7 @@ def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_e
         at = rng.randint(10, 40)
         wait_until(f"A at step {at}", lambda: a.step() >= at, a)
         jobs.ids.append(a.job_id())
+        slow.touch()
         a.proc.kill()
         killed_a, step_a = time.time(), a.step()
         # B: the same launch again from the same host, at once
@@ -169,11 +204,13 @@ def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_e
         unwatched_a = last_progress_after(a.run_dir(), killed_a)
         wait_until("B's run directory", lambda: b.job_id() is not None, b)
         left_by_a = complete_steps(out)  # B's lock is taken, A's job is gone, B's ranks have not started
+        slow.unlink()
         jobs.ids.append(b.job_id())
         wait_until("B training", lambda: b.step() > 0, b)
         resumed_b = b.step()
         at = b.step() + rng.randint(10, 40)
         wait_until(f"B at step {at}", lambda: b.step() >= at, b)
+        slow.touch()
         b.proc.kill()
         killed_b, step_b = time.time(), b.step()
         during = subprocess.run([sys.executable, "-m", "hfscale", "status", str(b.run_dir())], cwd=ROOT,
@@ -186,6 +223,7 @@ def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_e
         unwatched_b = last_progress_after(b.run_dir(), killed_b)
         wait_until("C's run directory", lambda: c.job_id() is not None, c)
         left_by_b = complete_steps(out)
+        slow.unlink()
         jobs.ids.append(c.job_id())
         rc = c.proc.wait(timeout=900)
         time.sleep(1)
@@ -219,6 +257,7 @@ def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_e
     print(f"the orphans' last steps {trained}, resumed from {resumes}; complete checkpoints they left: "
           f"{left_by_a[-3:]}, {left_by_b[-3:]}")
     assert resumes == [left_by_a[-1], left_by_b[-1]]
+    assert max(trained) < MAX_STEPS  # the orphans were stopped, they did not finish
     assert resumes[0] >= step_a and resumes[1] >= step_b
     got = losses(out / f"checkpoint-{MAX_STEPS}")
     assert sorted(got) == list(range(1, MAX_STEPS + 1))
