@@ -94,8 +94,11 @@ def test_scancel_usr1_batch_reaches_the_batch_scripts_trap(slurm2, tmp_path):
     assert marker.read_text() == "USR1 node0\n"  # the batch script runs on the first node, once
 
 
-def test_stop_slurm_leaves_no_process_or_state(make_cluster, tmp_path):
+def test_stop_slurm_leaves_no_process_or_state(make_cluster, tmp_path_factory):
     cluster = make_cluster(2)
+    # a short folder: slurmstepd's socket <dir>/spool/node0/node0_<job>.<step> must fit in 108 bytes,
+    # which a test's own tmp_path under pytest-xdist (.../popen-gw0/test_stop_slurm_leaves_.../) does not
+    tmp_path = tmp_path_factory.mktemp("slurm")
     t0 = time.monotonic()
     slurm = start_slurm(cluster, tmp_path / "slurm")
     timing("start_slurm_2_nodes", time.monotonic() - t0)

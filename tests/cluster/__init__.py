@@ -404,6 +404,10 @@ def start_slurm(cluster: Cluster, workdir: Path | str | None = None, *, cpus: in
     if problem is not None:
         raise problem
     sdir = Path(workdir).resolve() if workdir is not None else cluster.dir / "slurm"
+    socket = sdir / "spool" / max(cluster.nodes, key=len) / f"{max(cluster.nodes, key=len)}_4294967291.4294967291"
+    if len(str(socket)) >= 108:  # slurmstepd cannot create its step socket: every job would stay pending
+        raise RuntimeError(f"the Slurm folder {sdir} is too long for slurmstepd's sockets ({socket}: "
+                           f"{len(str(socket))} bytes, at most 107); give a shorter one")
     cmd = [str(SLURM_UP), "-c", str(cluster.dir), "-s", str(sdir), "-r", str(requeue_delay)]
     if cpus is not None:
         cmd += ["-p", str(cpus)]
