@@ -102,7 +102,7 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
         assert json.loads(lock.read_text())["job_id"] == held["job_id"] and job_pids(held["job_id"])
         again.send_signal(signal.SIGINT)
         rest, _ = again.communicate(timeout=30)
-        assert again.returncode == 130 and "hfscale: gave up waiting; nothing was started" in rest, rest
+        assert again.returncode == 130 and "hfscale: got SIGINT; gave up waiting, nothing was started" in rest, rest
         assert len(list((tmp_path / "runs").iterdir())) == 1
         stopped = hfscale("stop", held["run_dir"])  # the recorded cleanup of the died run
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr

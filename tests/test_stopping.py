@@ -72,7 +72,8 @@ def test_stop_script_kill_pass_ends_early_when_everything_obeyed():
         # the detached waiter polls once a second and leaves as soon as nothing of the job is left
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
-            r = subprocess.run(["pgrep", "-f", "trap '' HUP INT"], capture_output=True, text=True)
+            # this stop's waiter (its command line is the stop's text: the job id is in it), not another test's
+            r = subprocess.run(["pgrep", "-f", "HFSCALE_JOB_ID=job-2'"], capture_output=True, text=True)
             if r.returncode == 1:
                 break
             time.sleep(0.2)
@@ -80,6 +81,26 @@ def test_stop_script_kill_pass_ends_early_when_everything_obeyed():
     finally:
         polite.kill()
         polite.wait()
+
+
+def test_the_kill_pass_takes_only_what_the_stop_termed():
+    """A process of the same job id started after the TERM (a Slurm requeue of the job, a relaunch
+    within the grace period) is not this stop's: the KILL pass 10 s later leaves it alone, and still
+    kills the old process that ignored the TERM."""
+    stubborn = _start("job-3", "ignore")
+    later = None
+    try:
+        time.sleep(0.5)
+        subprocess.run(["bash", "-c", stop_script("job-3")], timeout=5, check=True)
+        later = _start("job-3", "ignore")  # the requeued job's first process
+        assert _ended_within(stubborn, STOP_GRACE_S + 5) is not None and stubborn.returncode == -signal.SIGKILL
+        time.sleep(1.5)
+        assert later.poll() is None, "the KILL pass reached a process started after the stop"
+    finally:
+        for p in (stubborn, later):
+            if p is not None:
+                p.kill()
+                p.wait()
 
 
 # ---- hfscale launch, local runner: real torchrun, two ranks of dist_probe -------------------------

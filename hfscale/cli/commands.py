@@ -199,18 +199,32 @@ def _settle(job) -> None:
     the plan resumes from the checkpoint it saves on the way (hfscale.launch.output_lock.settle)."""
     import os
     import posixpath
+    import signal
 
+    from hfscale.core.exitcodes import signal_name
     from hfscale.launch.node_command import output_dir_to_scan
     from hfscale.launch.output_lock import settle
 
     where = output_dir_to_scan(job)
     if where is None:
         return
+
+    class GaveUp(Exception):
+        pass
+
+    def give_up(signum, _frame):  # set here: a SIGINT ignored by whatever started hfscale would not interrupt
+        raise GaveUp(signum)
+
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, give_up) for s in stops}
     try:
         settle(posixpath.normpath(posixpath.join(os.getcwd(), where)), lambda s: click.echo(s, err=True))
-    except KeyboardInterrupt:
-        click.echo("hfscale: gave up waiting; nothing was started", err=True)
-        sys.exit(130)
+    except GaveUp as e:
+        click.echo(f"hfscale: got {signal_name(e.args[0])}; gave up waiting, nothing was started", err=True)
+        sys.exit(128 + e.args[0])
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -20,15 +20,19 @@ STOP_GRACE_S = 10
 
 
 def stop_script(job_id: str) -> str:
-    """Shell text: TERM this job's processes now; in the background, KILL what is left once they
-    all ended or ``STOP_GRACE_S`` seconds passed. It returns at once (so a bounded fan-out reaches
-    thousands of hosts within the grace period) and exits 0."""
+    """Shell text: TERM this job's processes now; in the background, KILL those of them that are
+    left once they all ended or ``STOP_GRACE_S`` seconds passed. It returns at once (so a bounded
+    fan-out reaches thousands of hosts within the grace period) and exits 0. The KILL pass takes
+    only the processes it TERMed (still carrying the job id): what starts under the same id in the
+    meantime (a Slurm requeue of the job, a relaunch) is not this stop's."""
     # job ids are validated ([a-z0-9-]): safe inside single quotes
     find = f"grep -lsxzF '{JOB_ID_VAR}={job_id}' /proc/[0-9]*/environ | cut -d/ -f3"
     # the waiting pass outlives the ssh session or the terminal: no HUP/INT, nothing held open
-    wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {STOP_GRACE_S} ] && k 0; do sleep 1; n=$((n+1)); done; "
-                 "k KILL ) </dev/null >/dev/null 2>&1 &")
-    return f'k() {{ p=$({find}); [ -n "$p" ] && kill -$1 $p 2>/dev/null; [ -n "$p" ]; }}; k TERM; {wait_kill} true'
+    wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {STOP_GRACE_S} ] && [ -n \"$(l)\" ]; do sleep 1; "
+                 "n=$((n+1)); done; s=$(l); [ -n \"$s\" ] && kill -KILL $s ) </dev/null >/dev/null 2>&1 &")
+    return (f"f() {{ {find}; }}; t=\" $(f | tr '\\n' ' ')\"; "
+            "l() { for q in $(f); do case \"$t\" in *\" $q \"*) printf '%s ' $q ;; esac; done; }; "
+            f'[ -n "${{t# }}" ] && kill -TERM $t 2>/dev/null; {wait_kill} true')
 
 
 def dump_script(job_id: str, stacks_dir: str, python: str) -> str:
