@@ -41,16 +41,38 @@ CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "podman2"})
 LANE_CLUSTER, LANE_LOCAL = "cluster", "local"
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        cluster = bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
-        if cluster:
-            item.add_marker(pytest.mark.cluster)
-        unit = item.path.stem in UNIT_MODULES
-        item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
-        if not unit:  # two lanes under pytest-xdist (pyproject: -n 2 --dist loadgroup); unit tests go where there is room
-            item.add_marker(pytest.mark.xdist_group(LANE_CLUSTER if cluster else LANE_LOCAL))
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each test's tier and lane, as it is collected: before any collection_modifyitems hook (-m
+    selects by these markers there, and pytest-xdist reads xdist_group there, in an order between
+    plugins that pytest does not keep from one release to the next)."""
+    cluster = bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
+    if cluster:
+        item.add_marker(pytest.mark.cluster)
+    unit = item.path.stem in UNIT_MODULES
+    item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
+    if not unit:  # two lanes under pytest-xdist (pyproject: -n 2 --dist loadgroup); unit tests go where there is room
+        item.add_marker(pytest.mark.xdist_group(LANE_CLUSTER if cluster else LANE_LOCAL))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the controller, before any worker starts: the lanes need pytest below 9.2 (below)."""
+    version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
+    if getattr(config.option, "dist", "no") == "loadgroup" and version >= (9, 2):
+        raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's loadgroup sets item._nodeid, which "
+                                "pytest 9.2 no longer reads, so the two lanes would mix (two Slurm clusters at once, "
+                                "trainings on one port); install pytest<9.2 (setup.cfg's test extra), or run with -n 0")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under pytest-xdist's loadgroup a test's group is the ``@<group>`` suffix of its id. pytest-xdist
+    3.8 sets it through ``item._nodeid``, which pytest 9.2 no longer reads (setup.cfg keeps pytest below
+    9.2): refuse to run with the lanes silently mixed (two Slurm clusters at once, trainings on one port)."""
+    if not getattr(session.config.option, "loadgroup", False) or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    mixed = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if mixed:
+        raise pytest.UsageError(f"pytest-xdist's loadgroup did not take (e.g. {mixed[0]}): this pytest "
+                                f"{pytest.__version__} with pytest-xdist; install pytest<9.2 (setup.cfg's test extra)")
 
 
 def _no_process(*args, **kwargs):

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from hfscale.launch.runners.stopping import STOP_GRACE_S
 
 pytestmark = pytest.mark.slow
 
@@ -285,7 +286,8 @@ def test_inside_an_allocation_nothing_outlives_the_launch(slurm2, tmp_path, how)
         print(f"allocation, {how}: launch ended and nothing left after {took:.1f}s")
         out = "".join(seen)
         assert left == {}, (left, out[-3000:])
-        assert took < 15, out[-3000:]
+        # the stop's grace period (10 s) and Slurm's step cleanup; 15.1 s was seen with the other CI lane training
+        assert took < STOP_GRACE_S + 8, out[-3000:]
         assert slurm2.state(allocation) == "RUNNING"  # the allocation's end did not do it
         if stubborn:
             assert "hfscale: got SIGTERM; stopping the job on every node" in out and "LAUNCH_RC=143" in out, out

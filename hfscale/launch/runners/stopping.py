@@ -31,7 +31,7 @@ def stop_script(job_id: str) -> str:
     wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {STOP_GRACE_S} ] && [ -n \"$(l)\" ]; do sleep 1; "
                  "n=$((n+1)); done; s=$(l); [ -n \"$s\" ] && kill -KILL $s ) </dev/null >/dev/null 2>&1 &")
     return (f"f() {{ {find}; }}; t=\" $(f | tr '\\n' ' ')\"; "
-            "l() { for q in $(f); do case \"$t\" in *\" $q \"*) printf '%s ' $q ;; esac; done; }; "
+            "l() { for q in $(f); do case \"$t\" in *\" $q \"*) echo $q ;; esac; done; }; "
             f'[ -n "${{t# }}" ] && kill -TERM $t 2>/dev/null; {wait_kill} true')
 
 
