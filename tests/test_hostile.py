@@ -59,7 +59,7 @@ PDSH = {
     "accelerate": {"gpu_ids": "0"},
     "watchdog": {"timeout": 300, "first_step": 900, "script_reports_steps": True},
     "recovery": {"max_restarts": 3, "window": 3600, "strikes": 2, "min_nodes": 1, "keep_global_batch": True,
-                 "probe_excluded": True},
+                 "probe_excluded": True, "spares": 0},
     "precision": "bf16",
     "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 2},
     "gradient_clipping": 1.0,

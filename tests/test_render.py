@@ -237,7 +237,7 @@ def test_hostfile_bad_lines_are_quoted_with_line_numbers():
     assert [h.host for h in hosts] == ["a"]
     assert [str(p) for p in problems] == [
         "hf:2: slots must be a whole number from 1 to 1024 (ASCII digits), got '0'",
-        "hf:3: expected 'host slots=N', got 'c'",
+        "hf:3: expected 'host slots=N' (or 'host slots=N spare'), got 'c'",
         "hf:4: '$(reboot)' is not a host name (RFC 1123: labels of letters, digits and inner '-', up to 63 characters "
         "each, joined by '.') or an IP address",
         "hf:5: duplicate host 'a' (first on line 1)",

@@ -1,4 +1,5 @@
-"""Host files: ``host slots=N`` lines, as DeepSpeed's launcher and MPI read them."""
+"""Host files: ``host slots=N`` lines, as DeepSpeed's launcher and MPI read them; ``host slots=N spare``
+marks a hot spare (hfscale's recovery: hfscale.config.model.RecoveryConfig.spares)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hfscale.config.base import host_problem
 from hfscale.config.errors import Problem
 from hfscale.config.model import HostSpec
 
-_LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)$")
+_LINE = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\S+)(?P<spare>\s+spare)?$")
 _SLOTS = re.compile(r"^[0-9]{1,4}$")  # ASCII digits only: int() would also read other scripts' digits
 MAX_SLOTS = 1024
 
@@ -33,7 +34,7 @@ def parse_hostfile(text: str, path: str) -> tuple[tuple[HostSpec, ...], list[Pro
         m = _LINE.match(line)
         where = f"{path}:{n}"
         if not m:
-            problems.append(Problem(where, f"expected 'host slots=N', got {_excerpt(raw)}"))
+            problems.append(Problem(where, f"expected 'host slots=N' (or 'host slots=N spare'), got {_excerpt(raw)}"))
             continue
         host, slots = m["host"], m["slots"]
         why = host_problem(host)
@@ -49,7 +50,7 @@ def parse_hostfile(text: str, path: str) -> tuple[tuple[HostSpec, ...], list[Pro
             problems.append(Problem(where, f"duplicate host {host!r} (first on line {seen[key]})"))
             continue
         seen[key] = n
-        hosts.append(HostSpec(host=host, slots=int(slots)))
+        hosts.append(HostSpec(host=host, slots=int(slots), spare=bool(m["spare"])))
     if not hosts and not problems:
         problems.append(Problem(path, "the host file lists no hosts"))
     return tuple(hosts), problems
@@ -57,4 +58,4 @@ def parse_hostfile(text: str, path: str) -> tuple[tuple[HostSpec, ...], list[Pro
 
 def render_hostfile(hosts: tuple[HostSpec, ...]) -> str:
     """Host file text for ``hosts``."""
-    return "".join(f"{h.host} slots={h.slots}\n" for h in hosts)
+    return "".join(f"{h.host} slots={h.slots}{' spare' if h.spare else ''}\n" for h in hosts)

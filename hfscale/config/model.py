@@ -36,6 +36,8 @@ class HostSpec(Strict):
 
     host: HostName = Field(description="Host name (RFC 1123) or IP address as reached by ssh.")
     slots: int = Field(ge=1, le=1024, description="Processes (GPUs) to start on this host.")
+    spare: bool = Field(False, description="A hot spare: not trained on; recovery puts it in place of a host that "
+                        "fails, at the same world size (host file: 'host slots=N spare').")
 
 
 class ClusterConfig(Strict):
@@ -299,6 +301,11 @@ class RecoveryConfig(Strict):
     probe_excluded: bool = Field(
         True, description="Between restarts, probe the excluded hosts (ssh and preflight) and admit a healthy one back "
         "at the next restart.")
+    spares: int | None = Field(
+        None, ge=0, le=10_000, description="Hot spares: a failed or lost node is replaced by a healthy spare at the same "
+        "world size (no checkpoint conversion, the batch math unchanged); only when none is left does the job shrink "
+        "(min_nodes). With pdsh the spares are the hosts marked spare (cluster.hosts[].spare, or 'spare' in the host "
+        "file) and this, when set, must count them. Null: as many as are marked.")
 
 
 class HfscaleConfig(Strict):

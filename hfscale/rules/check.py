@@ -34,6 +34,8 @@ def _cluster_problems(cfg: HfscaleConfig, hosts: tuple[HostSpec, ...], hosts_key
         out.append((("cluster", "nproc_per_node"), "only for one local node; with hosts, 'slots' sets processes per host"))
     if c.hosts is not None and not c.hosts:
         out.append((("cluster", "hosts"), "the host list is empty; use null for one local node"))
+    elif hosts and all(h.spare for h in hosts):
+        out.append((("cluster", hosts_key), "every host is marked spare: none would train"))
     seen: dict[str, int] = {}
     for i, h in enumerate(c.hosts or ()):
         key = h.host.lower()  # host names are case-insensitive
@@ -134,8 +136,8 @@ def _training_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
 def check(job: Job) -> Findings:
     """Run every rule on ``job``; each finding carries its YAML path and line."""
     cfg, line_of = job.config, job.line_of
-    g = geometry(cfg, job.hosts)  # job.hosts: the config's hosts, else the host file's
-    found = _cluster_problems(cfg, g.hosts, g.hosts_key) + _launch_problems(cfg, g.hosts) + _engine_problems(cfg)
+    g = geometry(cfg, job.hosts + job.spares)  # the config's hosts, else the host file's
+    found = _cluster_problems(cfg, g.hosts + g.spares, g.hosts_key) + _launch_problems(cfg, g.hosts) + _engine_problems(cfg)
     ds_found, ds_warnings = deepspeed_rules.problems(cfg, g.world_size)
     found += ds_found + accelerate_rules.problems(cfg, g.world_size, g.procs_per_node)
     found += batch(cfg, g.world_size, g.world_how).problems

@@ -90,11 +90,29 @@ def _checkpoint_warnings(job: Job) -> Found:
     return []
 
 
+def _spare_findings(job: Job) -> tuple[Found, Found]:
+    """The hot spares: marked hosts (pdsh, pdsh_docker), counted by recovery.spares when it is set."""
+    r, marked, runner = job.config.recovery, len(job.spares), job.config.runner.type
+    key = ("cluster", "hosts") if job.config.cluster.hosts is not None else ("cluster", "hostfile")
+    if runner in ("slurm", "kubernetes", "local"):
+        if marked or r.spares:
+            why = {"local": "one node has none to replace", "kubernetes": "the operator replaces pods",
+                   "slurm": "relaunching inside an allocation is not built yet"}[runner]
+            return [(HERE + ("spares",) if r.spares else key, f"spares with runner {runner}: {why}")], []
+        return [], []
+    if r.spares is not None and r.spares != marked:
+        return [(HERE + ("spares",), f"{r.spares}, but {marked} host(s) of cluster.{key[1]} are marked spare: mark the "
+                 "spares there ('spare: true', or 'host slots=N spare' in a host file)")], []
+    if marked and not r.max_restarts:
+        return [], [(key, f"{marked} spare host(s) idle: only recovery (recovery.max_restarts) puts a spare in place "
+                     "of a failed host")]
+    return [], []
+
+
 def recovery_findings(job: Job) -> tuple[Found, Found]:
     """(problems, warnings) of the ``recovery`` section, as (YAML key path, message) pairs."""
     r, nodes = job.config.recovery, job.num_nodes
-    problems: Found = []
-    warnings: Found = []
+    problems, warnings = _spare_findings(job)
     if not r.max_restarts:
         if r.min_nodes is not None:
             warnings.append((HERE + ("min_nodes",), "has no effect while recovery.max_restarts is 0 "

@@ -35,6 +35,7 @@ class Job:
     global_batch_size: int
     line_of: LineOf = field(compare=False, repr=False)  # the YAML line of a key path, for messages
     warnings: tuple[Problem, ...] = ()  # things check reports but that do not stop the job
+    spares: tuple[HostSpec, ...] = ()  # hot spares (marked spare): not in hosts, not counted in the world size
 
     def is_set(self, path: tuple) -> bool:
         """Whether the YAML sets ``path`` itself (rather than leaving it to its default)."""
@@ -78,7 +79,8 @@ class Job:
 
 
 class Geometry(NamedTuple):
-    """Where the ranks run: the hosts, how many nodes and processes, and how the world size was counted."""
+    """Where the ranks run: the hosts, how many nodes and processes, and how the world size was counted;
+    ``spares``: the hosts marked spare, which it leaves out."""
 
     hosts: tuple[HostSpec, ...]
     hosts_key: str  # "hosts" or "hostfile": the key messages name
@@ -86,6 +88,7 @@ class Geometry(NamedTuple):
     procs_per_node: int
     world_size: int
     world_how: str
+    spares: tuple[HostSpec, ...] = ()
 
 
 class Batch(NamedTuple):
@@ -95,11 +98,13 @@ class Batch(NamedTuple):
 
 
 def geometry(cfg: HfscaleConfig, file_hosts: tuple[HostSpec, ...] | None = None) -> Geometry:
-    hosts = cfg.cluster.hosts if cfg.cluster.hosts is not None else (file_hosts or ())
+    listed = cfg.cluster.hosts if cfg.cluster.hosts is not None else (file_hosts or ())
+    hosts = tuple(h for h in listed if not h.spare)
+    spares = tuple(h for h in listed if h.spare)
     hosts_key = "hosts" if cfg.cluster.hosts is not None else "hostfile"
     nodes = max(1, len(hosts))
     if cfg.runner.type in SCHEDULERS:
-        hosts, nodes = (), cfg.cluster.num_nodes or 1
+        hosts, nodes, spares = (), cfg.cluster.num_nodes or 1, ()
         procs = cfg.cluster.nproc_per_node or 1
         world_how = "cluster.num_nodes x cluster.nproc_per_node"
         world = nodes * procs
@@ -111,7 +116,7 @@ def geometry(cfg: HfscaleConfig, file_hosts: tuple[HostSpec, ...] | None = None)
         procs = cfg.cluster.nproc_per_node or 1
         world_how = "cluster.nproc_per_node" if cfg.cluster.nproc_per_node else "one local process"
         world = procs
-    return Geometry(tuple(hosts), hosts_key, nodes, procs, world, world_how)
+    return Geometry(tuple(hosts), hosts_key, nodes, procs, world, world_how, spares)
 
 
 def batch(cfg: HfscaleConfig, world: int, world_how: str) -> Batch:
@@ -149,4 +154,4 @@ def derive(cfg: HfscaleConfig, source: str, line_of: LineOf, file_hosts: tuple[H
     else:
         master = cfg.cluster.master_addr or (g.hosts[0].host if g.hosts else "127.0.0.1")
     return Job(cfg, source, g.hosts, g.num_nodes, g.procs_per_node, master, b.gradient_accumulation_steps,
-               b.global_batch_size, line_of, warnings)
+               b.global_batch_size, line_of, warnings, g.spares)
