@@ -22,6 +22,14 @@ resumed checkpoint x the step time). Then the run's goodput as ``hfscale status`
     python bench/bench_recovery.py                     # 3 kill faults, about 3 min
     python bench/bench_recovery.py --kind freeze --faults 2 --watchdog 15
     python bench/bench_recovery.py --kind link --faults 1
+    python bench/bench_recovery.py --spare-vs-shrink   # issue 29: the same fault healed both ways
+
+``--spare-vs-shrink`` runs the job twice in one invocation, on a fresh 4-node cluster each: a
+node's processes SIGKILLed once (``--faults``), with ``strikes: 1`` so that the node is left out at
+once. The shrink path trains on node0-node2 and goes on with 2 nodes (accumulation 2 -> 3, the
+checkpoint converted to DeepSpeed's universal format). The spare path trains on node0-node2 with
+node3 marked spare (``recovery.spares: 1``): node3 takes the failed node's place at world size 3,
+nothing converted. Both print their phases, then the restart of each and their difference.
 
 Needs root (network namespaces, sshd, pdsh: tests/cluster). Prints one line per fault and a summary.
 """
@@ -52,9 +60,10 @@ MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_s
          "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
-def config(tmp: Path, hosts: list[str], args: argparse.Namespace) -> Path:
+def config(tmp: Path, hosts: list[str], args: argparse.Namespace, spares: list[str] = (), strikes: int = 2) -> Path:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    doc = {"name": "bench-recovery", "cluster": {"hosts": [{"host": h, "slots": 1} for h in hosts], "master_port": 29961},
+    listed = [{"host": h, "slots": 1} for h in hosts] + [{"host": h, "slots": 1, "spare": True} for h in spares]
+    doc = {"name": "bench-recovery", "cluster": {"hosts": listed, "master_port": 29961},
            "runner": {"type": "pdsh", "launcher": "torchrun", "run_dir": str(tmp / "runs"), "connect_timeout": 5},
            "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
            "batch": {"micro_batch_size": 2, "global_batch_size": 12},
@@ -64,7 +73,8 @@ def config(tmp: Path, hosts: list[str], args: argparse.Namespace) -> Path:
            "training": {"output_dir": str(tmp / "out"), "max_steps": args.steps, "save_steps": args.save_steps,
                         "logging_steps": 1, "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "seed": 3,
                         "model": {"config": MODEL}, "data": {"block_size": 32}},
-           "recovery": {"max_restarts": args.faults + 2, "strikes": 2, "min_nodes": 2}}
+           "recovery": {"max_restarts": args.faults + 2, "strikes": strikes, "min_nodes": 2,
+                        **({"spares": len(spares)} if spares else {})}}
     path = tmp / "bench-recovery.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -102,21 +112,15 @@ def inject(kind: str, cluster, host: str) -> None:
         subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v{host.removeprefix('node')}", "down"], check=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--kind", choices=["kill", "freeze", "link"], default="kill")
-    ap.add_argument("--faults", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=0, help="max_steps (default: 12 per fault + 12)")
-    ap.add_argument("--save-steps", type=int, default=4)
-    ap.add_argument("--watchdog", type=int, default=20, help="watchdog.timeout, seconds")
-    args = ap.parse_args()
-    args.steps = args.steps or 12 * args.faults + 12
+def run_job(args: argparse.Namespace, nodes: int, spares: int, strikes: int, kind: str):
+    """One job under ``hfscale launch`` on a fresh cluster of ``nodes + spares`` nodes, with
+    ``args.faults`` faults of ``kind``: (timeline events, [(fault time, step)], exit code, wall, output file)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     tmp.chmod(0o755)
-    cluster = start_cluster(3, tmp / "cluster")
+    cluster = start_cluster(nodes + spares, tmp / "cluster")
     injected: list[tuple[float, int]] = []
     try:
-        path = config(tmp, cluster.nodes, args)
+        path = config(tmp, cluster.nodes[:nodes], args, cluster.nodes[nodes:], strikes)
         t0 = time.time()
         log = open(tmp / "hfscale.out", "w")
         proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(path)], cwd=ROOT, env=cluster.env(),
@@ -131,18 +135,22 @@ def main() -> None:
             wait(lambda: step_of(run) >= at, proc, f"step {at}")
             host = victim(run)
             injected.append((time.time(), step_of(run)))
-            inject(args.kind, cluster, host)
+            inject(kind, cluster, host)
         rc = proc.wait(timeout=1800)
         wall = time.time() - t0
     finally:
-        if args.kind == "link":
-            for i in range(3):
+        if kind == "link":
+            for i in range(nodes + spares):
                 subprocess.run(["ip", "link", "set", f"hfs{cluster.id}v{i}", "up"], check=False)
         stop_cluster(cluster)
-    events = read_timeline(run).events
-    print(f"{args.kind} x {len(injected)}: hfscale exit code {rc}, wall {wall:.1f} s, output in {tmp / 'hfscale.out'}")
-    phases: dict[str, list[float]] = {k: [] for k in ("detection", "stop", "decision", "retries", "restart", "recompute",
-                                                     "total")}
+    return read_timeline(run).events, injected, rc, wall, tmp / "hfscale.out"
+
+
+def phases(events, injected) -> dict[str, list[float]]:
+    """Per fault, from the bench's clock and the timeline: detection, stop, decision, retries, restart,
+    recompute, total (printed one line per fault)."""
+    out: dict[str, list[float]] = {k: [] for k in ("detection", "stop", "decision", "retries", "restart", "recompute",
+                                                  "total")}
     for n, (fault_at, step) in enumerate(injected):
         failure = next((e for e in events if e.kind == "failure" and e.at >= fault_at), None)
         if failure is None:
@@ -161,15 +169,53 @@ def main() -> None:
                "retries": last.at - first.at, "restart": training.at - last.at, "recompute": recompute}
         got["total"] = training.at - fault_at + recompute
         for k, v in got.items():
-            phases[k].append(v)
+            out[k].append(v)
         causes = [e.cause for e in events if e.kind == "failure" and a <= e.attempt < training.attempt]
+        swaps = "; ".join(f"{r.spare} replaced {r.host}" for r in last.replaced or ())
         print(f"fault {n + 1} at step {step}: {', then '.join(c or '?' for c in causes)} on {failure.host or '-'}; "
               + ", ".join(f"{k} {v:.1f} s" for k, v in got.items())
-              + f"; relaunched on {', '.join(last.hosts or [])} from step {last.resume_step}")
-    print("median: " + ", ".join(f"{k} {statistics.median(v):.1f} s" for k, v in phases.items() if v))
-    g = goodput(read_timeline(run))
+              + f"; relaunched on {', '.join(last.hosts or [])} from step {last.resume_step}, world {last.world_size}, "
+              f"accumulation {last.accumulation}" + (f" ({swaps})" if swaps else ""))
+    return out
+
+
+def report(name: str, events, injected, rc: int, wall: float, output: Path) -> dict[str, list[float]]:
+    converted = "ds_to_universal" in output.read_text(errors="replace")
+    print(f"{name}: {len(injected)} fault(s), hfscale exit code {rc}, wall {wall:.1f} s, checkpoint converted: "
+          f"{'yes' if converted else 'no'}, output in {output}")
+    got = phases(events, injected)
+    print("median: " + ", ".join(f"{k} {statistics.median(v):.1f} s" for k, v in got.items() if v))
+    run = output.parent / "runs"
+    g = goodput(read_timeline(next(run.iterdir())))
     if g is not None:
         print("; ".join(lines(g)))
+    return got
+
+
+def spare_vs_shrink(args: argparse.Namespace) -> None:
+    shrink = report("shrink path (3 nodes, no spare)", *run_job(args, 3, 0, 1, "kill"))
+    spare = report("spare path (3 nodes + 1 spare)", *run_job(args, 3, 1, 1, "kill"))
+    a, b = statistics.median(shrink["restart"] or [0]), statistics.median(spare["restart"] or [0])
+    ta, tb = statistics.median(shrink["total"] or [0]), statistics.median(spare["total"] or [0])
+    print(f"restart: shrink {a:.1f} s, spare {b:.1f} s, the spare path {a - b:.1f} s shorter ({b / a:.2f}x); "
+          f"fault to training again plus recompute: shrink {ta:.1f} s, spare {tb:.1f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--kind", choices=["kill", "freeze", "link"], default="kill")
+    ap.add_argument("--faults", type=int, default=0, help="default: 3, or 1 with --spare-vs-shrink")
+    ap.add_argument("--steps", type=int, default=0, help="max_steps (default: 12 per fault + 12)")
+    ap.add_argument("--save-steps", type=int, default=4)
+    ap.add_argument("--watchdog", type=int, default=20, help="watchdog.timeout, seconds")
+    ap.add_argument("--spare-vs-shrink", action="store_true", help="the same kill healed by a spare and by shrinking")
+    args = ap.parse_args()
+    args.faults = args.faults or (1 if args.spare_vs_shrink else 3)
+    args.steps = args.steps or 12 * args.faults + 12
+    if args.spare_vs_shrink:
+        spare_vs_shrink(args)
+    else:
+        report(args.kind, *run_job(args, 3, 0, 2, args.kind))
 
 
 if __name__ == "__main__":
