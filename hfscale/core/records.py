@@ -118,6 +118,9 @@ class Rank0Metrics(Record):
     eta_s: Number = None
     preempted: bool | None = None
     time: Timestamp | None = None
+    # rank 0's start within its launch (torchrun's TORCHELASTIC_RESTART_COUNT): the progress line's
+    # rate and ETA start again with each
+    restart: Count | None = None
 
 
 class CleanupRecord(Record):
