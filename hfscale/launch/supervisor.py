@@ -168,7 +168,16 @@ def _say_policy(policy: Policy, nodes: int, say: Callable[[str], None]) -> None:
     else:
         shrink = f", down to {policy.min_nodes} node(s)"
     say(f"hfscale: recovery on: up to {policy.max_restarts} restart(s)" + (f" in {policy.window} s" if policy.window
-        else "") + f", a host left out after {policy.strikes} failure(s)" + shrink)
+        else "") + f", a host left out after {policy.strikes} failure(s)" + shrink + _spares_said(policy.spares))
+
+
+def _spares_said(spares: tuple[str, ...]) -> str:
+    """``; spare node3 takes a failed host's place first`` (at most 8 named)."""
+    if not spares:
+        return ""
+    names = ", ".join(spares[:8]) + (f" and {len(spares) - 8} more" if len(spares) > 8 else "")
+    return f"; spare {names} takes a failed host's place first" if len(spares) == 1 else \
+        f"; spares {names} take a failed host's place first"
 
 
 def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
