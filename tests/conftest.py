@@ -33,7 +33,7 @@ UNIT_MODULES = frozenset({
     "test_supervisor", "test_schedule", "test_slurm_step",
     "test_tiers", "test_validation",
 })
-CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "podman2"})
+CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
 # The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,
 # whose nodes have network stacks of their own and mostly wait (ssh keep-alives, watchdogs, keepers),
 # and every other test that starts processes, one after another on this machine's own ports (many

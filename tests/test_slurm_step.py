@@ -79,9 +79,14 @@ def test_the_allocations_hosts_are_the_jobs_and_its_spares():
 
 def test_an_attempt_is_one_srun_step_over_its_nodes():
     job, plan = plan_of(INSIDE)
-    argv = plan.main.shown_argv()
+    assert plan.main.shown_argv()[:2] == ["bash", "-c"]
+    argv = shlex.split(plan.main.shown_argv()[2].split("; fi; exec ", 1)[1])
     assert argv[:9] == ["srun", "--nodelist=node0,node1", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
                         "--kill-on-bad-exit=1", "--unbuffered", "bash", "-c"]
+    assert plan.main.shown_argv()[2].startswith(  # a node Slurm set DOWN is named before srun would fail
+        'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then have=" $(scontrol show '
+        'hostnames "$now" | tr \'\\n\' \' \')"; for h in node0 node1; do case "$have" in *" $h "*) ;; *) echo "hfscale: '
+        'Slurm took $h out of the allocation (set DOWN: its slurmd stopped answering)"; exit 3 ;; esac; done; fi; ')
     line = argv[9]
     assert line.startswith(f"exec env HFSCALE_JOB_ID={JOB_ID} bash -c ")
     inner = shlex.split(line)[-1]
@@ -109,10 +114,11 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
 
 @pytest.mark.parametrize("line, event, failure", [
     ("srun: error: Node failure on node2", SrunSaid("node2", lost=True),
-     ("node2", 3, "Slurm lost node2 (srun: Node failure on node2): its slurmd stopped answering (stopped, or its "
-                  "link cut)")),
+     ("node2", 3, "Slurm lost node2: its slurmd stopped answering (stopped, or its link cut)")),
+    ("hfscale: Slurm took node2 out of the allocation (set DOWN: its slurmd stopped answering)",
+     SrunSaid("node2", lost=True), ("node2", 3, "Slurm lost node2: its slurmd stopped answering (stopped, or its link cut)")),
     ("srun: error: node3: task 2: Killed", SrunSaid("node3", signal=9),
-     ("node3", 137, "the task on node3 was killed (SIGKILL) before its line ended")),
+     ("node3", 137, "the task on node3 was killed (SIGKILL) before its line ended")),  # held: see below
     ("srun: error: node1: task 0: Exited with exit code 1", SrunSaid("node1", rc=1), ("node1", 1, "node1 failed (exit code 1)")),
     ("srun: error: Unable to create step for job 2: Requested node configuration is not available", None, None),
 ])
@@ -127,6 +133,8 @@ def test_sruns_own_lines_name_the_host(line, event, failure):
 def test_a_task_srun_ended_after_another_failed_is_not_the_cause():
     nodes = Nodes()
     assert nodes.see(parse("srun: error: node2: task 1: Terminated")).lost_peer  # --kill-on-bad-exit's TERM
+    # the KILL of the step when Slurm lost a node: srun printed it before "Node failure on node1"
+    assert nodes.see(parse("srun: error: node0: task 0: Killed")).lost_peer
     nodes.see(parse("node1: HFSCALE_EXIT rc=1"))
     assert nodes.see(parse("srun: error: node1: task 0: Exited with exit code 1")) is None  # its exit line said it
 

@@ -33,7 +33,8 @@ _SSH_SAID = re.compile(r"^(?:ssh: |ssh_|kex_|client_loop: |Connection (?:to|clos
 # srun's own report of a node Slurm lost (its slurmd stopped answering, its link cut) and of a task that
 # ended: "srun: error: Node failure on node2", "srun: error: node3: task 2: Killed",
 # "srun: error: node1: task 0: Exited with exit code 1" (hfscale.launch.runners.slurm_step)
-_SRUN_LOST = re.compile(r"^srun: error: Node failure on (?P<host>[A-Za-z0-9][\w.-]*)$")
+_SRUN_LOST = re.compile(r"^(?:srun: error: Node failure on|hfscale: Slurm took) (?P<host>[A-Za-z0-9][\w.-]*)"
+                        r"(?: out of the allocation.*)?$")
 _SRUN_TASK = re.compile(r"^srun: error: (?P<host>[A-Za-z0-9][\w.-]*): tasks? [\d,\[\]-]+: "
                         r"(?:Exited with exit code (?P<rc>\d+)|(?P<how>[A-Z][\w ]*))$")
 _SIGNALS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7, "Hangup": 1,
@@ -158,15 +159,15 @@ class Nodes:
     def _srun(self, event: SrunSaid) -> Failure | None:
         host = event.host
         if event.lost:
-            return Failure(host, exitcodes.UNREACHABLE, f"Slurm lost {host} (srun: Node failure on {host}): its slurmd "
-                                                        "stopped answering (stopped, or its link cut)")
+            return Failure(host, exitcodes.UNREACHABLE, f"Slurm lost {host}: its slurmd stopped answering (stopped, "
+                                                        "or its link cut)")
         if self.state.get(host) == "exited":  # its exit line said it first
             return None
         if event.signal is not None:
-            # TERM: srun ending the other tasks after one failed (--kill-on-bad-exit): not the cause
+            # srun ending the other tasks after one failed (--kill-on-bad-exit: TERM), or Slurm killing the
+            # step when it lost a node (KILL, its "Node failure" line may come after): likely not the cause
             return Failure(host, 128 + event.signal, f"the task on {host} was killed ({signal_name(event.signal)}) "
-                                                     "before its line ended",
-                           lost_peer=host in self.lost_peer or event.signal == 15)
+                                                     "before its line ended", lost_peer=True)
         return self._failed(host, event.rc) if event.rc else None
 
     def _failed(self, host: str, rc: int) -> Failure:

@@ -82,6 +82,16 @@ def srun_argv(hosts: tuple[str, ...]) -> list[str]:
             "--kill-on-bad-exit=1", "--unbuffered"]
 
 
+def still_allocated(hosts: tuple[str, ...]) -> str:
+    """Shell text run before an attempt's step: a host Slurm took out of the allocation (set DOWN
+    under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3, instead of srun's
+    "Requested node configuration is not available", which names none. Host names are validated."""
+    return ('now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then '
+            'have=" $(scontrol show hostnames "$now" | tr \'\\n\' \' \')"; for h in ' + " ".join(hosts) + '; do '
+            'case "$have" in *" $h "*) ;; *) echo "hfscale: Slurm took $h out of the allocation (set DOWN: its '
+            'slurmd stopped answering)"; exit 3 ;; esac; done; fi;')
+
+
 def probe_argv(host: str) -> list[str]:
     """The start of a probe of ``host`` (its command follows, as one shell line), instead of ssh."""
     return ["srun", "--overlap", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", "bash", "-c"]
@@ -121,7 +131,8 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     """One attempt inside the allocation: an srun step over ``job.hosts``."""
     hosts = tuple(h.host for h in job.hosts)
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
-    main = Command((*srun_argv(hosts), "bash", "-c", node_line(job, c, ctx.job_id, launcher)))
+    main = Command(("bash", "-c", Line.of(Sh(still_allocated(hosts)), Sh("exec"), words(srun_argv(hosts)),
+                                          Sh("bash -c"), Script(node_line(job, c, ctx.job_id, launcher)))))
     dump = on_each_node(hosts, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
