@@ -30,8 +30,9 @@ UNIT_MODULES = frozenset({
     "test_accelerate_keys", "test_architecture", "test_checkpoint_files", "test_docs_reference", "test_follow",
     "test_fuzz", "test_kubernetes", "test_launch_summary", "test_lock_follows_job", "test_memory_measured",
     "test_network", "test_node_lines", "test_public_face", "test_render", "test_recovery_config", "test_recovery_policy",
+    "test_progress_line", "test_slurm_state",
     "test_supervisor", "test_schedule", "test_slurm_step",
-    "test_tiers", "test_validation",
+    "test_tiers", "test_validation", "test_spares",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
 # The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,

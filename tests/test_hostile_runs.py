@@ -39,8 +39,8 @@ import json, os, sys
 rec = {{"tool": os.path.basename(sys.argv[0]), "argv": sys.argv[1:], "stdin": sys.stdin.read()}}
 with open({log!r}, "a") as f:
     f.write(json.dumps(rec) + "\\n")
-if rec["tool"] == "squeue":
-    print("RUNNING")
+if rec["tool"] == "scontrol":  # hfscale status asks scontrol show job --oneliner <id>
+    print("JobId=" + sys.argv[-1] + " JobName=x UserId=0(0) GroupId=0(0) JobState=RUNNING Restarts=0")
 """
 
 
@@ -103,7 +103,7 @@ def hostile(tmp_path_factory):
     cases += pid_cases
     bin_dir, log = root / "bin", root / "invocations.jsonl"
     bin_dir.mkdir()
-    for tool in ("scancel", "squeue", "kubectl"):
+    for tool in ("scancel", "scontrol", "sacct", "kubectl"):
         (bin_dir / tool).write_text(FAKE_TOOL.format(python=sys.executable, log=str(log)))
         (bin_dir / tool).chmod(0o755)
     (root / "cases.json").write_text(json.dumps(cases))
@@ -174,10 +174,10 @@ def test_nothing_hostile_was_executed_and_the_controls_were(hostile):
     assert sorted(os.listdir(root / "markers")) == ["cleanup-case"]  # the trusted control cleanup ran, nothing else
     calls = [json.loads(line) for line in (root / "invocations.jsonl").read_text().splitlines()]
     # the id file cut in half still holds a job id ("42"), in a file only this user could write: used
-    # as written; every other variant is refused before scancel or squeue runs
-    assert [(c["tool"], c["argv"]) for c in calls if c["tool"] in ("scancel", "squeue")] == [
-        ("squeue", ["-h", "--jobs=42", "-o", "%T"]), ("scancel", ["--", "42"]),
-        ("squeue", ["-h", "--jobs=4242", "-o", "%T"]), ("scancel", ["--", "4242"])]
+    # as written; every other variant is refused before scancel or scontrol runs (scontrol answers: no sacct)
+    assert [(c["tool"], c["argv"]) for c in calls if c["tool"] in ("scancel", "scontrol", "sacct")] == [
+        ("scontrol", ["show", "job", "--oneliner", "42"]), ("scancel", ["--", "42"]),
+        ("scontrol", ["show", "job", "--oneliner", "4242"]), ("scancel", ["--", "4242"])]
     kubectl = [c for c in calls if c["tool"] == "kubectl"]
     assert [c["argv"] for c in kubectl] == [["delete", "--ignore-not-found", "-f", "-"]]
     import yaml

@@ -164,7 +164,7 @@ def test_slurm_recovery_is_checked_and_relaunches_on_the_allocations_hosts():
     assert [h.host for h in smaller.hosts] == ["n1", "n2", "n3"] and smaller.master_addr == "n1"
     assert (smaller.num_nodes, smaller.world_size, smaller.gradient_accumulation_steps) == (3, 6, 4)
     assert [h.host for h in smaller.spares] == ["n4"]
-    replaced = job_on(j, (by["n0"], by["n4"], by["n2"], by["n3"]))  # the spare in n1's place
+    replaced = job_on(j, (by["n0"], by["n4"], by["n2"], by["n3"]), ())  # the spare in n1's place, none left
     assert [(h.host, h.spare) for h in replaced.hosts][:2] == [("n0", False), ("n4", False)]
     assert (replaced.world_size, replaced.gradient_accumulation_steps, replaced.spares) == (8, 3, ())
     with pytest.raises(ConfigError, match=r"the Slurm allocation has 4 node\(s\) \(n0, n1, n2, n3\), the job needs "

@@ -67,7 +67,7 @@ step=$!
 # wait returns early when a trapped signal arrives: wait again until the step has ended
 while :; do wait "$step"; rc=$?; kill -0 "$step" 2>/dev/null || break; done
 if [ "$preempted" = 1 ]; then echo "hfscale: requeueing"; scontrol requeue "$SLURM_JOB_ID"; fi
-echo "HFSCALE_EXIT rc=$rc"
+echo "HFSCALE_EXIT rc=$rc time=$(date +%s)"
 exit $rc
 """.replace(" \\\n", " ").replace("m \\\ntorch", "m torch")
 

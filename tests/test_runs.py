@@ -100,7 +100,7 @@ def test_the_progress_line():
 
 
 def test_scheduler_commands_for_stop_and_status(tmp_path):
-    """What reaches scancel/squeue/kubectl comes from files only this user could write, checked by
+    """What reaches scancel/scontrol/sacct/kubectl comes from files only this user could write, checked by
     shape; the Kubernetes stop gets the objects' kinds, names and namespaces on stdin."""
     from hfscale.runs.stop import scheduler_command
     from hfscale.runs.registry import RunError
@@ -115,7 +115,11 @@ def test_scheduler_commands_for_stop_and_status(tmp_path):
 
     (run / "slurm_job_id").write_text("4242\n")
     assert scheduler_command(info("slurm", "4242"), "stop").real_argv() == ["scancel", "--", "4242"]
-    assert scheduler_command(info("slurm", "4242"), "state").real_argv() == ["squeue", "-h", "--jobs=4242", "-o", "%T"]
+    assert scheduler_command(info("slurm", "4242"), "state").real_argv() == ["scontrol", "show", "job", "--oneliner",
+                                                                             "4242"]
+    assert scheduler_command(info("slurm", "4242"), "accounting").real_argv() == [
+        "sacct", "--noheader", "--parsable2", "--allocations", "--jobs=4242",
+        "--format=JobID,State,ExitCode,Submit,Start,End"]
     (run / "slurm_job_id").write_text("--me\n")
     with pytest.raises(RunError, match="'--me' is not a Slurm job id"):
         scheduler_command(info("slurm", "4242"), "stop")

@@ -92,6 +92,30 @@ def finish(slurm, sub: Submitted, timeout: float = 400) -> dict[str, str]:
     return info
 
 
+EXIT_LINE = re.compile(r"HFSCALE_EXIT rc=(\d+) time=(\d+)$")  # the batch script's last line
+
+
+def ended_with(text: str, rc: int) -> bool:
+    """Whether the output ends with the batch script's exit line, exit code ``rc``, a time in it."""
+    m = EXIT_LINE.search(text.rstrip())
+    return m is not None and int(m.group(1)) == rc and abs(int(m.group(2)) - time.time()) < 3600
+
+
+def status(slurm, sub_run_dir: Path) -> str:
+    """``hfscale status`` of a submitted run, as the user runs it (Slurm's environment)."""
+    r = subprocess.run([sys.executable, "-m", "hfscale", "status", sub_run_dir.name, "--runs-dir",
+                        str(sub_run_dir.parent)], env=slurm.env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def slurm_times(text: str) -> tuple[float, float]:
+    """(submitted, ended) from ``hfscale status``'s started line (Slurm's times, to the second)."""
+    m = re.search(r"^started      \S+ \S+ \(Slurm\); submitted (\S+ \S+); ended (\S+ \S+)$", text, re.M)
+    assert m, text
+    return tuple(time.mktime(time.strptime(w, "%Y-%m-%d %H:%M:%S")) for w in m.groups())  # type: ignore[return-value]
+
+
 def trainer_losses(checkpoint: Path) -> dict[int, float]:
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
@@ -112,7 +136,11 @@ def test_two_node_training_runs_to_completion(slurm2, uninterrupted):
     assert info["NodeList"] == "node[0-1]" and info["Restarts"] == "0" and info["JobName"] == "hfs-test"
     assert f"hfscale: job {sub.job} on node[0-1], master node0, restart 0" in text
     assert f"HFSCALE_TRAIN done step={MAX_STEPS} " in text and "resumed_from=-" in text
-    assert text.rstrip().endswith("HFSCALE_EXIT rc=0"), text[-3000:]
+    assert ended_with(text, 0), text[-3000:]
+    said = status(slurm2, sub.run_dir)  # the real outcome, not sbatch's exit code
+    assert f"state        finished (exit code 0); Slurm job {sub.job}: COMPLETED, from scontrol\n" in said, said
+    submitted, ended = slurm_times(said)
+    assert ended > submitted, said
     # both ranks took part: per-rank RNG states and ZeRO optimizer shards, world size 2 in the metrics
     last = sub.out_dir / f"checkpoint-{MAX_STEPS}"
     assert (last / "hfscale_complete.json").exists()
@@ -172,7 +200,7 @@ def test_preempted_job_saves_requeues_and_resumes_to_the_same_result(slurm2, uni
     resumed_from = sub.out_dir / f"checkpoint-{step}"
     assert f"hfscale: resuming from {resumed_from}" in second_run
     assert f"HFSCALE_TRAIN done step={MAX_STEPS} " in second_run and f"resumed_from={resumed_from}" in second_run
-    assert second_run.rstrip().endswith("HFSCALE_EXIT rc=0"), second_run[-3000:]
+    assert ended_with(second_run, 0), second_run[-3000:]
 
     # same final step, and the same losses after the interruption as the uninterrupted run
     ref, _ = uninterrupted
@@ -245,7 +273,14 @@ def test_killed_srun_of_a_submitted_job_leaves_nothing(slurm2, tmp_path):
     assert left == {}, left
     info = slurm2.wait(m.group(1), timeout=30)
     assert info["ExitCode"] == "137:0", info
-    assert log.read_text().rstrip().endswith("HFSCALE_EXIT rc=137")
+    assert ended_with(log.read_text(), 137), log.read_text()[-3000:]
+    # hfscale status: the job FAILED with 137 (not "submitted (exit code 0)", sbatch's), ended after its submission
+    said = status(slurm2, log.parent)
+    assert f"state        failed (exit code 137); Slurm job {m.group(1)}: FAILED (NonZeroExitCode), from scontrol\n" \
+        in said, said
+    submitted, ended = slurm_times(said)
+    assert ended > submitted, said
+    print(f"hfscale status of the killed job:\n{said}")
 
 
 @pytest.mark.parametrize("how", ["srun-killed", "sigterm-stubborn"])
@@ -302,16 +337,17 @@ def test_inside_an_allocation_nothing_outlives_the_launch(slurm2, tmp_path, how)
             slurm2.run("scancel", granted.group(1), check=False)
 
 
-def test_status_asks_squeue_and_stop_cancels_the_submitted_job(slurm2, tmp_path):
+def test_status_asks_slurm_and_stop_cancels_the_submitted_job(slurm2, tmp_path):
     """hfscale status/stop of a submitted Slurm job hand the scheduler the recorded id only as an id
-    (squeue --jobs=N, scancel -- N), read from a file only this user could have written."""
+    (scontrol show job --oneliner N, scancel -- N), read from a file only this user could have written;
+    once cancelled, status says so, with the end."""
     sub = submit(slurm2, tmp_path, port=29729)
     env = slurm2.env()
     try:
         s = subprocess.run([sys.executable, "-m", "hfscale", "status", sub.run_dir.name, "--runs-dir",
                             str(sub.run_dir.parent)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         assert s.returncode == 0, s.stderr
-        assert re.search(rf"state        submitted \(exit code 0\); Slurm job {sub.job}: (PENDING|CONFIGURING|RUNNING)",
+        assert re.search(rf"state        (pending|running); Slurm job {sub.job}: (PENDING|CONFIGURING|RUNNING)",
                          s.stdout), s.stdout
         r = subprocess.run([sys.executable, "-m", "hfscale", "stop", sub.run_dir.name,
                             "--runs-dir", str(sub.run_dir.parent)], cwd=tmp_path, env=env, capture_output=True,
@@ -320,6 +356,10 @@ def test_status_asks_squeue_and_stop_cancels_the_submitted_job(slurm2, tmp_path)
         assert f"hfscale: scancel -- {sub.job}: done;" in r.stdout
         info = slurm2.wait(sub.job, timeout=120)
         assert info["JobState"] == "CANCELLED", info
+        said = status(slurm2, sub.run_dir)
+        assert re.search(rf"^state        cancelled( \(signal 15\))?; Slurm job {sub.job}: CANCELLED, from scontrol$", said,
+                         re.M), said
+        assert "; submitted " in said and "; ended " in said, said
         assert slurm2.job_processes(timeout=30) == {}
     finally:
         slurm2.run("scancel", sub.job, check=False)

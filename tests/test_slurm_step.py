@@ -58,7 +58,7 @@ export HFSCALE_SLURM_HOSTS
 echo "hfscale: job $SLURM_JOB_ID on $HFSCALE_SLURM_HOSTS, restart ${{SLURM_RESTART_COUNT:-0}}; supervised on $(hostname)"
 /opt/py/bin/python -m hfscale launch /work/sl.yaml --job-id {JOB_ID} -- --seed 'it'"'"'s 5'
 rc=$?
-echo "HFSCALE_EXIT rc=$rc"
+echo "HFSCALE_EXIT rc=$rc time=$(date +%s)"
 exit $rc
 """
 

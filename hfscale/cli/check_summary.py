@@ -13,6 +13,10 @@ def summary(job: Job) -> str:
     if job.hosts:
         names = ", ".join(h.host for h in job.hosts[:4]) + (", ..." if len(job.hosts) > 4 else "")
         nodes = f"{job.num_nodes} ({names}) x {job.procs_per_node} processes"
+        if job.spares:
+            k = len(job.spares)
+            spare_names = ", ".join(h.host for h in job.spares[:4]) + (", ..." if k > 4 else "")
+            nodes += f" + {k} spare{'s' * (k != 1)} ({spare_names})"
     elif job.scheduled:
         nodes = f"{job.num_nodes} (allocated by {cfg.runner.type}) x {job.procs_per_node} processes"
     else:
@@ -78,15 +82,31 @@ def _watchdog(job: Job) -> str:
 
 def _recovery(job: Job) -> str:
     """What the supervisor (hfscale.launch.supervisor) will do, with the batch at each node count."""
-    from hfscale.rules.recovery import accumulation_at
-
     r = job.config.recovery
     window = f" in {r.window} s" if r.window else ""
     what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host left out after {r.strikes} failure(s)"
+    return what + _spares(job) + _shrink(job, "; then" if job.spares else ";")
+
+
+def _spares(job: Job) -> str:
+    k = len(job.spares)
+    if not k:
+        return ""
+    names = ", ".join(h.host for h in job.spares[:8]) + (f" and {k - 8} more" if k > 8 else "")
+    return (f"; spare{'s' * (k != 1)} {names}: a failed host is replaced at once by a spare that passes its probe, "
+            f"so the first {k} failure(s) cost a restart at {job.num_nodes} node(s), world size {job.world_size}, "
+            "nothing converted")
+
+
+def _shrink(job: Job, lead: str) -> str:
+    from hfscale.rules.recovery import accumulation_at
+
+    r = job.config.recovery
     if r.min_nodes is None:
-        return what + "; never shrinking (a failed host is retried)"
+        return f"{lead} never shrinking (a failed host is retried)"
     if r.min_nodes >= job.num_nodes:
-        return what + f"; never shrinking (min_nodes {r.min_nodes}: a host at its strikes ends the job)"
+        return f"{lead} never shrinking (min_nodes {r.min_nodes}: a host at its strikes ends the job)"
+    what = f"{lead} shrinking" if job.spares else ""
     what += f", down to {r.min_nodes} node(s)"
     if not r.keep_global_batch:
         return what + "; the global batch shrinks with the ranks"

@@ -33,24 +33,16 @@ def runs_cmd(where: str) -> None:
 def status_cmd(run: str, runs_dir: str) -> None:
     """A run's state, rank 0's numbers, each rank's step, and the last lines of each node log."""
     from hfscale.runs import registry as runs
-    from hfscale.launch.execute import run_probe
-    from hfscale.runs.stop import scheduler_command
 
     try:
         info = runs.run_info(runs.find_run(run, runs_dir))
     except runs.RunError as e:
         _run_error(e)
-    queried = None
-    try:
-        cmd = scheduler_command(info, "state") if info.state == "submitted" else None
-    except runs.RunError as e:
-        cmd, queried = None, f"not asked: {e}"
-    if cmd is not None:
-        rc, out, err = run_probe(cmd, timeout=20)
-        queried = out.strip() or ("not in the queue (ended)" if rc == 0 else f"unknown: {(err or out).strip()[:200]}")
-    from hfscale.runs.status import status_text
+    from hfscale.runs.status import ask_slurm, status_text
 
-    click.echo(status_text(info, queried), nl=False)
+    # a submitted job, or one hfscale stop cancelled: Slurm knows how it went and when it ended
+    said = ask_slurm(info) if info.slurm_job and info.state in ("submitted", "stopped") else None
+    click.echo(status_text(info, said), nl=False)
 
 
 @click.command("logs")

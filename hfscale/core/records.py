@@ -118,6 +118,9 @@ class Rank0Metrics(Record):
     eta_s: Number = None
     preempted: bool | None = None
     time: Timestamp | None = None
+    # rank 0's start within its launch (torchrun's TORCHELASTIC_RESTART_COUNT): the progress line's
+    # rate and ETA start again with each
+    restart: Count | None = None
 
 
 class CleanupRecord(Record):
@@ -218,6 +221,13 @@ class OutputLock(Record):
 Hosts = Annotated[list[Host], Field(max_length=10_000)]
 
 
+class Replaced(Record):
+    """``spare`` took ``host``'s place at a relaunch (hfscale.launch.recovery.Replacement)."""
+
+    host: Host
+    spare: Host
+
+
 class TimelineEvent(Record):
     """One line of ``<run dir>/timeline.jsonl`` (hfscale.launch.timeline): what happened to the attempts
     of a job that recovers from failures (hfscale.launch.supervisor); hfscale.runs.goodput reads them."""
@@ -232,6 +242,8 @@ class TimelineEvent(Record):
     hosts: Hosts | None = None
     excluded: Hosts | None = None
     readmitted: Hosts | None = None
+    replaced: Annotated[list[Replaced], Field(max_length=10_000)] | None = None  # relaunch: spares put in place
+    spares: Hosts | None = None  # relaunch: the spares still free (a job with spares)
     step: Count | None = None  # failure: the last step reported; training: the first step done after a (re)launch
     resume_step: Count | None = None  # relaunch: the checkpoint step it resumes from
     world_size: Count | None = None

@@ -181,11 +181,29 @@ def progress_text(m: Rank0Metrics, rate: float | None = None) -> str | None:
     return "hfscale: " + " | ".join(parts)
 
 
+class AttemptRate:
+    """Steps per second seen here, within rank 0's current start only: the count starts again when
+    rank 0 reports another restart (torchrun restarted the ranks) or a step below the last one seen
+    (a relaunch resumed from an earlier checkpoint), so the stop and the restart never count as
+    training."""
+
+    def __init__(self) -> None:
+        self.first: tuple[float, int] | None = None  # (time, step) where this start's count began
+        self.last: tuple[int, int | None] | None = None  # (step, restart) last seen
+
+    def __call__(self, now: float, step: int, restart: int | None) -> float | None:
+        if self.first is None or self.last is None or restart != self.last[1] or step < self.last[0]:
+            self.first = (now, step)
+        self.last = (step, restart)
+        t0, s0 = self.first
+        return (step - s0) / (now - t0) if now > t0 and step > s0 else None
+
+
 def follow_progress(run_dir: str | Path, done: threading.Event, show: Callable[[str], None], tty: bool) -> None:
     """Until ``done`` (and once more then): read rank 0's numbers each second and ``show`` the line
     when it changes (without a terminal: the first, then at most every PROGRESS_EVERY_S, and the
-    last)."""
-    last_text, last_shown, first = None, 0.0, None
+    last). The ETA rank 0 did not report comes from the rate of its current start (``AttemptRate``)."""
+    last_text, last_shown, rate_of = None, 0.0, AttemptRate()
     while True:
         ending = done.wait(PROGRESS_POLL_S)
         try:
@@ -195,10 +213,7 @@ def follow_progress(run_dir: str | Path, done: threading.Event, show: Callable[[
         step = m.step
         if step is not None:
             now = time.monotonic()
-            if first is None:
-                first = (now, step)
-            rate = (step - first[1]) / (now - first[0]) if now > first[0] and step > first[1] else None
-            text = progress_text(m, rate)
+            text = progress_text(m, rate_of(now, step, m.restart))
             final = ending or (m.max_steps is not None and step >= m.max_steps)
             if text is not None and text != last_text and (
                     tty or final or last_text is None or now - last_shown >= PROGRESS_EVERY_S):

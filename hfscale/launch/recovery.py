@@ -6,12 +6,18 @@ passed in). hfscale.launch.supervisor stops the job, asks :func:`decide`, and re
 - No restart storm for a bug: the same error ``BUG_REPEATS`` times in a row, each before any
   training step, gives up at once.
 - Strikes: a fault attributed to a host counts against it, except when the previous fault ended
-  with the same error on another host (a bug moves between hosts; a broken host does not). A host
+  with the same error on another host (a bug moves between hosts; a broken host does not); a rank
+  killed by a signal is not such an error (two hosts' ranks SIGKILLed are two faults). A host
   at ``strikes`` is excluded when ``min_nodes`` is set and enough hosts remain; with ``min_nodes``
   unset it is retried in place; below ``min_nodes`` the job gives up. A lost host is excluded at
   once when ``min_nodes`` allows.
 - Readmission: an excluded host that passed a probe since (``healthy_again``) comes back once, its
-  strikes cleared; excluded again, it stays out for the rest of the job.
+  strikes cleared; excluded again, it stays out for the rest of the job. It takes back a place the
+  job lost (its own first), else it waits as a spare.
+- Hot spares (``recovery.spares``): a host the rules above would exclude, or one that failed with a
+  strike when a spare that passed its probe is free, is replaced by that spare in its place (its node
+  rank): the world size, the batch math and the checkpoint stay as they are. Only when no healthy
+  spare is left does the job shrink (``min_nodes``). A bug that moved between hosts replaces nothing.
 
 Errors compare after :func:`normalise_error`: without rank or host prefixes, addresses, pids,
 ranks, ports, times, so the same bug on two hosts reads the same.
@@ -25,8 +31,8 @@ from typing import Any, Iterable
 
 from hfscale.core.records import Cause
 
-__all__ = ["Cause", "Fault", "Policy", "Relaunch", "GiveUp", "History", "normalise_error", "last_error", "decide",
-           "probe_targets"]
+__all__ = ["Cause", "Fault", "Policy", "Relaunch", "Replacement", "GiveUp", "History", "normalise_error",
+           "last_error", "decide", "probe_targets"]
 
 BUG_REPEATS = 3  # the same error this many times in a row before any step: a bug, not a host
 ERROR_CAP = 300  # characters of a normalised error
@@ -48,33 +54,44 @@ class Fault:
 
 @dataclass(frozen=True)
 class Policy:
-    """``recovery`` of the config, with the job's hosts (config order)."""
+    """``recovery`` of the config, with the job's hosts and its hot spares (config order)."""
 
     max_restarts: int
     window: float | None
     strikes: int
     min_nodes: int | None
     hosts: tuple[str, ...]
+    spares: tuple[str, ...] = ()
 
     @staticmethod
-    def of(recovery_config: Any, hosts: tuple[str, ...]) -> "Policy":
+    def of(recovery_config: Any, hosts: tuple[str, ...], spares: tuple[str, ...] = ()) -> "Policy":
         """The policy of a ``recovery`` config section (read by attribute; None: recovery off)."""
         window = getattr(recovery_config, "window", None)
         return Policy(max_restarts=int(getattr(recovery_config, "max_restarts", 0) or 0),
                       window=None if window is None else float(window),
                       strikes=max(1, int(getattr(recovery_config, "strikes", 2))),
-                      min_nodes=getattr(recovery_config, "min_nodes", None), hosts=tuple(hosts))
+                      min_nodes=getattr(recovery_config, "min_nodes", None), hosts=tuple(hosts), spares=tuple(spares))
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """``spare`` took ``host``'s place (its node rank)."""
+
+    host: str
+    spare: str
 
 
 @dataclass(frozen=True)
 class Relaunch:
-    """Relaunch the job on ``hosts`` (config order)."""
+    """Relaunch the job on ``hosts`` (in node-rank order), with ``spares`` waiting."""
 
     hosts: tuple[str, ...]
     excluded: tuple[str, ...]  # excluded from now on (cumulative)
     newly_excluded: tuple[str, ...]
     readmitted: tuple[str, ...]
     reason: str  # one line for the terminal
+    spares: tuple[str, ...] = ()  # the free spares after this decision
+    replaced: tuple[Replacement, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +110,20 @@ class History:
     excluded: list[str] = field(default_factory=list)
     readmitted_once: set[str] = field(default_factory=set)
     restarts_at: list[float] = field(default_factory=list)
+    places: list[str | None] = field(default_factory=list)  # by node rank: its host, None when the job shrank
+    pool: list[str] = field(default_factory=list)  # the free spares
+    origin: dict[str, int] = field(default_factory=dict)  # a host's first place, for its readmission
+
+    def begin(self, policy: Policy) -> None:
+        """The job's first attempt: every host in its place, every spare free (once)."""
+        if not self.places and not self.origin:
+            self.places = list(policy.hosts)
+            self.pool = [s for s in policy.spares if s not in policy.hosts]
+            self.origin = {h: i for i, h in enumerate(policy.hosts)}
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        return tuple(h for h in self.places if h is not None)
 
 
 # prefixes of a line as hfscale shows it: pdsh's, the host's ("node1: "), the rank's ("[rank1]: ", "[default0]:")
@@ -180,9 +211,46 @@ def _repeated(faults: list[Fault]) -> int:
     return n
 
 
-def probe_targets(policy: Policy, history: History) -> tuple[str, ...]:
-    """The excluded hosts worth probing between attempts (config order): not readmitted before."""
-    return tuple(h for h in policy.hosts if h in history.excluded and h not in history.readmitted_once)
+def _signalled(error: str) -> bool:
+    """Whether ``error`` is torchrun's root cause of a rank killed by a signal ("exitcode -9"): that
+    comes from outside the job (the OOM killer, a driver's fault handler, a person), not a bug."""
+    return error.startswith("exitcode -")
+
+
+def probe_targets(policy: Policy, history: History, excluded: bool = True) -> tuple[str, ...]:
+    """The hosts worth probing between attempts (config order): the free spares (only a healthy one
+    replaces a host), and with ``excluded`` the excluded hosts not readmitted before."""
+    history.begin(policy)
+    return tuple(h for h in policy.hosts + policy.spares if h in history.pool or (
+        excluded and h in history.excluded and h not in history.readmitted_once))
+
+
+def _readmit(policy: Policy, history: History, healthy: frozenset[str]) -> tuple[str, ...]:
+    """Excluded hosts that passed a probe come back once: into a place the job lost (their own
+    first), else among the free spares."""
+    back = tuple(h for h in policy.hosts + policy.spares if h in healthy and h in history.excluded
+                 and h not in history.readmitted_once)
+    for h in back:
+        history.excluded.remove(h)
+        history.readmitted_once.add(h)
+        history.strikes[h] = 0
+        own = history.origin.get(h)
+        empty = [i for i, p in enumerate(history.places) if p is None]
+        if empty:
+            history.places[own if own in empty else empty[0]] = h
+        else:
+            history.pool.append(h)
+    return back
+
+
+def _replace(history: History, host: str, healthy: frozenset[str]) -> Replacement | None:
+    """Put the first free spare that passed its probe in ``host``'s place; None when none did."""
+    spare = next((s for s in history.pool if s in healthy), None)
+    if spare is None:
+        return None
+    history.pool.remove(spare)
+    history.places[history.places.index(host)] = spare
+    return Replacement(host, spare)
 
 
 def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozenset[str], now: float
@@ -206,32 +274,33 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
                else f"the last attempt ended: {fault.what}")
         return GiveUp(f"gave up after {len(recent)} restart{'s' * (len(recent) != 1)}{within}: {why}")
 
-    readmitted = tuple(h for h in policy.hosts if h in healthy_again and h in history.excluded
-                       and h not in history.readmitted_once)
-    for h in readmitted:
-        history.excluded.remove(h)
-        history.readmitted_once.add(h)
-        history.strikes[h] = 0
-    active = [h for h in policy.hosts if h not in history.excluded]
+    history.begin(policy)
+    readmitted = _readmit(policy, history, healthy_again)
+    active = history.active
     host = fault.host if fault.host in active else None
     newly: tuple[str, ...] = ()
+    swap: Replacement | None = None
     if host is None:
         head = fault.what
     else:
         previous = history.faults[-2] if len(history.faults) > 1 else None
         moved = (previous is not None and fault.error != "" and previous.error == fault.error
-                 and previous.host is not None and previous.host != host)
+                 and previous.host is not None and previous.host != host and not _signalled(fault.error))
         floor = max(1, policy.min_nodes) if policy.min_nodes is not None else None
-        if fault.cause == "host_lost" and floor is not None and len(active) - 1 >= floor:
-            history.strikes[host] = history.strikes.get(host, 0) + 1
-            newly = (host,)
-            head = f"{fault.what}: {host} was lost (relaunching onto it does not bring it back): excluded"
-        elif moved:
+        if moved and fault.cause != "host_lost":
             head = (f"{fault.what}; {previous.host} ended with the same error before "  # type: ignore[union-attr]
                     f"(a bug moves between hosts): no strike against {host}")
         else:
             n = history.strikes[host] = history.strikes.get(host, 0) + 1
-            if n < policy.strikes:
+            swap = _replace(history, host, healthy_again)
+            if swap is not None:
+                newly = (host,)
+                head = (f"{fault.what}: {swap.spare} (a spare that passed its probe) takes its place at the same world "
+                        f"size; {host} is left out")
+            elif fault.cause == "host_lost" and floor is not None and len(active) - 1 >= floor:
+                newly = (host,)
+                head = f"{fault.what}: {host} was lost (relaunching onto it does not bring it back): excluded"
+            elif n < policy.strikes:
                 head = f"{fault.what} (strike {n} of {policy.strikes} against {host})"
             elif floor is None:
                 head = f"{host} failed {_times(n)}; recovery.min_nodes is not set, so it is retried"
@@ -242,17 +311,24 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
             else:
                 newly = (host,)
                 head = f"{host} failed {_times(n)} (strikes {policy.strikes}): excluded"
+            if swap is None and policy.spares and newly:
+                head += " (no spare left that passed its probe)"
         if newly:
             history.excluded.append(host)
+            if swap is None:
+                history.places[history.places.index(host)] = None
             if host in history.readmitted_once:
                 head += " for good (it failed again after it was readmitted)"
-    hosts = tuple(h for h in policy.hosts if h not in history.excluded)
+    hosts = history.active
     parts = [head]
     if readmitted:
         probes = "its probe" if len(readmitted) == 1 else "their probes"
         parts.append(f"{_names(readmitted)} passed {probes}: readmitted")
     parts.append(f"relaunching on {_names(hosts)} ({len(hosts)} of {len(policy.hosts)} nodes)" if policy.hosts
                  else "relaunching on this machine")
+    if policy.spares:
+        parts.append(f"{len(history.pool)} spare{'s' * (len(history.pool) != 1)} left")
     history.restarts_at.append(now)
-    return Relaunch(hosts=hosts, excluded=tuple(h for h in policy.hosts if h in history.excluded),
-                    newly_excluded=newly, readmitted=readmitted, reason="; ".join(parts))
+    return Relaunch(hosts=hosts, excluded=tuple(h for h in policy.hosts + policy.spares if h in history.excluded),
+                    newly_excluded=newly, readmitted=readmitted, reason="; ".join(parts), spares=tuple(history.pool),
+                    replaced=(swap,) if swap is not None else ())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from hfscale.config.errors import ConfigError
+from hfscale.config.model import HostSpec
 from hfscale.core import exitcodes
 from hfscale.core.records import LOG_TAIL, TimelineEvent
 from hfscale.core.untrusted import Unreadable, read_bytes
@@ -27,7 +28,8 @@ from hfscale.launch.build import build_plan
 from hfscale.launch.execute import execute_attempt, run_probes
 from hfscale.launch.node_command import LaunchContext
 from hfscale.launch.preflight import evaluate, probes
-from hfscale.launch.recovery import Cause, Fault, GiveUp, History, Policy, decide, last_error, probe_targets
+from hfscale.launch.recovery import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
+                                     probe_targets)
 from hfscale.launch.output_lock import Refused
 from hfscale.launch.run_dir import ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_state, record_state
 from hfscale.launch.spec import LaunchPlan, Outcome
@@ -106,11 +108,12 @@ def _error_of(run_dir: str, host: str | None) -> str:
 
 
 def healthy_again(job: Job, hosts: tuple[str, ...], python: str) -> frozenset[str]:
-    """The hosts among ``hosts`` that answer ssh and pass preflight's checks now."""
+    """The hosts among ``hosts`` (the job's, its spares') that answer ssh and pass preflight's checks now."""
     if not hosts:
         return frozenset()
-    cmds = {k: c for k, c in probes(job, python).items() if k.split("/")[0] in hosts}
-    specs = tuple(h for h in job.hosts if h.host in hosts)
+    specs = tuple(_as(h, spare=False) for h in job.hosts + job.spares if h.host in hosts)
+    cmds = {k: c for k, c in probes(replace(job, hosts=specs, num_nodes=len(specs)), python).items()
+            if k.split("/")[0] in hosts}
     reports = evaluate(replace(job, hosts=specs, num_nodes=len(specs)), run_probes(cmds, PROBE_TIMEOUT_S))
     return frozenset(r.host for r in reports if not r.problems)
 
@@ -172,8 +175,8 @@ def _say_policy(policy: Policy, nodes: int, say: Callable[[str], None]) -> None:
 def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
                echo_for: Callable[[LaunchPlan], Callable[[str], None]], say: Callable[[str], None],
                runs: list[str], first: int = 0) -> int:
-    policy = Policy.of(job.config.recovery, tuple(h.host for h in job.hosts))
-    history = History([], {}, [], set(), [])
+    policy = Policy.of(job.config.recovery, tuple(h.host for h in job.hosts), tuple(h.host for h in job.spares))
+    history = History()
     current, attempt, python = job, first, job.config.runner.python or ""
     ctx = context(current, attempt)
     _say_policy(policy, job.num_nodes, say)
@@ -236,13 +239,13 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         _event(run_dir, kind="failure", attempt=attempt, at=fault.at, cause=cause, host=host, what=what[:1000],
                error=fault.error[:300], step=steps.last[0] if steps.last else None, step_time=steps.step_time)
         _event(run_dir, kind="stopped", attempt=attempt, at=stopped)
-        targets = probe_targets(policy, history) if job.config.recovery.probe_excluded else ()
+        targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
         healthy = healthy_again(job, targets, python or _python()) if targets else frozenset()
         decision = decide(policy, history, fault, healthy, time.time())
         if isinstance(decision, GiveUp):
             return _give_up(run_dir, attempt, outcome.rc, decision.reason, say)
         try:
-            current = job_on(job, tuple(h for h in job.hosts if h.host in decision.hosts))
+            current = job_on(job, *_specs(job, decision))
         except ConfigError as e:
             return _give_up(run_dir, attempt, outcome.rc, f"cannot relaunch on {', '.join(decision.hosts)}: "
                             f"{e.render()}", say)
@@ -253,8 +256,22 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         ctx = context(current, attempt)  # the checkpoints as they are now
         _event(run_dir, kind="relaunch", attempt=attempt, hosts=list(decision.hosts),
                excluded=list(decision.excluded), readmitted=list(decision.readmitted),
+               replaced=[{"host": r.host, "spare": r.spare} for r in decision.replaced] or None,
+               spares=list(decision.spares) if job.spares else None,
                resume_step=_resume_step(ctx), world_size=current.world_size,
                accumulation=current.gradient_accumulation_steps)
+
+
+def _specs(job: Job, decision: Relaunch) -> tuple[tuple[HostSpec, ...], tuple[HostSpec, ...]]:
+    """The hosts of a relaunch (in node-rank order: a spare trains as itself, not marked) and the
+    spares still free (marked), from the job's own host entries."""
+    by_name = {h.host: h for h in job.hosts + job.spares}
+    return (tuple(_as(by_name[h], spare=False) for h in decision.hosts),
+            tuple(_as(by_name[h], spare=True) for h in decision.spares))
+
+
+def _as(h: HostSpec, spare: bool) -> HostSpec:
+    return h if h.spare == spare else h.model_copy(update={"spare": spare})
 
 
 def _give_up(run_dir: str, attempt: int, rc: int, reason: str, say: Callable[[str], None]) -> int:
@@ -277,7 +294,7 @@ def _python() -> str:
     return sys.executable
 
 
-_ESSENTIAL = ("kind", "attempt", "at", "cause", "host", "what", "hosts", "excluded", "readmitted")
+_ESSENTIAL = ("kind", "attempt", "at", "cause", "host", "what", "hosts", "excluded", "readmitted", "replaced", "spares")
 
 
 def _event(run_dir: str, **fields: object) -> None:

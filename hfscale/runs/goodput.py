@@ -153,14 +153,26 @@ def _event_line(e: "TimelineEvent", t0: float) -> str:
         return "  ".join(parts)
     if e.kind == "relaunch":
         text = f"on {_names(e.hosts)}" if e.hosts else "on the same hosts"
-        notes = ([f"excluded {_names(e.excluded)}"] if e.excluded else []) + (
+        notes = [f"{r.spare} replaced {r.host}" for r in e.replaced or ()]
+        notes += ([f"excluded {_names(e.excluded)}"] if e.excluded else []) + (
             [f"readmitted {_names(e.readmitted)}"] if e.readmitted else [])
+        notes += [f"spares left: {_names(e.spares) if e.spares else 'none'}"] if e.spares is not None else []
         text += f" ({'; '.join(notes)})" if notes else ""
         text += f", resuming from step {e.resume_step}" if e.resume_step is not None else ", from the start"
         text += f", world {e.world_size}" if e.world_size is not None else ""
         text += f", accumulation {e.accumulation}" if e.accumulation is not None else ""
         return f"{head}  {text}"
     return f"{head}  {printable(e.what or '', 1000)}".rstrip()
+
+
+def replacement_lines(t: "Timeline") -> list[str]:
+    """``replaced     node3 replaced node1 at +72.4 s (attempt 1; spares left: none)``: which spare took
+    which host's place, and when (from the first launch); at most MAX_NAMES lines, the rest counted."""
+    t0 = next((e.at for e in t.events if e.kind == "launch"), t.events[0].at if t.events else 0.0)
+    out = [f"replaced     {r.spare} replaced {r.host} at +{e.at - t0:.1f} s (attempt {e.attempt}"
+           + (f"; spares left: {_names(e.spares) if e.spares else 'none'})" if e.spares is not None else ")")
+           for e in t.events if e.kind == "relaunch" for r in e.replaced or ()]
+    return out[:MAX_NAMES] + ([f"replaced     and {len(out) - MAX_NAMES} more"] if len(out) > MAX_NAMES else [])
 
 
 def timeline_lines(t: "Timeline") -> list[str]:
@@ -193,6 +205,7 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
     lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"
     out = [f"restarts     {g.restarts}" + (f"; excluded: {_names(g.excluded)}" if g.excluded else ""),
            f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
+    out += replacement_lines(t)
     gave_up = [e for e in t.events if e.kind == "gave_up"]
     if gave_up:
         out.append(f"gave up      {printable(gave_up[-1].what or '', 1000)}")

@@ -1,6 +1,8 @@
-"""What ``hfscale status`` prints of one run (files only): its state, and for a run whose launcher
-died what its nodes did without it (hfscale.launch.beats), rank 0's numbers, each rank's step, the
-hang report, the recovery lines (hfscale.runs.goodput) and the tail of each node log."""
+"""What ``hfscale status`` prints of one run: its state, and for a run whose launcher died what its
+nodes did without it (hfscale.launch.beats), rank 0's numbers, each rank's step, the hang report,
+the recovery lines (hfscale.runs.goodput) and the tail of each node log (files only); for a run
+submitted to Slurm, how the job is doing or how it ended (``ask_slurm``: scontrol, sacct, its output
+file; the commands run through hfscale.launch.execute)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from hfscale.core.untrusted import Unreadable, printable, read_bytes
 from hfscale.launch.beats import launcher_silent, orphan
 from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.launch.runners.keeper import LAUNCHER_LOST_S
+from hfscale.launch.runners.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol
 from hfscale.runs.goodput import status_lines
-from hfscale.runs.registry import RunInfo, _steps, _when, log_files, rank_progress
+from hfscale.runs.registry import RunError, RunInfo, _steps, _when, log_files, rank_progress
 from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
 
 
@@ -27,17 +30,24 @@ def _tail(path: Path, lines: int) -> list[str]:
     return data.decode("utf-8", "replace").splitlines()[-lines:]
 
 
-def status_text(i: RunInfo, scheduler_state: str | None = None) -> str:
-    """``hfscale status``: the run, rank 0's numbers, each rank's step, a hang report, log tails."""
+def status_text(i: RunInfo, scheduler: SlurmJob | str | None = None) -> str:
+    """``hfscale status``: the run, rank 0's numbers, each rank's step, a hang report, log tails.
+    ``scheduler``: what the scheduler said of a submitted run (``ask_slurm``), or why it said nothing."""
     if i.state == "unreadable":
         return (f"run          {printable(i.name)} ({printable(str(i.path))})\n"
                 f"state        unreadable: {printable(i.problem or '')}\n")
-    slurm = (f"; Slurm job {i.slurm_job}: {printable(scheduler_state)}" if i.slurm_job and scheduler_state else
-             f"; Slurm job {i.slurm_job}" if i.slurm_job else "")
-    lines = [f"run          {printable(i.name)} ({printable(str(i.path))})", f"state        {i.state}"
-             + (f" (exit code {i.exit_code})" if i.exit_code is not None else "") + slurm + _orphan_said(i),
-             f"runner       {i.runner or '-'}; launched by pid {i.pid} on {i.host}",
-             f"started      {_when(i.started)}" + (f"; ended {_when(i.ended)}" if i.ended else ""),
+    if isinstance(scheduler, SlurmJob):
+        state, when = _slurm_state(i, scheduler), _slurm_times(i, scheduler)
+    else:
+        slurm = (f"; Slurm job {i.slurm_job}: {printable(scheduler)}" if i.slurm_job and scheduler else
+                 f"; Slurm job {i.slurm_job}" if i.slurm_job else "")
+        state = f"{i.state}" + (f" (exit code {i.exit_code})" if i.exit_code is not None else "") + slurm
+        # a submitted run's record ends when sbatch answered: that is no end of the job
+        when = f"started      {_when(i.started)}" + (
+            f"; submitted {_when(i.ended)}" if i.state == "submitted" and i.ended else
+            f"; ended {_when(i.ended)}" if i.ended else "")
+    lines = [f"run          {printable(i.name)} ({printable(str(i.path))})", f"state        {state}" + _orphan_said(i),
+             f"runner       {i.runner or '-'}; launched by pid {i.pid} on {i.host}", when,
              f"step         {_steps(i)}" + (f"; loss {i.loss:.4f}" if i.loss is not None else "")
              + (f"; {i.tokens_per_s:.0f} tokens/s" if i.tokens_per_s is not None else "")]
     ranks, _ = rank_progress(i.path)
@@ -84,3 +94,61 @@ def last_step(run: Path) -> tuple[float, int] | None:
         return (os.lstat(path).st_mtime, p.step) if p is not None else None
     except OSError:
         return None
+
+
+def _slurm_state(i: RunInfo, j: SlurmJob) -> str:
+    """``failed (exit code 137); Slurm job 3: FAILED (NonZeroExitCode), from scontrol``."""
+    code = f" (exit code {j.exit_code})" if j.exit_code is not None and j.outcome in ("finished", "failed") else \
+        f" (signal {j.signal})" if j.signal and j.outcome in ("failed", "cancelled") else ""
+    said = ", ".join(x for x in (
+        f"{j.state}" + (f" ({j.reason})" if j.reason else "") if j.state else (j.reason or ""),
+        f"restart {j.restarts}" if j.restarts else "",
+        f"from {j.source}" + (" (Slurm no longer knows the job)" if j.source == "output file" else "")) if x)
+    return f"{j.outcome}{code}; Slurm job {i.slurm_job}: {printable(said)}"
+
+
+def _slurm_times(i: RunInfo, j: SlurmJob) -> str:
+    """``started ...; ended ...`` as Slurm tells them (the launch record's times are sbatch's)."""
+    if j.started is not None and j.outcome != "pending":
+        line = f"started      {_when(j.started)} (Slurm)"
+    else:
+        line = f"started      {_when(i.started)} (hfscale launch)"
+    if j.submitted is not None:
+        line += f"; submitted {_when(j.submitted)}"
+    if j.ended is not None:
+        line += f"; ended {_when(j.ended)}"
+    elif j.outcome in ("finished", "failed", "cancelled"):
+        line += "; ended (its time unknown)"
+    return line
+
+
+def ask_slurm(i: RunInfo) -> SlurmJob | str:
+    """What Slurm says of submitted run ``i``: the controller's record (``scontrol show job``),
+    else the accounting (``sacct``), else the job's own output file (its exit line, slurmstepd's
+    CANCELLED line); hfscale.launch.runners.slurm_state reads them. A string says why none told.
+    The commands are hfscale.runs.stop's, run by hfscale.launch.execute."""
+    from hfscale.core.records import LOG_TAIL
+    from hfscale.launch.execute import run_probe
+    from hfscale.runs.stop import scheduler_command
+
+    job = i.slurm_job
+    try:
+        asks = [scheduler_command(i, "state"), scheduler_command(i, "accounting")]
+    except RunError as e:
+        return f"not asked: {e}"
+    said = []
+    for cmd, parse in zip(asks, (parse_scontrol, parse_sacct)):
+        if cmd is None or job is None:
+            return "no Slurm job id recorded"
+        rc, out, err = run_probe(cmd, timeout=20)
+        if rc == 0 and (found := parse(out, job)) is not None:
+            return found
+        said.append(f"{cmd.real_argv()[0]}: " + ((err or out).strip().splitlines() or ["no such job"])[-1][:200])
+    path = i.path / f"slurm-{job}.out"
+    try:  # the job writes it: its tail, inside the run directory
+        found = parse_output(read_bytes(path, LOG_TAIL, i.path, tail=True).decode("utf-8", "replace"), job)
+        said.append(f"{path.name} says nothing of how it ended")
+    except Unreadable as e:
+        found = None
+        said.append(str(e))
+    return found if found is not None else f"unknown: {'; '.join(said)}"

@@ -26,18 +26,23 @@ STOP_WAIT_S = 120  # the launcher's stop: TERM, a grace period, KILL, on every n
 
 
 def scheduler_command(i: RunInfo, action: str) -> Command | None:
-    """The scheduler command that stops (``stop``) or asks about (``state``) a submitted run. What
+    """The scheduler command that stops (``stop``) or asks about a submitted run: ``state``, the
+    controller's record (Slurm: ``scontrol show job``, kept MinJobAge after the end), ``accounting``
+    (Slurm: ``sacct``; hfscale.launch.runners.slurm_state reads both). What
     it hands to the scheduler comes from files this user alone could have written
     (hfscale.core.untrusted.read_trusted), checked by shape: a Slurm job id, the Kubernetes objects the
     launch created. Raises RunError naming the file and the reason."""
     from hfscale.launch.runners.kubernetes import MANIFESTS, deletion
+    from hfscale.launch.runners.slurm_state import sacct_argv
 
     try:
         if i.runner == "slurm" or i.slurm_job:
             job = slurm_job_id(i.path, trusted=True)
             # the id is checked to be digits; "--" and "--jobs=" keep even a changed one from being an option
-            return Command(("scancel", "--", job)) if action == "stop" else \
-                Command(("squeue", "-h", f"--jobs={job}", "-o", "%T"))
+            if action == "stop":
+                return Command(("scancel", "--", job))
+            return Command(sacct_argv(job)) if action == "accounting" else \
+                Command(("scontrol", "show", "job", "--oneliner", job))
         if i.runner == "kubernetes" and action == "stop":
             from hfscale.core.records import MANIFEST_CAP
 

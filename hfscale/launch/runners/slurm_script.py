@@ -5,7 +5,9 @@ launcher per node; each takes its node rank from ``SLURM_NODEID`` and the master
 first host of the allocation. The preemption notice (``--signal=B:USR1@N``) reaches the batch
 shell, which forwards it to the training step: the ranks save a checkpoint and stop
 (hfscale.training.callbacks.PreemptionCallback), and with ``requeue: true`` the script requeues the job,
-which then resumes from that checkpoint.
+which then resumes from that checkpoint. The script's last line, ``HFSCALE_EXIT rc=<exit code>
+time=<Unix time>``, is how ``hfscale status`` tells the job's end once Slurm no longer knows it
+(hfscale.launch.runners.slurm_state).
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def render_sbatch(job: Job, run_dir: str, workdir: str, env: dict[str, str], lau
     ]
     if requeue:
         lines.append('if [ "$preempted" = 1 ]; then echo "hfscale: requeueing"; scontrol requeue "$SLURM_JOB_ID"; fi')
-    lines += [f'echo "{EXIT_MARK} rc=$rc"', "exit $rc"]
+    # the job's own last word, with its end (hfscale status reads it once Slurm has forgotten the job)
+    lines += [f'echo "{EXIT_MARK} rc=$rc time=$(date +%s)"', "exit $rc"]
     return "\n".join(lines) + "\n"
 
 
@@ -109,7 +112,7 @@ def render_supervised(job: Job, run_dir: str, workdir: str, python: str, config:
         'supervised on $(hostname)"',
         render(words(launch)),
         "rc=$?",
-        f'echo "{EXIT_MARK} rc=$rc"',
+        f'echo "{EXIT_MARK} rc=$rc time=$(date +%s)"',
         "exit $rc",
     ]
     return "\n".join(lines) + "\n"

@@ -15,6 +15,13 @@ _REPORTED = {"loss": "loss", "learning_rate": "learning_rate", "grad_norm": "gra
              "train_loss": "train_loss"}  # the Trainer's last log: the mean loss over this run's steps
 
 
+def restart_count() -> int:
+    """Which start of this process's ranks this is within one launch: torchrun's restarts of its
+    workers (``TORCHELASTIC_RESTART_COUNT``), 0 for the first or elsewhere."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(count) if count.isdigit() and len(count) < 7 else 0
+
+
 def dropped_engine() -> str | None:
     """The distributed type accelerate runs this process with when ``accelerate launch`` was told
     FSDP (ACCELERATE_USE_FSDP) but the Accelerator is not FSDP: accelerate uses FSDP on GPUs and
@@ -37,6 +44,9 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         progress.step(state.global_step)  # a resumed run starts where its checkpoint left off
+        # rank 0's numbers start again with this start: the progress line counts its rate from here,
+        # and the previous start's tokens/s and ETA are gone (hfscale.launch.console.AttemptRate)
+        progress.report(step=state.global_step, max_steps=state.max_steps, restart=restart_count())
         if state.is_world_process_zero and (kind := dropped_engine()) is not None:
             # what check reported (fsdp) is not what runs: say so where the launch shows it
             print(f"hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as {kind} "

@@ -1,0 +1,95 @@
+"""Hot spares on the pdsh namespace cluster (issue 29): real pdsh over real sshd, torchrun, DeepSpeed
+ZeRO-2 on CPU, one rank per node.
+
+``test_a_killed_node_is_replaced_by_its_spare``: 4 nodes, node3 marked spare (``recovery.spares: 1``),
+the job trains on node0-node2. At a step drawn at random (seeded; the seed is printed) node1's
+processes are SIGKILLed: the spare takes node1's place at the same world size (no checkpoint
+conversion, accumulation unchanged). node1, probed healthy, waits as the spare; node2 is then
+killed and node1 takes its place. Every step's loss equals the uninterrupted run's within 1e-3;
+``status`` names the replacements.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from cluster import leftover_processes, run_on
+from conftest import ROOT
+from hfscale.launch.timeline import read_timeline
+from test_recovery_cluster import MAX_STEPS, _attempt_training, _step, losses, run_dir_of, train_config, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterrupted_losses):
+    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    cluster = make_cluster(4)
+    out = tmp_path / "out"
+    config = train_config(tmp_path, "spare", out, 29936, cluster.nodes[:3],
+                          {"max_restarts": 4, "strikes": 2, "min_nodes": 2, "spares": 1})
+    doc = yaml.safe_load(config.read_text())
+    doc["cluster"]["hosts"].append({"host": cluster.nodes[3], "slots": 1, "spare": True})
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    check = subprocess.run([sys.executable, "-m", "hfscale", "check", str(config)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "+ 1 spare (node3)" in check.stdout and "nothing converted" in check.stdout, check.stdout
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    faults: list[tuple[str, float, int]] = []
+    try:
+        wait_for("the run directory", lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), proc)
+        run = run_dir_of(tmp_path)
+        for n, victim in enumerate(("node1", "node2")):
+            if n:
+                wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), proc)
+            at = min(_step(run) + rng.randint(3, 8), MAX_STEPS - 6)
+            wait_for(f"step {at}", lambda: _step(run) >= at, proc)
+            run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
+            faults.append((f"kill {victim}", time.time(), _step(run)))
+        output, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    for what, when, step in faults:
+        print(f"{what} at +{when - t0:.1f} s, step {step}")
+    assert proc.returncode == 0, output[-6000:]
+    run = run_dir_of(tmp_path)
+    events = read_timeline(run).events
+    for e in events:
+        print(e.model_dump(exclude_none=True))
+    relaunches = [e for e in events if e.kind == "relaunch"]
+    failures = [e for e in events if e.kind == "failure"]
+    assert [e.host for e in failures] == ["node1", "node2"], output[-6000:]
+    assert all(f.at >= when for f, (_, when, _) in zip(failures, faults)), "a failure before its fault"
+    assert [[(r.host, r.spare) for r in e.replaced or ()] for e in relaunches] == [[("node1", "node3")],
+                                                                                  [("node2", "node1")]]
+    assert [e.hosts for e in relaunches] == [["node0", "node3", "node2"], ["node0", "node3", "node1"]]
+    assert {(e.world_size, e.accumulation) for e in relaunches} == {(3, 2)}  # the batch math unchanged
+    assert "ds_to_universal" not in output  # nothing converted
+    assert "node1 passed its probe: readmitted" in output
+    got = losses(out / f"checkpoint-{MAX_STEPS}")
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    worst = max(abs(got[s] - uninterrupted_losses[s]) for s in got)
+    print(f"largest loss difference over {MAX_STEPS} steps: {worst:.2e}; restarts: "
+          + ", ".join(f"{t.at - f.at:.1f} s" for f, t in zip([e for e in events if e.kind == "failure"],
+                                                            [e for e in events if e.kind == "training" and e.attempt])))
+    assert worst < 1e-3
+    status = subprocess.run([sys.executable, "-m", "hfscale", "status", str(run)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    print(status.stdout.split("\n---")[0])
+    assert "replaced     node3 replaced node1 at +" in status.stdout
+    assert "replaced     node1 replaced node2 at +" in status.stdout
+    assert leftover_processes(cluster, timeout=20, contains=str(tmp_path)) == {}
