@@ -96,6 +96,11 @@ def _events(run: Path, kind: str):
         return []
 
 
+def _training_after(run: Path, attempt: int) -> bool:
+    """Whether an attempt after ``attempt`` has completed a step (its timeline event)."""
+    return any(e.attempt > attempt for e in _events(run, "training"))
+
+
 def wait_for(what: str, cond, slurm, job: str, timeout: float = 400) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -131,13 +136,15 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
         wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
         run_on(cluster, "node1", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
         faults.append(("kill node1's ranks", time.time(), _step(run)))
-        wait_for("attempt 1 training", lambda: any(e.attempt == 1 for e in _events(run, "training")), slurm, job)
+        wait_for("attempt 1 training", lambda: _training_after(run, 0), slurm, job)
         # 2. node2's link cut (a dead switch port): Slurm's Node failure, node2 leaves the job
         at = _step(run) + rng.randint(3, 10)
         wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
         subprocess.run(["ip", "link", "set", link, "down"], check=True)
         faults.append(("cut node2's link", time.time(), _step(run)))
-        wait_for("attempt 2 training", lambda: any(e.attempt == 2 for e in _events(run, "training")), slurm, job)
+        wait_for("node2's loss noticed", lambda: len(_events(run, "failure")) >= 2, slurm, job)
+        last = _events(run, "failure")[-1].attempt
+        wait_for("the next attempt training", lambda: _training_after(run, last), slurm, job)
         subprocess.run(["ip", "link", "set", link, "up"], check=True)  # back; it stays out of the job
         # 3. the slurmd of a training node (not the batch host) stopped: Slurm's Node failure again
         hosts = _events(run, "relaunch")[-1].hosts
@@ -162,6 +169,9 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
     relaunches = [e for e in events if e.kind == "relaunch"]
     assert len(failures) == 3 and len(relaunches) == 3, text[-6000:]
     assert (failures[0].cause, failures[0].host) == ("rank_failed", "node1")
+    # the spare (node3, the allocation's last node) in node1's place: the same world size, nothing converted
+    assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
+    assert "ds_to_universal" not in text.split("restart 2 (")[0]
     assert (failures[1].cause, failures[1].host) == ("host_lost", "node2")
     assert (failures[2].cause, failures[2].host) == ("host_lost", victim)
     assert "node2" not in relaunches[1].hosts and victim not in relaunches[2].hosts

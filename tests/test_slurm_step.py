@@ -83,7 +83,10 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
     argv = shlex.split(plan.main.shown_argv()[2].split("; fi; exec ", 1)[1])
     assert argv[:9] == ["srun", "--nodelist=node0,node1", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
                         "--kill-on-bad-exit=1", "--unbuffered", "bash", "-c"]
-    assert plan.main.shown_argv()[2].startswith(  # a node Slurm set DOWN is named before srun would fail
+    assert plan.main.shown_argv()[2].startswith(  # the previous attempt's step ends first
+        'for i in $(seq 60); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -vE '
+        "'[.](batch|extern)$')\" ] && break; sleep 1; done; ")
+    assert plan.main.shown_argv()[2].split("done; ", 1)[1].startswith(  # a node Slurm set DOWN is named
         'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then have=" $(scontrol show '
         'hostnames "$now" | tr \'\\n\' \' \')"; for h in node0 node1; do case "$have" in *" $h "*) ;; *) echo "hfscale: '
         'Slurm took $h out of the allocation (set DOWN: its slurmd stopped answering)"; exit 3 ;; esac; done; fi; ')

@@ -44,6 +44,7 @@ from hfscale.rules.resolved import Job
 HOSTS_VAR = "HFSCALE_SLURM_HOSTS"  # the allocation's hosts, comma-separated (the batch script sets it)
 ALLOCATION_VAR = "SLURM_JOB_ID"
 NODE_NAME_VAR = "SLURMD_NODENAME"  # Slurm's name of the node a task runs on
+PREVIOUS_STEP_S = 60  # an attempt's step waits at most this long for the previous one to end
 STEP_STOP_S = 20  # the stop's step on one node; a node Slurm cannot reach is given up on after this
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}$")
 
@@ -86,7 +87,11 @@ def still_allocated(hosts: tuple[str, ...]) -> str:
     """Shell text run before an attempt's step: a host Slurm took out of the allocation (set DOWN
     under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3, instead of srun's
     "Requested node configuration is not available", which names none. Host names are validated."""
-    return ('now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then '
+    # the previous attempt's step still ending on a node (Slurm kills it when it loses a node): wait,
+    # at most PREVIOUS_STEP_S: a step started meanwhile had its srun SIGKILLed on the test Slurm
+    wait = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | '
+            "grep -vE '[.](batch|extern)$')\" ] && break; sleep 1; done; ")
+    return (wait + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then '
             'have=" $(scontrol show hostnames "$now" | tr \'\\n\' \' \')"; for h in ' + " ".join(hosts) + '; do '
             'case "$have" in *" $h "*) ;; *) echo "hfscale: Slurm took $h out of the allocation (set DOWN: its '
             'slurmd stopped answering)"; exit 3 ;; esac; done; fi;')
