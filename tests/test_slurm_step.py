@@ -56,6 +56,10 @@ cd /work
 HFSCALE_SLURM_HOSTS="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)"
 export HFSCALE_SLURM_HOSTS
 echo "hfscale: job $SLURM_JOB_ID on $HFSCALE_SLURM_HOSTS, restart ${{SLURM_RESTART_COUNT:-0}}; supervised on $(hostname)"
+# each other node watches the supervisor's heartbeat, in a step of its own (Slurm ends a step with a
+# node it lost: the training step dies with the batch host); stale: the batch host is lost, requeue
+watch='last=; same=0; while sleep 10; do c=$(head -c 64 /work/runs/sl-20261122-120000-abcdef/launcher.beat 2>/dev/null); if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; elif [ -n "$last" ]; then same=$((same + 10)); fi; if [ $same -ge 120 ]; then echo "hfscale: $(date '"'"'+%F %T'"'"') $SLURMD_NODENAME: the supervisor'"'"'s heartbeat has not changed for 120 s: its batch host is lost; requeueing job $SLURM_JOB_ID" >> /work/runs/sl-20261122-120000-abcdef/requeue.log; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi; done'
+for h in $(echo "$HFSCALE_SLURM_HOSTS" | tr , " "); do [ "$h" = "${{SLURMD_NODENAME:-}}" ] || srun --overlap --job-name=hfscale-watch --nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c "$watch" </dev/null >/dev/null 2>&1 & done
 /opt/py/bin/python -m hfscale launch /work/sl.yaml --job-id {JOB_ID} -- --seed 'it'"'"'s 5'
 rc=$?
 echo "HFSCALE_EXIT rc=$rc time=$(date +%s)"
@@ -84,8 +88,8 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
     assert argv[:9] == ["srun", "--nodelist=node0,node1", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
                         "--kill-on-bad-exit=1", "--unbuffered", "bash", "-c"]
     assert plan.main.shown_argv()[2].startswith(  # the previous attempt's step ends first
-        'for i in $(seq 60); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | grep -vE '
-        "'[.](batch|extern)$')\" ] && break; sleep 1; done; ")
+        'for i in $(seq 60); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | grep -vE '
+        "'[.](batch|extern) |hfscale-watch$')\" ] && break; sleep 1; done; ")
     assert plan.main.shown_argv()[2].split("done; ", 1)[1].startswith(  # a node Slurm set DOWN is named
         'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then have=" $(scontrol show '
         'hostnames "$now" | tr \'\\n\' \' \')"; for h in node0 node1; do case "$have" in *" $h "*) ;; *) echo "hfscale: '

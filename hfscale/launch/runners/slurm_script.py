@@ -13,8 +13,10 @@ time=<Unix time>``, is how ``hfscale status`` tells the job's end once Slurm no 
 from __future__ import annotations
 
 import posixpath
+import shlex
 
 from hfscale.core.shell import Line, Sh, Var, Word, and_then, exports, render, words
+from hfscale.launch.run_dir import LAUNCHER_BEAT
 from hfscale.launch.spec import EXIT_MARK
 from hfscale.rules.resolved import Job
 
@@ -93,6 +95,23 @@ def render_sbatch(job: Job, run_dir: str, workdir: str, env: dict[str, str], lau
     return "\n".join(lines) + "\n"
 
 
+BATCH_HOST_LOST_S = 120  # the supervisor's heartbeat unchanged this long, once seen: its batch host is lost
+REQUEUE_LOG = "requeue.log"  # the watches' lines, in the run directory
+
+
+def watch_loop(run_dir: str) -> str:
+    """Shell text one node runs for the whole job: every 10 s it reads the supervisor's heartbeat
+    (hfscale.launch.beats.LauncherBeat, rewritten every few seconds while an attempt runs); once it
+    has seen one, a heartbeat unchanged for BATCH_HOST_LOST_S seconds (longer than any gap between
+    two attempts) means the batch host is lost: it says so in ``requeue.log`` and requeues the job."""
+    beat, log = shlex.quote(posixpath.join(run_dir, LAUNCHER_BEAT)), shlex.quote(posixpath.join(run_dir, REQUEUE_LOG))
+    return (f'last=; same=0; while sleep 10; do c=$(head -c 64 {beat} 2>/dev/null); '
+            'if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; elif [ -n "$last" ]; then same=$((same + 10)); fi; '
+            f'if [ $same -ge {BATCH_HOST_LOST_S} ]; then echo "hfscale: $(date \'+%F %T\') $SLURMD_NODENAME: the supervisor\'s '
+            f'heartbeat has not changed for {BATCH_HOST_LOST_S} s: its batch host is lost; requeueing job $SLURM_JOB_ID" '
+            f'>> {log}; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi; done')
+
+
 def render_supervised(job: Job, run_dir: str, workdir: str, python: str, config: str, job_id: str,
                       extra_args: tuple[str, ...]) -> str:
     """The script of a supervised job (``recovery.max_restarts`` > 0): ``hfscale launch`` of the same
@@ -100,6 +119,7 @@ def render_supervised(job: Job, run_dir: str, workdir: str, python: str, config:
     (hfscale.launch.runners.slurm_step). A requeued job runs it again: it resumes from the newest
     complete checkpoint."""
     launch = [python, "-m", "hfscale", "launch", config, "--job-id", job_id, *(["--", *extra_args] if extra_args else [])]
+    watch = render(words([watch_loop(run_dir)]))
     lines = [
         "#!/bin/bash",
         *sbatch_lines(job, run_dir, supervised=True),
@@ -110,6 +130,11 @@ def render_supervised(job: Job, run_dir: str, workdir: str, python: str, config:
         "export HFSCALE_SLURM_HOSTS",
         'echo "hfscale: job $SLURM_JOB_ID on $HFSCALE_SLURM_HOSTS, restart ${SLURM_RESTART_COUNT:-0}; '
         'supervised on $(hostname)"',
+        "# each other node watches the supervisor's heartbeat, in a step of its own (Slurm ends a step with a",
+        "# node it lost: the training step dies with the batch host); stale: the batch host is lost, requeue",
+        f"watch={watch}",
+        'for h in $(echo "$HFSCALE_SLURM_HOSTS" | tr , " "); do [ "$h" = "${SLURMD_NODENAME:-}" ] || '
+        'srun --overlap --job-name=hfscale-watch --nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c "$watch" </dev/null >/dev/null 2>&1 & done',
         render(words(launch)),
         "rc=$?",
         f'echo "{EXIT_MARK} rc=$rc time=$(date +%s)"',

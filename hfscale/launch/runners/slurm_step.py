@@ -89,8 +89,8 @@ def still_allocated(hosts: tuple[str, ...]) -> str:
     "Requested node configuration is not available", which names none. Host names are validated."""
     # the previous attempt's step still ending on a node (Slurm kills it when it loses a node): wait,
     # at most PREVIOUS_STEP_S: a step started meanwhile had its srun SIGKILLed on the test Slurm
-    wait = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o %i 2>/dev/null | '
-            "grep -vE '[.](batch|extern)$')\" ] && break; sleep 1; done; ")
+    wait = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | '
+            "grep -vE '[.](batch|extern) |hfscale-watch$')\" ] && break; sleep 1; done; ")
     return (wait + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then '
             'have=" $(scontrol show hostnames "$now" | tr \'\\n\' \' \')"; for h in ' + " ".join(hosts) + '; do '
             'case "$have" in *" $h "*) ;; *) echo "hfscale: Slurm took $h out of the allocation (set DOWN: its '
