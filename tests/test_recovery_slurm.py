@@ -232,3 +232,32 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
     print(f"largest loss difference over {max_steps} steps: {worst:.2e}")
     assert worst < 1e-3
     assert slurm.run("squeue", "-h").stdout.strip() == ""
+
+
+def test_hfscale_stop_cancels_a_supervised_job_and_leaves_nothing(make_slurm, tmp_path):
+    """A supervised job's run is 'running' on its batch host: ``hfscale stop`` from here writes the
+    stop marker and cancels it through Slurm; the supervisor stops the step and lets the lock go."""
+    slurm = make_slurm(2, slurmd_timeout=SLURMD_TIMEOUT)
+    out = tmp_path / "out"
+    config = slurm_config(tmp_path, out, 29991, nodes=2)
+    job, run = submit(slurm, config)
+    try:
+        wait_for("step 4", lambda: _step(run) >= 4, slurm, job, timeout=600)
+        assert (out / "_hfscale-lock.json").is_file()  # held by the supervisor on the batch host
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "hfscale", "stop", str(run)], cwd=ROOT, env=slurm.env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        info = slurm.wait(job, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        slurm.run("scancel", job, check=False)
+    print(f"stopped: {info['JobState']} {took:.1f} s after hfscale stop; {r.stdout.strip()} {r.stderr.strip()}")
+    assert info["JobState"] == "CANCELLED"
+    assert (run / "stopping").exists()
+    assert slurm.run("squeue", "-h").stdout.strip() == ""
+    assert slurm.job_processes(timeout=60) == {}
+    deadline = time.monotonic() + 30
+    while (out / "_hfscale-lock.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (out / "_hfscale-lock.json").exists(), output(run, job)[-3000:]
