@@ -232,6 +232,10 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
     print(f"largest loss difference over {max_steps} steps: {worst:.2e}")
     assert worst < 1e-3
     assert slurm.run("squeue", "-h").stdout.strip() == ""
+    status = subprocess.run([sys.executable, "-m", "hfscale", "status", str(run)], cwd=ROOT, env=slurm.env(),
+                            capture_output=True, text=True, timeout=60)
+    print(status.stdout.split("\n---")[0])
+    assert f"requeued     its batch host {batch_host} was lost; Slurm requeued job {job} (restart 1)" in status.stdout
 
 
 def test_hfscale_stop_cancels_a_supervised_job_and_leaves_nothing(make_slurm, tmp_path):

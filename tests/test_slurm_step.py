@@ -18,6 +18,7 @@ from hfscale.launch.preflight import probes
 from hfscale.launch.requeue import attempts_made, first_attempt, in_allocation_of
 from hfscale.launch.runners.slurm_step import allocation_hosts
 from hfscale.launch.timeline import read_timeline
+from hfscale.runs.goodput import requeue_lines
 
 JOB_ID = "20261122-120000-abcdef"
 RUN = f"/work/runs/sl-{JOB_ID}"
@@ -163,4 +164,6 @@ def test_a_requeued_job_goes_on_from_its_attempts(tmp_path):
     assert [(e.kind, e.attempt, e.cause, e.host) for e in events] == [
         ("failure", 2, "host_lost", "node0"), ("stopped", 2, None, None), ("relaunch", 3, None, None)]
     assert events[2].hosts == ["node0", "node1"] and isinstance(events[2], TimelineEvent)
+    assert requeue_lines(read_timeline(tmp_path)) == [  # what hfscale status shows
+        "requeued     its batch host node0 was lost; Slurm requeued job 7 (restart 1), at +0.0 s; attempt 3 resumed"]
     assert first_attempt(job, str(tmp_path), said.append, {**requeued, "SLURM_RESTART_COUNT": "9" * 40}) == 0

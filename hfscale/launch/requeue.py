@@ -16,13 +16,14 @@ from typing import Callable, Mapping
 
 from hfscale.core.records import TimelineEvent
 from hfscale.core.untrusted import Unreadable
-from hfscale.launch.run_dir import ATTEMPTS_DIR, read_state
+from hfscale.launch.run_dir import ATTEMPTS_DIR, LAUNCHER_BEAT, read_state
 from hfscale.launch.runners.slurm_step import ALLOCATION_VAR, HOSTS_VAR, allocation_hosts, in_allocation
 from hfscale.launch.timeline import append_event
 from hfscale.rules.resolved import Job
 
 RESTART_VAR = "SLURM_RESTART_COUNT"  # how often Slurm requeued the job (unset or 0: the first run)
 MAX_ATTEMPTS = 100_000
+REQUEUED = "Slurm requeued job"  # in the failure event's 'what' (hfscale.runs.goodput shows it)
 
 
 def restart_count(env: Mapping[str, str]) -> int:
@@ -46,6 +47,15 @@ def attempts_made(run_dir: str | Path) -> int:
     return n
 
 
+def _last_beat(run_dir: str, now: float) -> float:
+    """When the lost supervisor last beat (its heartbeat file's modification time), or ``now``."""
+    try:
+        at = os.stat(Path(run_dir) / LAUNCHER_BEAT).st_mtime
+    except OSError:
+        return now
+    return at if 0 < now - at < 86_400 else now
+
+
 def first_attempt(job: Job, run_dir: str, say: Callable[[str], None], env: Mapping[str, str] | None = None) -> int:
     """The number of the supervisor's first attempt: 0, or after a requeue the attempt after the
     last one made (whose files are still in place: the next attempt moves them aside). A requeue is
@@ -60,10 +70,11 @@ def first_attempt(job: Job, run_dir: str, say: Callable[[str], None], env: Mappi
     except (Unreadable, OSError):
         host = None
     where = f"its batch host {host}" if host else "its batch host"
-    what = f"{where} was lost; Slurm requeued job {env.get(ALLOCATION_VAR)} (restart {restart})"
+    what = f"{where} was lost; {REQUEUED} {env.get(ALLOCATION_VAR)} (restart {restart})"
     say(f"hfscale: {what}; attempt {first} resumes from the newest complete checkpoint")
     now = time.time()
-    for event in (dict(kind="failure", attempt=first - 1, at=now, cause="host_lost", host=host, what=what),
+    lost_at = _last_beat(run_dir, now)
+    for event in (dict(kind="failure", attempt=first - 1, at=lost_at, cause="host_lost", host=host, what=what),
                   dict(kind="stopped", attempt=first - 1, at=now),
                   dict(kind="relaunch", attempt=first, at=now, hosts=[h.host for h in job.hosts],
                        world_size=job.world_size, accumulation=job.gradient_accumulation_steps)):
