@@ -31,10 +31,10 @@ UNIT_MODULES = frozenset({
     "test_fuzz", "test_kubernetes", "test_launch_summary", "test_lock_follows_job", "test_memory_measured",
     "test_network", "test_node_lines", "test_public_face", "test_render", "test_recovery_config", "test_recovery_policy",
     "test_progress_line", "test_slurm_state",
-    "test_supervisor", "test_schedule",
+    "test_supervisor", "test_schedule", "test_slurm_step",
     "test_tiers", "test_validation", "test_spares",
 })
-CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "podman2"})
+CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
 # The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,
 # whose nodes have network stacks of their own and mostly wait (ssh keep-alives, watchdogs, keepers),
 # and every other test that starts processes, one after another on this machine's own ports (many

@@ -10,6 +10,7 @@ import pytest
 
 from hfscale.config.errors import ConfigError
 from hfscale.config.model import HostSpec, RecoveryConfig
+from hfscale.launch.runners.slurm_step import in_allocation
 from hfscale.rules.check import check
 from hfscale.rules.config_file import load_text
 from hfscale.rules.recovery import accumulation_at, recovery_findings
@@ -70,7 +71,7 @@ def test_a_kubernetes_job_restarts_through_its_operator():
         """)
     assert got == [("recovery.max_restarts", 5, "restarts on Kubernetes are the operator's (the PyTorchJob's "
                     "restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with the runners whose "
-                    "jobs hfscale runs itself: local, pdsh and pdsh_docker")]
+                    "jobs hfscale runs itself: local, pdsh and pdsh_docker, and slurm (supervised inside the allocation)")]
 
 
 def test_min_nodes_above_the_node_count_and_without_restarts():
@@ -142,22 +143,35 @@ def test_checkpoints_to_restart_from():
          "each restart runs train.py again as it is, so it must resume from its own newest checkpoint by itself")]
 
 
-def test_slurm_is_refused_until_its_relaunch_is_built():
-    """A submitted job runs without hfscale; relaunching inside an allocation is not written: check
-    says so instead of printing a recovery line that nothing would carry out."""
+def test_slurm_recovery_is_checked_and_relaunches_on_the_allocations_hosts():
+    """runner slurm with recovery: hfscale supervises the job inside its allocation
+    (hfscale.launch.runners.slurm_step); the allocation's hosts become the job's, the last
+    ``spares`` of them its spares, and a relaunch keeps them (job_on)."""
     slurm = """\
         name: x
         cluster: {num_nodes: 4, nproc_per_node: 2}
         runner: {type: slurm}
         batch: {micro_batch_size: 1, global_batch_size: 24}
-        recovery: {max_restarts: 3, min_nodes: 3}
+        recovery: {max_restarts: 3, min_nodes: 3, spares: 1}
         """
-    got = problems(slurm)
-    assert len(got) == 1 and got[0][:2] == ("recovery.max_restarts", 5)
-    assert got[0][2].startswith("not built for runner slurm yet: a submitted job runs without hfscale")
-    j = job(slurm.replace("max_restarts: 3, min_nodes: 3", "keep_global_batch: true"))
-    smaller = job_on(j, tuple(HostSpec(host=f"n{i}", slots=2) for i in range(3)))  # the allocation's nodes left
+    job(slurm)  # no problem
+    j = in_allocation(job(slurm), ("n0", "n1", "n2", "n3", "n4", "n5"))  # one node more than asked: not used
+    assert [h.host for h in j.hosts] == ["n0", "n1", "n2", "n3"] and [h.slots for h in j.hosts] == [2] * 4
+    assert [(h.host, h.spare) for h in j.spares] == [("n4", True)] and j.master_addr == "n0"
+    assert (j.num_nodes, j.world_size, j.gradient_accumulation_steps) == (4, 8, 3)
+    by = {h.host: h for h in j.hosts + j.spares}
+    smaller = job_on(j, (by["n1"], by["n2"], by["n3"]))  # n0 left out
+    assert [h.host for h in smaller.hosts] == ["n1", "n2", "n3"] and smaller.master_addr == "n1"
     assert (smaller.num_nodes, smaller.world_size, smaller.gradient_accumulation_steps) == (3, 6, 4)
+    assert [h.host for h in smaller.spares] == ["n4"]
+    replaced = job_on(j, (by["n0"], by["n4"], by["n2"], by["n3"]), ())  # the spare in n1's place, none left
+    assert [(h.host, h.spare) for h in replaced.hosts][:2] == [("n0", False), ("n4", False)]
+    assert (replaced.world_size, replaced.gradient_accumulation_steps, replaced.spares) == (8, 3, ())
+    with pytest.raises(ConfigError, match=r"the Slurm allocation has 4 node\(s\) \(n0, n1, n2, n3\), the job needs "
+                       r"4 and 1 spare\(s\)"):
+        in_allocation(job(slurm), ("n0", "n1", "n2", "n3"))
+    idle = slurm.replace("max_restarts: 3, min_nodes: 3, spares: 1", "spares: 1")
+    assert [w[0] for w in warnings(idle)] == ["recovery.spares"]
 
 
 def test_accumulation_at_fewer_nodes():

@@ -19,6 +19,8 @@ def summary(job: Job) -> str:
             nodes += f" + {k} spare{'s' * (k != 1)} ({spare_names})"
     elif job.scheduled:
         nodes = f"{job.num_nodes} (allocated by {cfg.runner.type}) x {job.procs_per_node} processes"
+        if _allocation_spares(job):  # hfscale.launch.runners.slurm_step: the allocation's last nodes
+            nodes += f" + {_allocation_spares(job)} spare(s) (the allocation's last)"
     else:
         nodes = f"1 (local) x {job.procs_per_node} processes"
     backend = cfg.distributed.backend
@@ -75,7 +77,7 @@ def _watchdog(job: Job) -> str:
                 "(hfscale.step(n) in the script, then watchdog.script_reports_steps: true)")
     first = f", or none in the first {w.first_step} s" if w.first_step else ""
     what = f"no step for {w.timeout} s{first}: every rank's stack, the stuck rank named, the job stopped (exit 4)"
-    if job.config.runner.type == "slurm":
+    if job.config.runner.type == "slurm" and not job.config.recovery.max_restarts:
         return f"a submitted job: off; launched inside an allocation (salloc): {what}"
     return what
 
@@ -85,14 +87,21 @@ def _recovery(job: Job) -> str:
     r = job.config.recovery
     window = f" in {r.window} s" if r.window else ""
     what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host left out after {r.strikes} failure(s)"
-    return what + _spares(job) + _shrink(job, "; then" if job.spares else ";")
+    return what + _spares(job) + _shrink(job, "; then" if job.spares or _allocation_spares(job) else ";")
+
+
+def _allocation_spares(job: Job) -> int:
+    """Spares a supervised Slurm job asks its allocation for (its last nodes; none are named yet)."""
+    r = job.config.recovery
+    return (r.spares or 0) if job.config.runner.type == "slurm" and r.max_restarts and not job.hosts else 0
 
 
 def _spares(job: Job) -> str:
-    k = len(job.spares)
+    k = len(job.spares) or _allocation_spares(job)
     if not k:
         return ""
-    names = ", ".join(h.host for h in job.spares[:8]) + (f" and {k - 8} more" if k > 8 else "")
+    names = (", ".join(h.host for h in job.spares[:8]) + (f" and {k - 8} more" if k > 8 else "") if job.spares
+             else f"(the allocation's last {k} node(s))")
     return (f"; spare{'s' * (k != 1)} {names}: a failed host is replaced at once by a spare that passes its probe, "
             f"so the first {k} failure(s) cost a restart at {job.num_nodes} node(s), world size {job.world_size}, "
             "nothing converted")
@@ -106,7 +115,7 @@ def _shrink(job: Job, lead: str) -> str:
         return f"{lead} never shrinking (a failed host is retried)"
     if r.min_nodes >= job.num_nodes:
         return f"{lead} never shrinking (min_nodes {r.min_nodes}: a host at its strikes ends the job)"
-    what = f"{lead} shrinking" if job.spares else ""
+    what = f"{lead} shrinking" if job.spares or _allocation_spares(job) else ""
     what += f", down to {r.min_nodes} node(s)"
     if not r.keep_global_batch:
         return what + "; the global batch shrinks with the ranks"

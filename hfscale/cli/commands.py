@@ -235,7 +235,8 @@ def _settle(job) -> None:
               "(into restarted-<job id>/ there) instead of resuming from them.")
 @click.option("--quiet", "-q", "mode", flag_value="quiet", help="Show errors and failures only (node logs get all).")
 @click.option("--verbose", "-v", "mode", flag_value="verbose", help="Show every line the nodes print.")
-def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restart: bool, mode: str | None) -> None:
+@click.option("--job-id", hidden=True, help="The run's job id (a supervised Slurm job's batch script passes its own).")
+def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restart: bool, mode: str | None, job_id: str | None) -> None:
     """Start the training described by CONFIG on its node(s).
 
     \b
@@ -252,8 +253,9 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
       hfscale launch job.yaml -- --model_name_or_path ./my-model
       hfscale launch job.yaml --restart
     """
-    from hfscale.launch.spec import NOTHING_TO_TRAIN
     from hfscale.launch.build import build_plan
+    from hfscale.launch.requeue import first_attempt, in_allocation_of
+    from hfscale.launch.spec import NOTHING_TO_TRAIN
     from hfscale.rules.script import extra_args_warnings
 
     job = _load(config_file)
@@ -261,31 +263,29 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
         click.echo(f"warning: {w}", err=True)
     if not dry_run:
         _settle(job)
-    ctx = _context(job, script_args, restart)
-    try:
-        plan = build_plan(job, ctx)
-    except ConfigError as e:
-        click.echo(f"error: {e.render()}", err=True)
+    try:  # a supervised Slurm job's batch script: the job on its allocation's hosts (hfscale.launch.runners.slurm_step)
+        plan = build_plan(job := in_allocation_of(job), ctx := _context(job, script_args, restart, job_id))
+    except (ConfigError, ValueError) as e:
+        click.echo(f"error: {e.render() if isinstance(e, ConfigError) else e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    record = plan.render()
     if dry_run:
-        click.echo(record, nl=False)
-        return
+        return click.echo(plan.render(), nl=False)
+    record = plan.render()
     if plan.mode == "done":
-        click.echo(f"hfscale: {' '.join(n for n in plan.notes if n.startswith(NOTHING_TO_TRAIN))}; nothing was "
-                   "started", err=True)
+        click.echo(f"hfscale: {' '.join(n for n in plan.notes if n.startswith(NOTHING_TO_TRAIN))}; nothing was started",
+                   err=True)
         return
     from hfscale.launch.console import Console
     from hfscale.launch.execute import execute
     from hfscale.launch.output_lock import Refused
+    from hfscale.launch.supervisor import supervise
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
     try:
         if job.config.recovery.max_restarts and plan.mode == "stream":
-            from hfscale.launch.supervisor import supervise
-
+            say = lambda s: click.echo(s, err=True)  # noqa: E731
             rc = supervise(job, lambda j, n: _context(j, script_args, restart and n == 0, plan.job_id, n),
-                           lambda p: Console(mode or "normal", hosts=p.line_hosts), lambda s: click.echo(s, err=True))
+                           lambda p: Console(mode or "normal", hosts=p.line_hosts), say, first_attempt(job, plan.run_dir, say))
         else:
             rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
     except Refused as e:

@@ -37,7 +37,8 @@ __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]
 def resolved_config_yaml(job: Job) -> str:
     """The config with hosts resolved (host file read) and secret values masked."""
     data = job.config.model_dump(mode="json")
-    data["cluster"]["hosts"] = [{"host": h.host, "slots": h.slots} for h in job.hosts] + [
+    # a scheduler's nodes (a Slurm allocation's, hfscale.launch.runners.slurm_step) stay cluster.num_nodes
+    data["cluster"]["hosts"] = None if job.scheduled else [{"host": h.host, "slots": h.slots} for h in job.hosts] + [
         {"host": h.host, "slots": h.slots, "spare": True} for h in job.spares] or None
     data["cluster"]["hostfile"] = None
     data["env"]["vars"] = masked(data["env"]["vars"])

@@ -30,6 +30,15 @@ SSH_FAILED = 255  # ssh's own exit code when it could not connect, log in, or lo
 _SSH_SAID = re.compile(r"^(?:ssh: |ssh_|kex_|client_loop: |Connection (?:to|closed|reset|timed out)|Timeout, server"
                        r"|Read from remote host|packet_write_wait|Write failed|Broken pipe|Host key verification"
                        r"|Permission denied|Could not resolve)")
+# srun's own report of a node Slurm lost (its slurmd stopped answering, its link cut) and of a task that
+# ended: "srun: error: Node failure on node2", "srun: error: node3: task 2: Killed",
+# "srun: error: node1: task 0: Exited with exit code 1" (hfscale.launch.runners.slurm_step)
+_SRUN_LOST = re.compile(r"^(?:srun: error: Node failure on|hfscale: Slurm took) (?P<host>[A-Za-z0-9][\w.-]*)"
+                        r"(?: out of the allocation.*)?$")
+_SRUN_TASK = re.compile(r"^srun: error: (?P<host>[A-Za-z0-9][\w.-]*): tasks? [\d,\[\]-]+: "
+                        r"(?:Exited with exit code (?P<rc>\d+)|(?P<how>[A-Z][\w ]*))$")
+_SIGNALS = {"Killed": 9, "Terminated": 15, "Segmentation fault": 11, "Aborted": 6, "Bus error": 7, "Hangup": 1,
+            "Interrupt": 2, "Quit": 3}
 # what a rank prints when a collective fails because another rank went away (gloo, NCCL, sockets)
 _PEER_LOST = re.compile(r"Connection closed by peer|caused by a remote worker crashing|Connection reset by peer"
                         r"|remote process exited|ncclRemoteError")
@@ -61,7 +70,18 @@ class Output:
     from_pdsh: bool  # pdsh's own line (``pdsh@launcher: host: ...``)
 
 
-Event = Union[NodeExit, SshEnded, Output]
+@dataclass(frozen=True)
+class SrunSaid:
+    """srun's report on ``host``: Slurm lost it (``lost``), or its task ended with exit code ``rc`` or
+    by ``signal`` (its line's own exit line may not have come: the task was killed)."""
+
+    host: str
+    lost: bool = False
+    rc: int | None = None
+    signal: int | None = None
+
+
+Event = Union[NodeExit, SshEnded, SrunSaid, Output]
 HostState = Literal["silent", "talking", "exited"]
 
 
@@ -71,6 +91,11 @@ def parse(line: str) -> Event:
         return NodeExit(m["host"], int(m["rc"]))
     if m := _PDSH_ENDED.match(line):
         return SshEnded(m["host"], int(m["rc"]) if m["rc"] else None, int(m["sig"]) if m["sig"] else None)
+    if m := _SRUN_LOST.match(line):
+        return SrunSaid(m["host"], lost=True)
+    if (m := _SRUN_TASK.match(line)) and (m["rc"] is not None or m["how"] in _SIGNALS):
+        return SrunSaid(m["host"], rc=int(m["rc"]) if m["rc"] is not None else None,
+                        signal=_SIGNALS.get(m["how"] or ""))
     if m := HOST_PREFIX.match(line):
         return Output(m["host"], line[m.end():], line.startswith("pdsh@"))
     return Output(None, line, False)
@@ -114,6 +139,8 @@ class Nodes:
                 if self.state.get(event.host, "silent") == "silent":
                     self.state[event.host] = "talking"
             return None
+        if isinstance(event, SrunSaid):
+            return self._srun(event)
         host = event.host
         if event.signal is not None:
             return Failure(host, 128 + event.signal, f"the ssh to {host} was killed ({signal_name(event.signal)})")
@@ -127,6 +154,20 @@ class Nodes:
                                                             "killed (kill -9, the OOM killer) or its connection dropped")
             what = "lost the connection to" if self._lines.get(host, 0) > 1 else "cannot reach"
             return Failure(host, exitcodes.UNREACHABLE, f"{what} {host} over ssh ({last or 'ssh failed'})")
+        return self._failed(host, event.rc) if event.rc else None
+
+    def _srun(self, event: SrunSaid) -> Failure | None:
+        host = event.host
+        if event.lost:
+            return Failure(host, exitcodes.UNREACHABLE, f"Slurm lost {host}: its slurmd stopped answering (stopped, "
+                                                        "or its link cut)")
+        if self.state.get(host) == "exited":  # its exit line said it first
+            return None
+        if event.signal is not None:
+            # srun ending the other tasks after one failed (--kill-on-bad-exit: TERM), or Slurm killing the
+            # step when it lost a node (KILL, its "Node failure" line may come after): likely not the cause
+            return Failure(host, 128 + event.signal, f"the task on {host} was killed ({signal_name(event.signal)}) "
+                                                     "before its line ended", lost_peer=True)
         return self._failed(host, event.rc) if event.rc else None
 
     def _failed(self, host: str, rc: int) -> Failure:

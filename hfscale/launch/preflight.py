@@ -14,6 +14,7 @@ from typing import Literal
 from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.core.shell import Command, Ran, render, words
+from hfscale.launch.runners.slurm_step import probe_argv
 from hfscale.launch.ssh import ssh_argv
 from hfscale.rules.resolved import Job
 
@@ -69,15 +70,16 @@ def refusal(job: Job) -> str | None:
 
 def probes(job: Job, python: str) -> dict[str, Command]:
     """Two probes per host: ``host`` (facts) and ``host/shell`` (a bare ``true``, whose output
-    must be empty: a chatty login shell breaks pdsh and scp)."""
+    must be empty: a chatty login shell breaks pdsh and scp). The hosts of a Slurm allocation
+    (hfscale.launch.runners.slurm_step) are probed by an ``srun`` step on each, not ssh."""
     py = job.config.runner.python or python
     port = job.config.cluster.master_port
     interface = nccl_interface(job)
     if not job.hosts:
         return {"local": Command(("sh", "-c", _script(py, port, interface)))}
     out = {}
-    for i, h in enumerate(job.hosts):
-        ssh = ssh_argv(job, h.host)
+    for i, h in enumerate(job.hosts):  # a Slurm allocation's hosts: a step on the host, not ssh
+        ssh = probe_argv(h.host) if job.scheduled else ssh_argv(job, h.host)
         out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface)]))
         out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
     return out

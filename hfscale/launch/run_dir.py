@@ -40,6 +40,8 @@ def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
     same directory; the previous attempt's logs, progress, stacks, stop marker and plan move to
     attempts/<attempt - 1>/ first, and the files are written again (hosts and batch may differ)."""
     run_dir = Path(plan.run_dir)
+    # the batch script of a supervised Slurm job runs its first attempt in what its submission made
+    taken = attempt == 0 and plan.runner == "slurm" and plan.mode == "stream" and os.path.isfile(run_dir / SLURM_JOB_ID_FILE)
     if attempt > 0:
         keep = run_dir / ATTEMPTS_DIR / str(attempt - 1)
         keep.mkdir(parents=True, exist_ok=False)
@@ -47,14 +49,14 @@ def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
             if os.path.lexists(run_dir / name):
                 os.rename(run_dir / name, keep / name)
     else:
-        run_dir.mkdir(parents=True, exist_ok=False)
+        run_dir.mkdir(parents=True, exist_ok=taken)
     write_files(run_dir, {**dict(plan.files), PLAN_FILE: record})
     private = {name: text.real for name, text in plan.private}
     if plan.cleanup is not None:
         c = plan.cleanup  # real values (its environment may carry ssh options): this user only
         private[CLEANUP_FILE] = json.dumps({"argv": c.real_argv(), "env": c.real_env(), "cwd": c.cwd}) + "\n"
     write_files(run_dir, private, mode=0o600)
-    (run_dir / LOGS_DIR).mkdir()
+    (run_dir / LOGS_DIR).mkdir(exist_ok=taken)
     if plan.keeper is not None:  # the nodes' keepers write here (hfscale.launch.runners.keeper)
         Path(plan.keeper.beats_dir).mkdir()
         Path(plan.keeper.orphaned_dir).mkdir()

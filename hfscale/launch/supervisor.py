@@ -138,17 +138,18 @@ def _stop_between_attempts(signum: int, _frame: object) -> None:
 
 
 def supervise(job: Job, context: Callable[[Job, int], LaunchContext], echo_for: Callable[[LaunchPlan], Callable[[str], None]],
-              say: Callable[[str], None]) -> int:
+              say: Callable[[str], None], first: int = 0) -> int:
     """Run ``job`` until it ends, relaunching it after failures as ``job.config.recovery`` allows.
     ``context(job, attempt)``: the launch context of an attempt (the checkpoints scanned anew, the
     run's job id); ``echo_for(plan)``: the output of one attempt; ``say``: hfscale's own lines.
     Returns the exit code of the last attempt (0: finished). A signal during an attempt stops it
     as any launch's (``execute`` holds the handlers then); between attempts (nothing runs) it ends
-    the supervision: no relaunch."""
+    the supervision: no relaunch. ``first``: the number of the first attempt (a requeued Slurm job
+    goes on from its previous attempts, hfscale.launch.requeue)."""
     previous = {s: signal.signal(s, _stop_between_attempts) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     runs: list[str] = []
     try:
-        return _supervise(job, context, echo_for, say, runs)
+        return _supervise(job, context, echo_for, say, runs, first)
     except _Stopped as e:
         say(f"hfscale: got {signal.Signals(e.signum).name} between attempts (nothing was running); not relaunched")
         if runs:
@@ -182,10 +183,10 @@ def _spares_said(spares: tuple[str, ...]) -> str:
 
 def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
                echo_for: Callable[[LaunchPlan], Callable[[str], None]], say: Callable[[str], None],
-               runs: list[str]) -> int:
+               runs: list[str], first: int = 0) -> int:
     policy = Policy.of(job.config.recovery, tuple(h.host for h in job.hosts), tuple(h.host for h in job.spares))
     history = History()
-    current, attempt, python = job, 0, job.config.runner.python or ""
+    current, attempt, python = job, first, job.config.runner.python or ""
     ctx = context(current, attempt)
     _say_policy(policy, job.num_nodes, say)
     while True:

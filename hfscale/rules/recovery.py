@@ -16,7 +16,8 @@ from hfscale.rules.resolved import Job
 
 Found = list[tuple[tuple, str]]
 HERE = ("recovery",)
-SUPPORTED = "the runners whose jobs hfscale runs itself: local, pdsh and pdsh_docker"
+SUPPORTED = ("the runners whose jobs hfscale runs itself: local, pdsh and pdsh_docker, and slurm (supervised inside "
+             "the allocation)")
 
 
 def _group(job: Job) -> int | None:
@@ -94,10 +95,14 @@ def _spare_findings(job: Job) -> tuple[Found, Found]:
     """The hot spares: marked hosts (pdsh, pdsh_docker), counted by recovery.spares when it is set."""
     r, marked, runner = job.config.recovery, len(job.spares), job.config.runner.type
     key = ("cluster", "hosts") if job.config.cluster.hosts is not None else ("cluster", "hostfile")
-    if runner in ("slurm", "kubernetes", "local"):
+    if runner == "slurm":  # the allocation asks for num_nodes + spares; its last spares nodes are the spares
+        if r.spares and not r.max_restarts:
+            return [], [(HERE + ("spares",), f"{r.spares} spare node(s) not asked for: only recovery "
+                         "(recovery.max_restarts) asks Slurm for them and puts one in place of a failed node")]
+        return [], []
+    if runner in ("kubernetes", "local"):
         if marked or r.spares:
-            why = {"local": "one node has none to replace", "kubernetes": "the operator replaces pods",
-                   "slurm": "relaunching inside an allocation is not built yet"}[runner]
+            why = {"local": "one node has none to replace", "kubernetes": "the operator replaces pods"}[runner]
             return [(HERE + ("spares",) if r.spares else key, f"spares with runner {runner}: {why}")], []
         return [], []
     if r.spares is not None and r.spares != marked:
@@ -121,11 +126,6 @@ def recovery_findings(job: Job) -> tuple[Found, Found]:
     if job.config.runner.type == "kubernetes":
         problems.append((HERE + ("max_restarts",), "restarts on Kubernetes are the operator's (the PyTorchJob's "
                          f"restartPolicy and runner.kubernetes.elastic); hfscale's recovery works with {SUPPORTED}"))
-        return problems, warnings
-    if job.config.runner.type == "slurm":  # a submitted job is Slurm's; relaunching inside an allocation is not built
-        problems.append((HERE + ("max_restarts",), "not built for runner slurm yet: a submitted job runs without "
-                         "hfscale, and relaunching inside an allocation (srun --exclude) is not written; use Slurm's "
-                         f"own requeue (sbatch --requeue) for now; hfscale's recovery works with {SUPPORTED}"))
         return problems, warnings
     if r.min_nodes is not None and r.min_nodes > nodes:
         problems.append((HERE + ("min_nodes",), f"{r.min_nodes} is more than the {_nodes([nodes])} of the job"))

@@ -3,6 +3,7 @@ derived and checked again by ``hfscale.rules.check`` (pure)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hfscale.config.model import HfscaleConfig, HostSpec, ParallelismConfig
@@ -61,5 +62,10 @@ def job_on(job: Job, hosts: tuple[HostSpec, ...], spares: tuple[HostSpec, ...] |
         p, ranks = cfg.distributed.parallelism, ranks_at(job, len(hosts))
         if p is not None and p.total == job.world_size and ranks:
             data["distributed"]["parallelism"] = _parallelism_at(p, ranks)
-    new = HfscaleConfig.model_validate(data)
-    return resolve(new, job.source, job.line_of)
+    new = resolve(HfscaleConfig.model_validate(data), job.source, job.line_of)
+    if job.scheduled and job.hosts:  # the hosts of a Slurm allocation (hfscale.launch.runners.slurm_step)
+        kept = tuple(h.model_copy(update={"spare": False}) for h in hosts)
+        master = cfg.cluster.master_addr if cfg.cluster.master_addr and cfg.cluster.master_addr.lower() in names else None
+        new = replace(new, hosts=kept, spares=tuple(h.model_copy(update={"spare": True}) for h in spares),
+                      master_addr=master or (kept[0].host if kept else ""))
+    return new

@@ -175,6 +175,17 @@ def replacement_lines(t: "Timeline") -> list[str]:
     return out[:MAX_NAMES] + ([f"replaced     and {len(out) - MAX_NAMES} more"] if len(out) > MAX_NAMES else [])
 
 
+def requeue_lines(t: "Timeline") -> list[str]:
+    """``requeued     its batch host node1 was lost; Slurm requeued job 1 (restart 1), at +31.0 s;
+    attempt 1 resumed``: a supervised Slurm job that requeued itself (hfscale.launch.requeue)."""
+    from hfscale.launch.requeue import REQUEUED
+
+    t0 = next((e.at for e in t.events if e.kind == "launch"), t.events[0].at if t.events else 0.0)
+    out = [f"requeued     {printable(e.what or '', 300)}, at +{e.at - t0:.1f} s; attempt {e.attempt + 1} resumed"
+           for e in t.events if e.kind == "failure" and REQUEUED in (e.what or "")]
+    return out[:MAX_NAMES]
+
+
 def timeline_lines(t: "Timeline") -> list[str]:
     """One line per failure, relaunch and giving up, times from the first launch."""
     if not t.events and not t.skipped:
@@ -206,6 +217,7 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
     out = [f"restarts     {g.restarts}" + (f"; excluded: {_names(g.excluded)}" if g.excluded else ""),
            f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
     out += replacement_lines(t)
+    out += requeue_lines(t)
     gave_up = [e for e in t.events if e.kind == "gave_up"]
     if gave_up:
         out.append(f"gave up      {printable(gave_up[-1].what or '', 1000)}")

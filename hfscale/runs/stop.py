@@ -70,7 +70,10 @@ def stop(i: RunInfo, say: Callable[[str], object]) -> int:
     launcher = f"its launcher (pid {i.pid})" if i.pid is not None else "its launcher"
     if i.state == "unreadable":
         raise RunError(f"{name}: its state cannot be read ({printable(i.problem or '')}); nothing was stopped")
-    if i.state == "submitted":
+    supervised = i.slurm_job is not None and i.state in ("running", "died")  # its supervisor runs in the allocation
+    if i.state == "submitted" or supervised:
+        if supervised:  # the stop marker first: a node line that starts from now on starts nothing
+            mark_stopping(i.path / STOP_MARKER)
         cmd = scheduler_command(i, "stop")
         if cmd is None:
             raise RunError(f"{name}: submitted to {i.runner or 'a scheduler'}; hfscale does not know how to cancel it")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -384,6 +385,17 @@ class Slurm:
                 return found
             time.sleep(0.1)
 
+    def stop_slurmd(self, node: str) -> int:
+        """Stop ``node``'s slurmd (SIGTERM), as an administrator's ``systemctl stop slurmd`` would: its
+        jobs' steps (slurmstepd) run on; slurmctld sets the node DOWN after SlurmdTimeout. Its pid."""
+        for line in (self.dir / "daemons").read_text().split("\n"):
+            words = line.split()
+            if words[:2] == ["slurmd", node]:
+                for pid in subprocess.run(["pgrep", "-P", words[2]], capture_output=True, text=True).stdout.split():
+                    os.kill(int(pid), signal.SIGTERM)
+                    return int(pid)
+        raise RuntimeError(f"no slurmd of {node} in {self.dir / 'daemons'}")
+
     def log_tail(self, lines: int = 30) -> str:
         """The end of slurmctld's and every slurmd's log, for failure messages."""
         out = []
@@ -393,11 +405,13 @@ class Slurm:
 
 
 def start_slurm(cluster: Cluster, workdir: Path | str | None = None, *, cpus: int | None = None,
-                requeue_delay: int = 10) -> Slurm:
+                requeue_delay: int = 10, slurmd_timeout: int | None = None) -> Slurm:
     """Start Slurm on a running cluster; its files go to ``workdir`` (default ``<cluster dir>/slurm``).
 
     ``cpus``: CPUs declared per node (default this machine's count). ``requeue_delay``: seconds a
     requeued job waits before it may start again (Slurm's job credential lifetime; its default is 120).
+    ``slurmd_timeout``: Slurm's SlurmdTimeout (default 300): a node whose slurmd stopped or whose link
+    is cut is set DOWN, and srun says "Node failure on <node>", after about 2-3 times this.
     Raises ClusterUnavailable/SlurmUnavailable if the machine cannot do it, RuntimeError if starting failed.
     """
     problem = slurm_preflight()
@@ -411,6 +425,8 @@ def start_slurm(cluster: Cluster, workdir: Path | str | None = None, *, cpus: in
     cmd = [str(SLURM_UP), "-c", str(cluster.dir), "-s", str(sdir), "-r", str(requeue_delay)]
     if cpus is not None:
         cmd += ["-p", str(cpus)]
+    if slurmd_timeout is not None:
+        cmd += ["-t", str(slurmd_timeout)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise RuntimeError(f"slurm_up.sh failed (rc={r.returncode}):\n{r.stdout}\n{r.stderr}")

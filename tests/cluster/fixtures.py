@@ -109,6 +109,31 @@ def slurm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         stop_cluster(cluster)
 
 
+@pytest.fixture
+def make_slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Slurm]]:
+    """``make_slurm(n, **start_slurm's options)``: a Slurm on a fresh ``n``-node cluster, for this test
+    alone (faults that stop a slurmd or cut a link must not reach the session's slurm2)."""
+    problem = slurm_preflight()
+    if problem is not None:
+        _unavailable("Slurm test cluster", problem)
+    made: list[tuple[Cluster, Slurm | None]] = []
+
+    def make(n: int = 2, **kw) -> Slurm:
+        cluster = _start(n, tmp_path_factory.mktemp(f"slurm{n}-"))
+        made.append((cluster, None))
+        slurm = _set_up("Slurm test cluster", lambda c: start_slurm(c, **kw), cluster)
+        made[-1] = (cluster, slurm)
+        return slurm
+
+    try:
+        yield make
+    finally:
+        for cluster, slurm in reversed(made):
+            if slurm is not None:
+                stop_slurm(slurm)
+            stop_cluster(cluster)
+
+
 @pytest.fixture(scope="session")
 def podman2(cluster2: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
     problem = podman_preflight()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# slurm_up.sh -c CLUSTER_DIR -s SLURM_DIR [-p CPUS] [-r SECONDS] [-e NAME=VALUE]...
+# slurm_up.sh -c CLUSTER_DIR -s SLURM_DIR [-p CPUS] [-r SECONDS] [-t SECONDS] [-e NAME=VALUE]...
 #
 # A multi-node Slurm on top of a running cluster_up.sh cluster (apt-get install slurm-wlm munge).
 # Everything runs INSIDE the cluster's nodes, so it dies with the cluster and two clusters never
@@ -16,20 +16,23 @@
 #            slurmd then reports the configured value: SlurmdParameters=config_overrides)
 #   -r SECONDS  job credential lifetime (AuthInfo cred_expire, default 10; Slurm's own default is
 #            120). It is also how long a requeued job waits before it may start again.
+#   -t SECONDS  SlurmdTimeout: how long a node's slurmd may not answer before slurmctld sets the node
+#            DOWN (default 300, Slurm's own); srun then says "Node failure on <node>" about 2-3 times this
 #   -e NAME=VALUE   environment of the daemons (slurmd passes it to prolog/epilog; jobs get the
 #            submitter's). Default: the cluster's ssh session environment (CLUSTER_DIR/setenv).
 #
 # Stop with slurm_down.sh -c CLUSTER_DIR -s SLURM_DIR (or just cluster_down.sh: the kernel ends the rest).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
-C="" S="" CPUS="" CRED=10
+C="" S="" CPUS="" CRED=10 SLURMD_TIMEOUT=300
 SETENV=()
-while getopts "c:s:p:r:e:" opt; do
+while getopts "c:s:p:r:t:e:" opt; do
   case $opt in
     c) C=$OPTARG ;;
     s) S=$OPTARG ;;
     p) CPUS=$OPTARG ;;
     r) CRED=$OPTARG ;;
+    t) SLURMD_TIMEOUT=$OPTARG ;;
     e) SETENV+=("$OPTARG") ;;
     *) sed -n '2,22p' "$0" >&2; exit 2 ;;
   esac
@@ -46,6 +49,7 @@ done
 [ -z "$CPUS" ] && CPUS=$(nproc)
 [[ "$CPUS" =~ ^[0-9]+$ ]] && [ "$CPUS" -ge 1 ] || { echo "-p wants a CPU count" >&2; exit 2; }
 [[ "$CRED" =~ ^[0-9]+$ ]] || { echo "-r wants seconds" >&2; exit 2; }
+[[ "$SLURMD_TIMEOUT" =~ ^[0-9]+$ ]] || { echo "-t wants seconds" >&2; exit 2; }
 ID=$(cat "$C/id"); N=$(wc -l < "$C/nodes"); NET=10.78.$ID
 [ ${#SETENV[@]} = 0 ] && [ -f "$C/setenv" ] && mapfile -t SETENV < "$C/setenv"
 SLURMCTLD=$(command -v slurmctld) SLURMD=$(command -v slurmd) MUNGED=$(command -v munged)
@@ -103,6 +107,7 @@ ReturnToService=2
 JobRequeue=1
 MinJobAge=3600
 KillWait=30
+SlurmdTimeout=$SLURMD_TIMEOUT
 SchedulerParameters=sched_interval=2,sched_min_interval=100000
 NodeName=node[0-$((N-1))] NodeAddr=$NET.[1-$N] CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=node[0-$((N-1))] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES

@@ -13,7 +13,8 @@ from hfscale.core.shell import Command, Line, Secret, Sh, words
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import SLURM_JOB_ID_FILE
 from hfscale.launch.runners.shared import Common, Submitted, Unavailable
-from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch
+from hfscale.launch.runners import slurm_step
+from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch, render_supervised
 from hfscale.launch.runners.stopping import dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
@@ -21,7 +22,17 @@ from hfscale.rules.resolved import Job
 EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
 
 
+def supervised(job: Job) -> bool:
+    """Whether hfscale supervises the job inside its allocation (``recovery.max_restarts`` > 0):
+    the batch script runs ``hfscale launch`` there (hfscale.launch.runners.slurm_step)."""
+    return bool(job.config.recovery.max_restarts)
+
+
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    if job.hosts:  # inside the allocation, its hosts known: one attempt, an srun step (slurm_step.in_allocation)
+        return slurm_step.plan(job, ctx, c)
+    if supervised(job) and not dict(ctx.shell_env).get("SLURM_JOB_ID"):
+        return _submit_supervised(job, ctx, c)
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, NODE_RANK, master=MASTER))
     plain = {k: v for k, v in c.env.items() if not isinstance(v, Secret)}
     secret = tuple((k, v) for k, v in c.env.items() if isinstance(v, Secret))
@@ -41,6 +52,22 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
                       main, cleanup, "done" if c.done else mode, notes, show=(SCRIPT,),  # type: ignore[arg-type]
                       moves=c.moves, watch=watch, dump=dump)
+
+
+def _submit_supervised(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    """sbatch of a script that runs hfscale's supervisor on the batch host (secrets: from sbatch's
+    environment, as for any submitted job)."""
+    secret = tuple((k, v) for k, v in c.env.items() if isinstance(v, Secret))
+    config = posixpath.join(ctx.cwd, job.source)
+    script = render_supervised(job, c.run_dir, c.workdir, c.python, config, ctx.run_id or ctx.job_id, ctx.extra_args)
+    files = (*c.files, (SCRIPT, script))
+    notes = c.notes + (f"supervised inside the allocation: the batch script runs hfscale launch on the batch host, "
+                       f"each attempt one srun step; up to {job.config.recovery.max_restarts} restart(s); "
+                       "the job requeues itself when its batch host is lost",)
+    main = Command(("sbatch", "--parsable", posixpath.join(c.run_dir, SCRIPT)), secret)
+    return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(["hfscale", "launch", config])),),
+                      ("slurm",), main, None, "done" if c.done else "submit", notes, show=(SCRIPT,),  # type: ignore[arg-type]
+                      moves=c.moves)
 
 
 def on_every_node(nodes: int, script: str) -> Command:

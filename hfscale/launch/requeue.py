@@ -1,0 +1,95 @@
+"""A supervised Slurm job that Slurm requeued (its batch host was lost: the nodes' keepers requeue
+it, hfscale.launch.runners.slurm_step): the batch script runs ``hfscale launch`` again, into the same
+run directory, and the supervisor goes on from the attempts already made there, resuming from the
+newest complete checkpoint. This module finds the number of its first attempt and writes what
+happened to the run's timeline (a failure of the previous attempt, ``host_lost`` on the batch host,
+and the relaunch), which ``hfscale status`` and ``report`` show. Files only, no processes; the
+files read back (state.json, the attempts folder) are treated as untrusted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable, Mapping
+
+from hfscale.core.records import TimelineEvent
+from hfscale.core.untrusted import Unreadable
+from hfscale.launch.run_dir import ATTEMPTS_DIR, LAUNCHER_BEAT, read_state
+from hfscale.launch.runners.slurm_step import ALLOCATION_VAR, HOSTS_VAR, allocation_hosts, in_allocation
+from hfscale.launch.timeline import append_event
+from hfscale.rules.resolved import Job
+
+RESTART_VAR = "SLURM_RESTART_COUNT"  # how often Slurm requeued the job (unset or 0: the first run)
+MAX_ATTEMPTS = 100_000
+REQUEUED = "Slurm requeued job"  # in the failure event's 'what' (hfscale.runs.goodput shows it)
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """Slurm's requeue count of the job this runs in (0: first run, or not in a supervised batch script)."""
+    text = env.get(RESTART_VAR, "0").strip()
+    if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env or not text.isdigit() or len(text) > 6:
+        return 0
+    return int(text)
+
+
+def attempts_made(run_dir: str | Path) -> int:
+    """How many attempts ``run_dir`` moved aside (``attempts/<n>/``, n = 0, 1, ...)."""
+    try:
+        names = os.listdir(Path(run_dir) / ATTEMPTS_DIR)
+    except OSError:
+        return 0
+    numbers = {int(n) for n in names if n.isdigit() and len(n) <= 6}
+    n = 0
+    while n in numbers and n < MAX_ATTEMPTS:
+        n += 1
+    return n
+
+
+def _last_beat(run_dir: str, now: float) -> float:
+    """When the lost supervisor last beat (its heartbeat file's modification time), or ``now``."""
+    try:
+        at = os.stat(Path(run_dir) / LAUNCHER_BEAT).st_mtime
+    except OSError:
+        return now
+    return at if 0 < now - at < 86_400 else now
+
+
+def first_attempt(job: Job, run_dir: str, say: Callable[[str], None], env: Mapping[str, str] | None = None) -> int:
+    """The number of the supervisor's first attempt: 0, or after a requeue the attempt after the
+    last one made (whose files are still in place: the next attempt moves them aside). A requeue is
+    recorded in the timeline as the previous attempt's failure (its batch host lost) and a relaunch."""
+    env = os.environ if env is None else env
+    restart = restart_count(env)
+    if restart == 0 or job.config.runner.type != "slurm":
+        return 0
+    first = attempts_made(run_dir) + 1
+    try:
+        host = read_state(run_dir).host
+    except (Unreadable, OSError):
+        host = None
+    where = f"its batch host {host}" if host else "its batch host"
+    what = f"{where} was lost; {REQUEUED} {env.get(ALLOCATION_VAR)} (restart {restart})"
+    say(f"hfscale: {what}; attempt {first} resumes from the newest complete checkpoint")
+    now = time.time()
+    lost_at = _last_beat(run_dir, now)
+    for event in (dict(kind="failure", attempt=first - 1, at=lost_at, cause="host_lost", host=host, what=what),
+                  dict(kind="stopped", attempt=first - 1, at=now),
+                  dict(kind="relaunch", attempt=first, at=now, hosts=[h.host for h in job.hosts],
+                       world_size=job.world_size, accumulation=job.gradient_accumulation_steps)):
+        try:
+            append_event(run_dir, TimelineEvent.model_validate({k: v for k, v in event.items() if v is not None}))
+        except ValueError:
+            continue
+    return first
+
+
+def in_allocation_of(job: Job, env: Mapping[str, str] | None = None) -> Job:
+    """``job`` on the hosts of its Slurm allocation when the batch script of a supervised job runs
+    this launch (hfscale.launch.runners.slurm_step), else ``job``; ConfigError when the allocation
+    is smaller than the job."""
+    names = allocation_hosts(os.environ if env is None else env) if job.config.runner.type == "slurm" else None
+    if names is None or not job.config.recovery.max_restarts:
+        return job
+    return in_allocation(job, names)

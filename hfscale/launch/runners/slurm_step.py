@@ -1,0 +1,151 @@
+"""Runner slurm inside the job's own allocation, supervised (``recovery.max_restarts`` > 0): the batch
+script (hfscale.launch.runners.slurm_script) runs ``hfscale launch`` on the batch host, which
+supervises the job there (hfscale.launch.supervisor), and each attempt is one ``srun`` step over
+that attempt's nodes (pure: the plan of one attempt, and the job on the allocation's hosts).
+
+- The allocation's hosts (``scontrol show hostnames "$SLURM_JOB_NODELIST"``, which the batch script
+  puts in ``HFSCALE_SLURM_HOSTS``) become the job's hosts: the first ``cluster.num_nodes`` train, the
+  next ``recovery.spares`` are its spares, so that the supervisor's decisions (strikes, probes,
+  leaving a host out, a spare in place of a failed host) work on host names as they do for pdsh.
+- An attempt is ``srun --nodelist=<its hosts> --nodes=N --ntasks=N --ntasks-per-node=1
+  --kill-on-bad-exit=1``: a failure ends the step, not the allocation (the batch script asks for
+  ``--no-kill``, so a node Slurm loses leaves the allocation and the job goes on without it).
+- Each node runs pdsh's line (hfscale.launch.runners.pdsh): the stop marker, its rank by its own name
+  (``$SLURMD_NODENAME``) from ``nodes.sh``, the environment from ``env.sh``, the keeper, the launcher
+  and the exit line; its output goes through ``sed`` to get the ``<host>: `` prefix pdsh would
+  give, so hfscale.launch.node_lines reads it alike.
+- The keeper of each node watches the supervisor's heartbeat: when the batch host dies (the job
+  runs on without its batch script under ``--no-kill``), the nodes requeue the job
+  (``scontrol requeue``), which resumes from the newest complete checkpoint.
+- The stop (cleanup) and the stack dump reach each node by a step of their own (``--overlap``),
+  one per node, so that a node Slurm lost does not keep the stop from the others.
+- A probe of a host (hfscale.launch.preflight) is ``srun --nodelist=<host> --nodes=1`` instead of ssh.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import replace
+from typing import Mapping
+
+from hfscale.config.errors import ConfigError, Problem
+from hfscale.config.model import HostSpec
+from hfscale.core.shell import Command, Line, Script, Sh, Var, Word, and_then, words
+from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.run_dir import STOP_MARKER
+from hfscale.launch.runners.keeper import HOST_VAR, keeper_line, keeper_of
+from hfscale.launch.runners.pdsh import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
+from hfscale.launch.runners.shared import Common
+from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
+from hfscale.launch.spec import LaunchPlan, NodeLaunch
+from hfscale.rules.resolved import Job
+
+HOSTS_VAR = "HFSCALE_SLURM_HOSTS"  # the allocation's hosts, comma-separated (the batch script sets it)
+ALLOCATION_VAR = "SLURM_JOB_ID"
+NODE_NAME_VAR = "SLURMD_NODENAME"  # Slurm's name of the node a task runs on
+PREVIOUS_STEP_S = 60  # an attempt's step waits at most this long for the previous one to end
+STEP_STOP_S = 20  # the stop's step on one node; a node Slurm cannot reach is given up on after this
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}$")
+
+
+def allocation_hosts(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The allocation's hosts the batch script recorded in ``HFSCALE_SLURM_HOSTS`` (None: not inside
+    a supervised batch script). Names that are not host names are left out (the variable is read
+    like a file: it could hold anything)."""
+    if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env:
+        return None
+    names = [n.strip() for n in env[HOSTS_VAR][:1_000_000].split(",")]
+    return tuple(dict.fromkeys(n for n in names if _NAME.match(n)))
+
+
+def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
+    """``job`` on the hosts of its allocation: the first ``num_nodes`` train (slots =
+    ``nproc_per_node``), the next ``recovery.spares`` are its spares; the master is the first host.
+    ConfigError when the allocation is smaller than the job (nodes plus spares)."""
+    spares = job.config.recovery.spares or 0
+    want = job.num_nodes + spares
+    if len(names) < want:
+        raise ConfigError(job.source, [Problem("cluster.num_nodes", f"the Slurm allocation has {len(names)} node(s) "
+                                               f"({', '.join(names) or 'none'}), the job needs {job.num_nodes}"
+                                               + (f" and {spares} spare(s)" if spares else ""),
+                                               job.line_of(("cluster", "num_nodes")))])
+    slots = job.procs_per_node
+    hosts = tuple(HostSpec(host=n, slots=slots) for n in names[:job.num_nodes])
+    spare = tuple(HostSpec(host=n, slots=slots, spare=True) for n in names[job.num_nodes:want])
+    return replace(job, hosts=hosts, spares=spare, master_addr=job.config.cluster.master_addr or hosts[0].host)
+
+
+def srun_argv(hosts: tuple[str, ...]) -> list[str]:
+    """The step of one attempt: one task on each of ``hosts``; a task that fails ends the step."""
+    n = len(hosts)
+    return ["srun", f"--nodelist={','.join(hosts)}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", "--unbuffered"]
+
+
+def still_allocated(hosts: tuple[str, ...]) -> str:
+    """Shell text run before an attempt's step: a host Slurm took out of the allocation (set DOWN
+    under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3, instead of srun's
+    "Requested node configuration is not available", which names none. Host names are validated."""
+    # the previous attempt's step still ending on a node (Slurm kills it when it loses a node): wait,
+    # at most PREVIOUS_STEP_S: a step started meanwhile had its srun SIGKILLed on the test Slurm
+    wait = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | '
+            "grep -vE '[.](batch|extern) |hfscale-watch$')\" ] && break; sleep 1; done; ")
+    return (wait + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then '
+            'have=" $(scontrol show hostnames "$now" | tr \'\\n\' \' \')"; for h in ' + " ".join(hosts) + '; do '
+            'case "$have" in *" $h "*) ;; *) echo "hfscale: Slurm took $h out of the allocation (set DOWN: its '
+            'slurmd stopped answering)"; exit 3 ;; esac; done; fi;')
+
+
+def probe_argv(host: str) -> list[str]:
+    """The start of a probe of ``host`` (its command follows, as one shell line), instead of ssh."""
+    return ["srun", "--overlap", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", "bash", "-c"]
+
+
+def on_each_node(hosts: tuple[str, ...], script: str) -> Command:
+    """``script`` on each of ``hosts`` at once, a step of its own on each (``--overlap``: beside the
+    job's step), each given up on after STEP_STOP_S: the stop, the stack dump."""
+    each = Line.of(Sh(f'timeout {STEP_STOP_S} srun --overlap --nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c'),
+                   Script(Line((Sh(script),))), Sh("</dev/null >/dev/null 2>&1 &"))
+    line = Line.of(Sh("for h in"), words(hosts), Sh("; do", glue=True), each, Sh("done; wait; true"))
+    return Command(("bash", "-c", line))
+
+
+def requeue_and_stop(job_id: str) -> str:
+    """What a node's keeper runs when the supervisor's heartbeat stopped (its batch host is gone):
+    requeue the job (it resumes from its newest complete checkpoint), then stop this node's job."""
+    return f'scontrol requeue "${ALLOCATION_VAR}" 2>/dev/null; {stop_script(job_id)}'
+
+
+def node_line(job: Job, c: Common, job_id: str, launcher: list[Word]) -> Line:
+    """What each node's task runs: a shell started with the job id in its environment whose output
+    (prefixed ``<host>: ``) runs through sed, which the stop leaves alone so the last lines arrive."""
+    setup = job.config.runner.setup
+    before = and_then(Line.of(Sh("cd"), c.workdir), Line.of(Sh("."), posixpath.join(c.run_dir, ENV_FILE)),
+                      Line.of(Sh("."), posixpath.join(c.run_dir, NODES_FILE)),
+                      Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
+    keeper = keeper_line(keeper_of(c.run_dir), Line((Sh(requeue_and_stop(job_id)),)))
+    prefix = Line((Sh(f'export {HOST_VAR}="${NODE_NAME_VAR}"; exec > >(exec env -u {JOB_ID_VAR} sed -u '
+                      f'"s/^/${HOST_VAR}: /") 2>&1;'),))
+    node = node_script(before, launcher, posixpath.join(c.run_dir, STOP_MARKER), first=Line.of(prefix, keeper),
+                       on_exit="kill $hb 2>/dev/null; ")
+    return Line.of(Sh("exec env"), *(Sh(f"{JOB_ID_VAR}={job_id}"),), Sh("bash -c"), Script(node))
+
+
+def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
+    """One attempt inside the allocation: an srun step over ``job.hosts``."""
+    hosts = tuple(h.host for h in job.hosts)
+    launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
+    main = Command(("bash", "-c", Line.of(Sh(still_allocated(hosts)), Sh("exec"), words(srun_argv(hosts)),
+                                          Sh("bash -c"), Script(node_line(job, c, ctx.job_id, launcher)))))
+    dump = on_each_node(hosts, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+    nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
+                                                       default_rendezvous(job, str(i)))))
+                  for i, h in enumerate(hosts))
+    notes = c.notes + (f"inside Slurm allocation {dict(ctx.shell_env).get(ALLOCATION_VAR, '?')}: supervised here, "
+                       f"each attempt one srun step over its nodes" + (f"; spares {', '.join(s.host for s in job.spares)}"
+                                                                       if job.spares else ""),)
+    return LaunchPlan(ctx.job_id, "slurm", c.run_dir, c.files, nodes, hosts, main, on_each_node(hosts, stop_script(ctx.job_id)),
+                      c.mode, notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
+                      watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
+                      keeper=keeper_of(c.run_dir))

@@ -1,0 +1,267 @@
+"""Jobs that heal themselves inside their Slurm allocation (issue 29, items 1 and 3), on a real Slurm
+(tests/cluster: slurmctld and munged on node0, one slurmd per namespace node, SlurmdTimeout 10 s):
+real sbatch, srun steps, torchrun and DeepSpeed ZeRO-2 on CPU, faults made the way they happen.
+
+- ``test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node``: 3 nodes and 1 spare
+  (an allocation of 4), one rank each, global batch kept. At steps drawn at random (seeded; the
+  seed is printed): node1's ranks SIGKILLed, node2's link cut, then one training node's slurmd
+  stopped. hfscale's supervisor runs on the batch host (node0), each attempt one srun step; Slurm's
+  "Node failure" names the lost nodes, which leave the allocation (--no-kill) and the job. It
+  finishes without a person; every step's loss equals an uninterrupted run's within 1e-3; squeue
+  is empty and no process of the job is left; status shows the attempts and the goodput.
+- ``test_a_lost_batch_host_requeues_the_job_which_resumes``: the batch host (where the supervisor
+  runs) dies mid-training (its slurmd and every process on it killed); the other nodes' keepers see
+  the supervisor's heartbeat stop and requeue the job, which resumes from the newest complete
+  checkpoint on other nodes and finishes.
+
+Steps are slowed (0.25 s after each, tests/test_orphans_cluster.py's callback) so that faults land
+mid-training and a node whose slurmd stopped, which trains on until Slurm notices (about 30 s),
+cannot finish the job first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import leftover_processes, pids_in_node, run_on
+from conftest import ROOT
+from hfscale.launch.timeline import read_timeline
+from test_orphans_cluster import SLOW
+from test_recovery_cluster import losses, node_env
+
+pytestmark = pytest.mark.slow
+MAX_STEPS = 240  # a node whose slurmd stopped trains on for ~30 s (~100 steps) before Slurm notices
+SLURMD_TIMEOUT = 10
+
+
+def slurm_config(tmp: Path, out: Path, port: int, *, nodes: int = 3, spares: int = 0, extra: list[str] | None = None,
+                 max_steps: int = MAX_STEPS) -> Path:
+    site = tmp / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SLOW)
+    slow = tmp / "slow"
+    slow.touch()
+    doc = {"name": "heal", "cluster": {"num_nodes": nodes, "nproc_per_node": 1, "master_port": port},
+           "runner": {"type": "slurm", "launcher": "torchrun", "run_dir": str(tmp / "runs"),
+                      "slurm": {"job_name": "hfs-heal", "extra": extra or []}},
+           "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
+           "batch": {"micro_batch_size": 2, "global_batch_size": 12},
+           "env": {"vars": {**node_env(), "PYTHONPATH": str(site), "SLOW_WHILE": str(slow)}},
+           "watchdog": {"timeout": 120, "first_step": 400},  # Slurm's Node failure (~30 s) comes first
+           "training": {"output_dir": str(out), "max_steps": max_steps, "save_steps": 3, "logging_steps": 1,
+                        "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "seed": 3,
+                        "model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32,
+                                             "vocab_size": 256, "n_positions": 64, "bos_token_id": 0,
+                                             "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                             "attn_pdrop": 0.0}},
+                        "data": {"block_size": 32}},
+           "recovery": {"max_restarts": 6, "strikes": 2, "min_nodes": 1, "keep_global_batch": True,
+                        **({"spares": spares} if spares else {})}}
+    path = tmp / "heal.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def submit(slurm, config: Path) -> tuple[str, Path]:
+    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=slurm.env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"hfscale: submitted Slurm job (\d+); output in (\S+)/slurm-\1\.out", r.stdout + r.stderr)
+    assert m, r.stdout + r.stderr
+    return m.group(1), Path(m.group(2))
+
+
+def _step(run: Path) -> int:
+    try:
+        return json.loads((run / "progress" / "metrics.json").read_text()).get("step") or 0
+    except (OSError, ValueError):
+        return 0
+
+
+def _events(run: Path, kind: str):
+    try:
+        return [e for e in read_timeline(run).events if e.kind == kind]
+    except Exception:  # written while read
+        return []
+
+
+def _training_after(run: Path, attempt: int) -> bool:
+    """Whether an attempt after ``attempt`` has completed a step (its timeline event)."""
+    return any(e.attempt > attempt for e in _events(run, "training"))
+
+
+def wait_for(what: str, cond, slurm, job: str, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        state = slurm.state(job)
+        assert state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"), \
+            f"job {job} is {state} while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def output(run: Path, job: str) -> str:
+    log = run / f"slurm-{job}.out"
+    return log.read_text(errors="replace") if log.exists() else "(no output file)"
+
+
+def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make_slurm, tmp_path,
+                                                                             uninterrupted_losses):
+    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    slurm = make_slurm(4, slurmd_timeout=SLURMD_TIMEOUT)
+    cluster = slurm.cluster
+    out = tmp_path / "out"
+    config = slurm_config(tmp_path, out, 29971, spares=1)
+    t0 = time.time()
+    job, run = submit(slurm, config)
+    faults: list[tuple[str, float, int]] = []
+    link = f"hfs{cluster.id}v2"  # node2's veth end on the bridge
+    try:
+        # 1. node1's ranks SIGKILLed (a GPU fault, the OOM killer)
+        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600)
+        at = _step(run) + rng.randint(3, 10)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
+        run_on(cluster, "node1", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
+        faults.append(("kill node1's ranks", time.time(), _step(run)))
+        wait_for("attempt 1 training", lambda: _training_after(run, 0), slurm, job)
+        # 2. node2's link cut (a dead switch port): Slurm's Node failure, node2 leaves the job
+        at = _step(run) + rng.randint(3, 10)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        faults.append(("cut node2's link", time.time(), _step(run)))
+        wait_for("node2's loss noticed", lambda: len(_events(run, "failure")) >= 2, slurm, job)
+        last = _events(run, "failure")[-1].attempt
+        wait_for("the next attempt training", lambda: _training_after(run, last), slurm, job)
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)  # back; it stays out of the job
+        # 3. the slurmd of a training node (not the batch host) stopped: Slurm's Node failure again
+        hosts = _events(run, "relaunch")[-1].hosts
+        victim = next(h for h in hosts if h != "node0")
+        at = _step(run) + rng.randint(3, 10)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
+        slurm.stop_slurmd(victim)
+        faults.append((f"stop {victim}'s slurmd", time.time(), _step(run)))
+        info = slurm.wait(job, timeout=900)
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        slurm.run("scancel", job, check=False)
+    took = time.time() - t0
+    text = output(run, job)
+    for what, when, step in faults:
+        print(f"{what} at +{when - t0:.1f} s, step {step}")
+    assert info["JobState"] == "COMPLETED", text[-6000:]
+    events = read_timeline(run).events
+    for e in events:
+        print(e.model_dump(exclude_none=True))
+    failures = [e for e in events if e.kind == "failure"]
+    relaunches = [e for e in events if e.kind == "relaunch"]
+    assert len(failures) == 3 and len(relaunches) == 3, text[-6000:]
+    assert (failures[0].cause, failures[0].host) == ("rank_failed", "node1")
+    # the spare (node3, the allocation's last node) in node1's place: the same world size, nothing converted
+    assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
+    assert "ds_to_universal" not in text.split("restart 2 (")[0]
+    assert (failures[1].cause, failures[1].host) == ("host_lost", "node2")
+    assert (failures[2].cause, failures[2].host) == ("host_lost", victim)
+    assert "node2" not in relaunches[1].hosts and victim not in relaunches[2].hosts
+    got = losses(out / f"checkpoint-{MAX_STEPS}")
+    assert sorted(got) == list(range(1, MAX_STEPS + 1))
+    worst = max(abs(got[s] - uninterrupted_losses[s]) for s in got)
+    print(f"healed in {took:.0f} s; largest loss difference over {MAX_STEPS} steps: {worst:.2e}")
+    assert worst < 1e-3
+    assert slurm.run("squeue", "-h").stdout.strip() == ""
+    status = subprocess.run([sys.executable, "-m", "hfscale", "status", str(run)], cwd=ROOT, env=slurm.env(),
+                            capture_output=True, text=True, timeout=60)
+    print(status.stdout.split("\n---")[0])
+    assert status.returncode == 0, status.stderr
+    assert f"restarts     {len(relaunches)}" in status.stdout and "goodput      " in status.stdout
+    left = {n: p for n, p in leftover_processes(cluster, timeout=60, contains=str(tmp_path)).items() if n != victim}
+    assert left == {}
+    assert {n: p for n, p in slurm.job_processes(timeout=60).items() if n != victim} == {}
+
+
+def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, uninterrupted_losses):
+    slurm = make_slurm(5, slurmd_timeout=SLURMD_TIMEOUT)
+    cluster = slurm.cluster
+    out = tmp_path / "out"
+    max_steps = 120
+    config = slurm_config(tmp_path, out, 29981, extra=["--exclude=node0"], max_steps=max_steps)  # node0: slurmctld
+    t0 = time.time()
+    job, run = submit(slurm, config)
+    try:
+        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600)
+        batch_host = slurm.job(job)["BatchHost"]
+        wait_for("a checkpoint", lambda: _step(run) >= 12, slurm, job)
+        killed_at = _step(run)
+        # the batch host dies: its slurmd, the batch script, the supervisor, its ranks
+        slurm.stop_slurmd(batch_host)
+        for pid in pids_in_node(cluster, batch_host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        t_kill = time.time()
+        wait_for("the requeued job", lambda: "restart 1" in output(run, job), slurm, job, timeout=300)
+        t_requeued = time.time()
+        info = slurm.wait(job, timeout=900)
+    finally:
+        slurm.run("scancel", job, check=False)
+    text = output(run, job)
+    print(f"batch host {batch_host} killed at step {killed_at}, +{t_kill - t0:.0f} s; requeued job started "
+          f"{t_requeued - t_kill:.0f} s later; finished +{time.time() - t0:.0f} s")
+    assert info["JobState"] == "COMPLETED", text[-6000:]
+    assert int(info.get("Restarts", "0")) == 1
+    assert "was lost; Slurm requeued job" in text
+    events = read_timeline(run).events
+    lost = [e for e in events if e.kind == "failure" and e.cause == "host_lost"]
+    assert lost and lost[0].host == batch_host, [e.model_dump(exclude_none=True) for e in events]
+    got = losses(out / f"checkpoint-{max_steps}")
+    assert sorted(got) == list(range(1, max_steps + 1))
+    worst = max(abs(got[s] - uninterrupted_losses[s]) for s in got)
+    print(f"largest loss difference over {max_steps} steps: {worst:.2e}")
+    assert worst < 1e-3
+    assert slurm.run("squeue", "-h").stdout.strip() == ""
+    status = subprocess.run([sys.executable, "-m", "hfscale", "status", str(run)], cwd=ROOT, env=slurm.env(),
+                            capture_output=True, text=True, timeout=60)
+    print(status.stdout.split("\n---")[0])
+    assert f"requeued     its batch host {batch_host} was lost; Slurm requeued job {job} (restart 1)" in status.stdout
+
+
+def test_hfscale_stop_cancels_a_supervised_job_and_leaves_nothing(make_slurm, tmp_path):
+    """A supervised job's run is 'running' on its batch host: ``hfscale stop`` from here writes the
+    stop marker and cancels it through Slurm; the supervisor stops the step and lets the lock go."""
+    slurm = make_slurm(2, slurmd_timeout=SLURMD_TIMEOUT)
+    out = tmp_path / "out"
+    config = slurm_config(tmp_path, out, 29991, nodes=2)
+    job, run = submit(slurm, config)
+    try:
+        wait_for("step 4", lambda: _step(run) >= 4, slurm, job, timeout=600)
+        assert (out / "_hfscale-lock.json").is_file()  # held by the supervisor on the batch host
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "hfscale", "stop", str(run)], cwd=ROOT, env=slurm.env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        info = slurm.wait(job, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        slurm.run("scancel", job, check=False)
+    print(f"stopped: {info['JobState']} {took:.1f} s after hfscale stop; {r.stdout.strip()} {r.stderr.strip()}")
+    assert info["JobState"] == "CANCELLED"
+    assert (run / "stopping").exists()
+    assert slurm.run("squeue", "-h").stdout.strip() == ""
+    assert slurm.job_processes(timeout=60) == {}
+    deadline = time.monotonic() + 30
+    while (out / "_hfscale-lock.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not (out / "_hfscale-lock.json").exists(), output(run, job)[-3000:]
