@@ -123,3 +123,48 @@ def test_the_buddy_stream_rebuilds_every_file_byte_for_byte(tmp_path: Path, monk
     writer.finish()
     assert tier.listing(dst) == dict(sorted(files.items()))
     assert all((dst / rel).read_bytes() == bytes(range(size)) for rel, size in files.items())
+
+
+def job_text(tmp: Path, **training) -> "object":
+    import yaml
+
+    from hfscale.rules.config_file import load_text
+
+    doc = {"name": "lt", "cluster": {"hosts": [{"host": "node0", "slots": 1}, {"host": "node1", "slots": 1}]},
+           "runner": {"type": "pdsh"}, "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}},
+           "batch": {"micro_batch_size": 1},
+           "training": {"output_dir": str(tmp / "out"), "max_steps": 100, "save_steps": 50, **training}}
+    return load_text(yaml.safe_dump(doc), str(tmp / "lt.yaml"), tmp)
+
+
+def test_check_says_what_each_tier_bounds_and_warns_where_the_tier_cannot_help(tmp_path: Path):
+    from hfscale.cli.check_summary import summary
+
+    job = job_text(tmp_path, local_checkpoints={"every": 5, "dir": "/nvme/{host}"})
+    assert ("checkpoints  durable every 50 steps in " in summary(job) and "local every 5 steps in /nvme/{host}, each "
+            "node's part also on the next node: a failure recomputes at most 5 steps (50 when a node and the one after "
+            "it are lost together, or when the job restarts at another world size)" in summary(job))
+    assert job.warnings == ()
+    job = job_text(tmp_path, local_checkpoints={"every": 60, "dir": "/nvme"}, script="train.py")
+    said = [str(w) for w in job.warnings]
+    assert any("local_checkpoints.every" in w and "60 >= training.save_steps 50" in w for w in said)
+    assert any("only if train.py calls hfscale.instrument(trainer)" in w for w in said)
+
+
+def test_restart_moves_the_lineage_aside_with_the_checkpoints(tmp_path: Path):
+    from hfscale.checkpoints.resume import scan_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert scan_output(out, 2).lineage is False
+    (out / tier.LINEAGE_FILE).write_text('{"lineage": "0123456789abcdef"}\n')
+    assert scan_output(out, 2).lineage is True
+    from hfscale.launch.build import build_plan
+    from hfscale.launch.node_command import LaunchContext
+
+    job = job_text(tmp_path, local_checkpoints={"every": 5, "dir": "/nvme"})
+    ctx = LaunchContext.of(str(tmp_path), "/usr/bin/python3", "20261126-120000-abcdef", {},
+                           output=scan_output(out, 2), restart=True)
+    moves = build_plan(job, ctx).moves
+    assert [(os.path.basename(a), os.path.basename(b)) for a, b in moves] == [(tier.LINEAGE_FILE, tier.LINEAGE_FILE)]
+    assert os.path.basename(os.path.dirname(moves[0][1])) == "restarted-20261126-120000-abcdef"

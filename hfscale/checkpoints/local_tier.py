@@ -25,7 +25,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Iterable
+from typing import Annotated
 
 from pydantic import Field
 
@@ -208,7 +208,3 @@ def rotate(root: Path, keep: int) -> list[int]:
 def buddy_of(node: int, nodes: int) -> int:
     """The node that keeps a copy of ``node``'s part: the next one, round the ring."""
     return (node + 1) % nodes
-
-
-def bounded(values: Iterable[int]) -> int:
-    return max(values, default=0)

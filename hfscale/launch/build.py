@@ -93,6 +93,11 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
             notes += [n for n in [schedule_note(t, scan.state, d.checkpoint or "")] if n]
         if reshards(job, ctx):
             notes.append(reshard_note(job, scan.saved_world or 0, d.checkpoint or "", scan.universal))
+    local = t.local_checkpoints
+    if local is not None:
+        notes.append(f"the ranks first look at the nodes' local checkpoints ({local.dir}): the newest step complete "
+                     "between them, newer than the durable one and saved at this world size, is restored into "
+                     f"{t.output_dir} and resumed from")
     return _ResumeStep(notes, told=_skipped(scan) if d.action == "resume" else ())
 
 

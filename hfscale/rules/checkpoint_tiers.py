@@ -20,8 +20,9 @@ def local_tier_findings(job: Job) -> tuple[Found, Found]:
         warnings.append((HERE + ("every",), f"{local.every} >= training.save_steps {t.save_steps}: the durable tier "
                          "saves at least as often, so the local tier adds nothing"))
     if t.script is not None and t.pass_args == "none":
-        return [(HERE, "a plain script (training.pass_args: none) saves and resumes by itself: the local tier needs "
-                 "the Trainer (the built-in entry point, or a script that calls hfscale.instrument(trainer))")], warnings
+        return [], warnings + [(HERE, "has no effect on a plain script (training.pass_args: none), which saves and "
+                                "resumes by itself: the local tier needs the Trainer (the built-in entry point, or a "
+                                "script that calls hfscale.instrument(trainer))")]
     if t.script is not None:
         warnings.append((HERE, f"only if {t.script} calls hfscale.instrument(trainer) and resumes from what it returns; "
                          "a script that resumes from --resume_from_checkpoint alone gets the durable tier's checkpoint"))

@@ -190,14 +190,17 @@ class LocalCheckpointCallback(TrainerCallback):
             if self.pending is not None:
                 step, self.pending = self.pending, None
                 t0 = time.perf_counter()
-                self.save(step, self.trainer.args)
+                size = self.save(step, self.trainer.args)
                 self.pauses.append(time.perf_counter() - t0)
+                if rank_world()[0] == 0:  # the node log's record (HFSCALE_ lines stay off the terminal)
+                    print(f"HFSCALE_LOCAL_SAVE step={step} seconds={self.pauses[-1]:.3f} bytes={size}", flush=True)
             return out
 
         self.trainer._maybe_log_save_evaluate = log_save_evaluate
         self._wrapped = True
 
-    def save(self, step: int, args: Any) -> None:
+    def save(self, step: int, args: Any) -> int:
+        """Save ``step`` locally (every rank); the checkpoint's bytes, every node's part."""
         _, world = rank_world()
         nodes = _nodes()
         first = nodes.first
@@ -225,6 +228,7 @@ class LocalCheckpointCallback(TrainerCallback):
                                                   own=sorted(parts[nodes.node]), buddy=received))
             for gone in tier.rotate(root, self.keep):
                 logger.info("local checkpoints: removed step %s", gone)
+        return sum(files.values())
 
     def _exchange(self, parts: list[dict[str, int]], nodes: Nodes, into: Path, own: Path) -> list[str]:
         """Send this node's part to the next node, receive the previous node's (the first ranks of
