@@ -116,7 +116,8 @@ def test_the_buddy_stream_rebuilds_every_file_byte_for_byte(tmp_path: Path, monk
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(bytes(range(size)))
     writer = ranks._Writer(dst, files)
-    for chunk in ranks._chunks(src, files):
+    failed: list[str] = []
+    for chunk in ranks._chunks(src, files, failed):
         assert writer.next_size() == chunk.numel()
         writer.write(chunk.clone())
     assert writer.next_size() == 0
@@ -168,3 +169,24 @@ def test_restart_moves_the_lineage_aside_with_the_checkpoints(tmp_path: Path):
     moves = build_plan(job, ctx).moves
     assert [(os.path.basename(a), os.path.basename(b)) for a, b in moves] == [(tier.LINEAGE_FILE, tier.LINEAGE_FILE)]
     assert os.path.basename(os.path.dirname(moves[0][1])) == "restarted-20261126-120000-abcdef"
+
+
+def test_a_file_that_cannot_be_read_or_written_fails_the_copy_without_a_hang(tmp_path: Path, monkeypatch):
+    """A sender whose file vanished sends zeros of its recorded size; a receiver that cannot write (a full
+    disk) reads the stream to its end: both say so, neither blocks the other."""
+    from hfscale.training.callbacks import local_tier as ranks
+
+    monkeypatch.setattr(ranks, "CHUNK", 4)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"abcdef")
+    files = {"a.bin": 6, "gone.bin": 5}
+    failed: list[str] = []
+    chunks = list(ranks._chunks(src, files, failed))
+    assert sum(c.numel() for c in chunks) == 11 and len(failed) == 1 and "gone.bin" in failed[0]
+    (dst / "a.bin").mkdir(parents=True)  # cannot be opened for writing
+    writer = ranks._Writer(dst, files)
+    for c in chunks:
+        writer.write(c)
+    writer.finish()
+    assert writer.error is not None and writer.next_size() == 0

@@ -57,9 +57,11 @@ def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_bu
                 wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), proc)
             at = min(_step(run) + rng.randint(7, 14), MAX_STEPS - 8)
             wait_for(f"step {at}", lambda: _step(run) >= at, proc)
-            if victim == "node1":  # its disk is gone: its part of the newest local step lives on node2
-                shutil.rmtree(node_dir(str(local), "node1", str(out)).parent)
             run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)
+            if victim == "node1":  # its disk is gone with it: its part of the newest local step lives on node2
+                gone = node_dir(str(local), "node1", str(out)).parent
+                shutil.rmtree(gone, ignore_errors=True)
+                assert not gone.exists()
             faults.append((victim, _step(run)))
         output, _ = proc.communicate(timeout=900)
     finally:

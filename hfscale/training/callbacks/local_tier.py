@@ -212,17 +212,39 @@ class LocalCheckpointCallback(TrainerCallback):
         _barrier()
         output_dir = args.output_dir
         args.output_dir = str(own.parent)  # the Trainer saves into <root>/own/checkpoint-<step>
+        error = None
         try:
             self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)
+        except OSError as e:  # a full or failed local disk costs this local step, not the training
+            error = f"{host()}: {e}"
         finally:
             args.output_dir = output_dir
-        _barrier()  # every rank of every node has written its files
-        listed = tier.listing(own) if first else None
-        parts = [p for p in _all_gather(listed) if p is not None]  # node order
+        _barrier()  # every rank of every node has written its files (or failed to)
+        listed = None
+        if first:
+            try:
+                listed = tier.listing(own)
+            except OSError as e:
+                error = error or f"{host()}: {e}"
+        gathered = _all_gather((error, listed))
+        errors = [e for e, _ in gathered if e]
+        parts = [p for _, p in gathered if p is not None]  # node order
         files = {rel: size for p in parts for rel, size in p.items()}
         received: list[str] = []
-        if first and self.buddy and len(parts) > 1:
-            received = self._exchange(parts, nodes, tier.part(root, tier.BUDDY, step), own)
+        if not errors and self.buddy and len(parts) > 1:
+            failed = None
+            if first:
+                received, failed = self._exchange(parts, nodes, tier.part(root, tier.BUDDY, step), own)
+            errors = [e for e in _all_gather(failed) if e]
+        if errors:
+            if first:
+                for kind in (tier.OWN, tier.BUDDY):
+                    shutil.rmtree(tier.part(root, kind, step), ignore_errors=True)
+            if rank_world()[0] == 0:
+                print(f"hfscale: warning: local checkpoint of step {step} not kept: {errors[0][:500]}"
+                      + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+                      + "; training goes on, the previous local step and the durable tier stay", flush=True)
+            return 0
         if first:
             tier.write_holding(root, tier.Holding(step=step, world_size=world, lineage=self.lineage, files=files,
                                                   own=sorted(parts[nodes.node]), buddy=received))
@@ -230,15 +252,21 @@ class LocalCheckpointCallback(TrainerCallback):
                 logger.info("local checkpoints: removed step %s", gone)
         return sum(files.values())
 
-    def _exchange(self, parts: list[dict[str, int]], nodes: Nodes, into: Path, own: Path) -> list[str]:
+    def _exchange(self, parts: list[dict[str, int]], nodes: Nodes, into: Path, own: Path
+                  ) -> tuple[list[str], str | None]:
         """Send this node's part to the next node, receive the previous node's (the first ranks of
-        the nodes only: point to point, no collective); the paths received."""
+        the nodes only: point to point, no collective): the paths received, and what failed (a file
+        that could not be read or written: the stream goes on to its end, so neither side hangs)."""
         n, node = len(parts), nodes.node
         send_to, recv_from = nodes.leaders[tier.buddy_of(node, n)], nodes.leaders[(node - 1) % n]
         out_files, in_files = parts[node], parts[(node - 1) % n]
         shutil.rmtree(into, ignore_errors=True)
-        into.mkdir(parents=True, exist_ok=True)
-        outgoing = _chunks(own, out_files)
+        failed: list[str] = []
+        try:
+            into.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            failed.append(f"{host()}: {e}")
+        outgoing = _chunks(own, out_files, failed)
         incoming = _Writer(into, in_files)
         while True:
             chunk = next(outgoing, None)
@@ -253,16 +281,40 @@ class LocalCheckpointCallback(TrainerCallback):
             if chunk is None and not size:
                 break
         incoming.finish()
-        return sorted(in_files)
+        if incoming.error:
+            failed.append(f"{host()}: {incoming.error}")
+        return sorted(in_files), (failed[0] if failed else None)
 
 
-def _chunks(folder: Path, files: dict[str, int]):
-    """The bytes of ``files`` (sorted by path) in CHUNK-sized uint8 tensors."""
+def _chunks(folder: Path, files: dict[str, int], failed: list[str]):
+    """The bytes of ``files`` (sorted by path) in CHUNK-sized uint8 tensors; a file that cannot be
+    read is sent as zeros of its recorded size (the receiver expects that many bytes), and said in
+    ``failed``."""
     pending = bytearray()
+
+    def blocks(rel: str, size: int):
+        sent = 0
+        try:
+            with open(folder / rel, "rb") as f:
+                while sent < size and (block := f.read(min(CHUNK, size - sent))):
+                    sent += len(block)
+                    yield block
+        except OSError as e:
+            failed.append(f"{host()}: {e}")
+        if sent < size:
+            if not failed:
+                failed.append(f"{host()}: {folder / rel} shrank while it was copied")
+            while sent < size:
+                n = min(CHUNK, size - sent)
+                sent += n
+                yield bytes(n)
+
     for rel in sorted(files):
-        with open(folder / rel, "rb") as f:
-            while block := f.read(CHUNK - len(pending)):
-                pending += block
+        for block in blocks(rel, files[rel]):
+            while block:
+                take = CHUNK - len(pending)
+                pending += block[:take]
+                block = block[take:]
                 if len(pending) == CHUNK:
                     yield torch.frombuffer(pending, dtype=torch.uint8).clone()
                     pending = bytearray()
@@ -271,7 +323,8 @@ def _chunks(folder: Path, files: dict[str, int]):
 
 
 class _Writer:
-    """Writes the received stream into the files it is made of (sizes known from the listings)."""
+    """Writes the received stream into the files it is made of (sizes known from the listings); a
+    write that fails (a full disk) is kept in ``error`` and the rest of the stream is read all the same."""
 
     def __init__(self, folder: Path, files: dict[str, int]) -> None:
         self.folder, self.order = folder, sorted(files)
@@ -279,7 +332,8 @@ class _Writer:
         self.total = sum(files.values())
         self.done = 0
         self.index, self.offset = 0, 0
-        self.handle = None
+        self.handle: Any = None
+        self.error: str | None = None
 
     def next_size(self) -> int:
         return min(CHUNK, self.total - self.done)
@@ -289,19 +343,28 @@ class _Writer:
         self.write(torch.empty(0, dtype=torch.uint8))
         if self.handle is not None:
             self.handle.close()
+            self.handle = None
 
     def write(self, buf: torch.Tensor) -> None:
         data = buf.numpy().tobytes()
         self.done += len(data)
         while data or (self.index < len(self.order) and self.sizes[self.order[self.index]] == 0):
             rel = self.order[self.index]
-            if self.handle is None:
-                target = self.folder / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.handle = open(target, "wb")
             take = min(len(data), self.sizes[rel] - self.offset)
-            self.handle.write(data[:take])
+            if self.error is None:
+                try:
+                    if self.handle is None:
+                        target = self.folder / rel
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        self.handle = open(target, "wb")
+                    self.handle.write(data[:take])
+                except OSError as e:
+                    self.error = str(e)
             data, self.offset = data[take:], self.offset + take
             if self.offset == self.sizes[rel]:
-                self.handle.close()
+                if self.handle is not None:
+                    try:
+                        self.handle.close()
+                    except OSError as e:
+                        self.error = self.error or str(e)
                 self.handle, self.index, self.offset = None, self.index + 1, 0
