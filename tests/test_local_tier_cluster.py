@@ -46,8 +46,10 @@ def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_bu
     doc = yaml.safe_load(config.read_text())
     doc["training"].update(save_steps=50, local_checkpoints={"every": EVERY, "dir": str(local), "keep": 2})
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
-    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "hfscale.out"  # a file, not a pipe: nothing reads a pipe while the faults are made
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
+                                stdout=sink, stderr=subprocess.STDOUT, text=True)
     faults: list[tuple[str, int]] = []
     try:
         wait_for("the run directory", lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), proc)
@@ -63,11 +65,12 @@ def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_bu
                 shutil.rmtree(gone, ignore_errors=True)
                 assert not gone.exists()
             faults.append((victim, _step(run)))
-        output, _ = proc.communicate(timeout=900)
+        proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+    output = log.read_text(errors="replace")
     print(f"faults (node, step seen): {faults}")
     assert proc.returncode == 0, output[-6000:]
     events = read_timeline(run_dir_of(tmp_path)).events

@@ -44,8 +44,10 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
     assert check.returncode == 0, check.stdout + check.stderr
     assert "+ 1 spare (node3)" in check.stdout and "nothing converted" in check.stdout, check.stdout
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "hfscale.out"  # a file, not a pipe: nothing reads a pipe while the faults are made
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
+                                stdout=sink, stderr=subprocess.STDOUT, text=True)
     faults: list[tuple[str, float, int]] = []
     try:
         wait_for("the run directory", lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), proc)
@@ -57,11 +59,12 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
             wait_for(f"step {at}", lambda: _step(run) >= at, proc)
             run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
             faults.append((f"kill {victim}", time.time(), _step(run)))
-        output, _ = proc.communicate(timeout=900)
+        proc.wait(timeout=900)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+    output = log.read_text(errors="replace")
     for what, when, step in faults:
         print(f"{what} at +{when - t0:.1f} s, step {step}")
     assert proc.returncode == 0, output[-6000:]
