@@ -67,6 +67,7 @@ PDSH = {
                  "max_steps": 10, "num_train_epochs": 1.0, "learning_rate": 0.001, "weight_decay": 0.01,
                  "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-8, "lr_scheduler_type": "cosine",
                  "warmup_steps": 2, "seed": 3, "logging_steps": 2, "save_steps": 5, "save_total_limit": 2,
+                 "local_checkpoints": {"every": 2, "dir": "/nvme/{host}", "keep": 2},
                  "report_to": ["none"], "peak_tflops": 100.0},
 }
 HOSTFILE = {"name": "hostile-h", "cluster": {"hostfile": "hosts.txt"}, "runner": {"type": "pdsh"},

@@ -265,6 +265,7 @@ class OutputScan:
     state: SavedState | None  # of ``resume``
     saved_world: int | None = None  # the processes that wrote ``resume``'s DeepSpeed ZeRO state (None: not one)
     universal: bool = False  # ``resume`` holds a universal conversion of that state (hfscale.checkpoints.reshard)
+    lineage: bool = False  # the local tier's lineage file is there (hfscale.checkpoints.local_tier)
 
 
 def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
@@ -292,6 +293,14 @@ def _entry(e: object) -> "LogEntry | None":
 def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool = False) -> OutputScan:
     """The checkpoints in ``output_dir``: the one to resume from, and why newer ones are skipped.
     ``reshard``: a DeepSpeed checkpoint of another world size counts (the caller converts it)."""
+    from dataclasses import replace
+
+    from hfscale.checkpoints.local_tier import LINEAGE_FILE
+
+    return replace(_scan_output(output_dir, world_size, reshard), lineage=os.path.isfile(Path(output_dir) / LINEAGE_FILE))
+
+
+def _scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool) -> OutputScan:
     found = checkpoints(output_dir)
     skipped = []
     for ckpt in reversed(found):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hfscale.memory.estimate import bucket_bytes
+from hfscale.rules.checkpoint_tiers import tiers_line
 from hfscale.rules.resolved import Job
 from hfscale.rules.trainer_args import trainer_args
 
@@ -48,6 +49,7 @@ def summary(job: Job) -> str:
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
         ("watchdog", _watchdog(job)),
         *([("recovery", _recovery(job))] if cfg.recovery.max_restarts else []),
+        *([("checkpoints", tiers)] if (tiers := tiers_line(job)) else []),
         ("entry", _entry(job)),
     ]
     return "\n".join(f"  {k:<13}{v}" for k, v in rows)

@@ -223,6 +223,19 @@ class DataConfig(Strict):
     block_size: PositiveInt = Field(128, description="Tokens per packed training sequence.")
 
 
+class LocalCheckpointsConfig(Strict):
+    """The local tier of checkpoints: frequent ones on each node's own disk, copied to one buddy node."""
+
+    every: PositiveInt = Field(description="Save a local checkpoint every N optimizer steps (the durable ones stay at "
+                               "training.save_steps, on the shared file system).")
+    dir: str = Field(description="A folder on each node's own disk (an NVMe), the same path on every node; '{host}' "
+                     "in it is replaced by the node's host name.")
+    keep: int = Field(2, ge=1, le=1000, description="Local checkpoints kept on each node (its own part and its "
+                      "buddy's copy of each).")
+    buddy: bool = Field(True, description="Copy each node's part to the next node, so that losing one node loses "
+                        "nothing. False: a lost node's local checkpoints are lost with it.")
+
+
 class TrainingConfig(Strict):
     """What the Trainer does; also the source of the TrainingArguments."""
 
@@ -252,6 +265,10 @@ class TrainingConfig(Strict):
     logging_steps: PositiveInt = Field(10, description="Log every N steps.")
     save_steps: PositiveInt = Field(500, description="Save a checkpoint every N steps.")
     save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
+    local_checkpoints: LocalCheckpointsConfig | None = Field(
+        None, description="Frequent checkpoints on each node's own disk and one buddy's (the built-in entry point, and "
+        "a script that calls hfscale.instrument(trainer)): a restart resumes from the newest one complete across "
+        "the nodes left, when it is newer than the durable tier's. Null: off.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in backward (the Trainer's gradient_checkpointing): "
         "about a third more compute for a fraction of the activation memory.")

@@ -12,6 +12,7 @@ import os
 import posixpath
 from dataclasses import dataclass, replace
 
+from hfscale.checkpoints.local_tier import LINEAGE_FILE
 from hfscale.checkpoints.lr_schedule import schedule_note
 from hfscale.checkpoints.reshard import conversion
 from hfscale.checkpoints.resume import OutputScan, decide
@@ -72,7 +73,9 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
     if ctx.restart:
         dest = posixpath.join(scan.output_dir, f"restarted-{ctx.job_id}")
         moves = tuple((posixpath.join(scan.output_dir, n), posixpath.join(dest, n)) for n in scan.found)
-        return _ResumeStep([f"--restart: training starts at step 0; the {len(moves)} checkpoint(s) of "
+        if scan.lineage:  # the local tier's steps belong to the run started over: the new run starts its own
+            moves += ((posixpath.join(scan.output_dir, LINEAGE_FILE), posixpath.join(dest, LINEAGE_FILE)),)
+        return _ResumeStep([f"--restart: training starts at step 0; the {len(scan.found)} checkpoint(s) of "
                             f"{t.output_dir} move to {dest} first"] if moves else [], moves)
     d = decide(scan, t.max_steps)
     if d.action == "refuse":
@@ -91,6 +94,11 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
             notes += [n for n in [schedule_note(t, scan.state, d.checkpoint or "")] if n]
         if reshards(job, ctx):
             notes.append(reshard_note(job, scan.saved_world or 0, d.checkpoint or "", scan.universal))
+    local = t.local_checkpoints
+    if local is not None:
+        notes.append(f"the ranks first look at the nodes' local checkpoints ({local.dir}): the newest step complete "
+                     "between them, newer than the durable one and saved at this world size, is restored into "
+                     f"{t.output_dir} and resumed from")
     return _ResumeStep(notes, told=_skipped(scan) if d.action == "resume" else ())
 
 

@@ -12,6 +12,7 @@ from hfscale.config.model import HfscaleConfig, HostSpec
 from hfscale.config.yaml_source import dotted
 from hfscale.rules import accelerate as accelerate_rules
 from hfscale.rules import deepspeed as deepspeed_rules
+from hfscale.rules.checkpoint_tiers import local_tier_findings
 from hfscale.rules.recovery import recovery_findings
 from hfscale.rules.resolved import SCHEDULERS, Job, LineOf, batch, derive, geometry
 from hfscale.rules.script import script_problems
@@ -144,9 +145,10 @@ def check(job: Job) -> Findings:
     found += _training_problems(cfg)
     script_found, script_warnings = script_problems(job)
     recovery_found, recovery_warnings = recovery_findings(job)
-    problems = [Problem(dotted(p), m, line_of(p)) for p, m in found + script_found + recovery_found]
+    tier_found, tier_warnings = local_tier_findings(job)
+    problems = [Problem(dotted(p), m, line_of(p)) for p, m in found + script_found + recovery_found + tier_found]
     warnings = [Problem(dotted(p), m, line_of(p)) for p, m in script_warnings + ds_warnings +
-                accelerate_rules.warnings(cfg) + _shorthand_warnings(cfg) + recovery_warnings]
+                accelerate_rules.warnings(cfg) + _shorthand_warnings(cfg) + recovery_warnings + tier_warnings]
     return Findings(tuple(problems), tuple(warnings))
 
 

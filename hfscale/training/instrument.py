@@ -117,5 +117,22 @@ def instrument(trainer: Any, *, seq_len: int | None = None) -> str | None:
     the defaults) and return the checkpoint to resume from (None: start from scratch).
     ``seq_len``: tokens per sample, for tokens/s and MFU (default: the Trainer's own count when
     ``include_num_input_tokens_seen`` is on, else unknown)."""
-    add_callbacks(trainer, choose(launch_job(), seq_len))
-    return latest_checkpoint(trainer.args.output_dir)
+    job = launch_job()
+    add_callbacks(trainer, choose(job, seq_len))
+    resume = latest_checkpoint(trainer.args.output_dir)
+    if job is not None and job.config.training.local_checkpoints is not None:
+        resume = with_local_tier(trainer, job.config.training.local_checkpoints, resume)
+    return resume
+
+
+def with_local_tier(trainer: Any, local: Any, resume: str | None) -> str | None:
+    """The local tier (``training.local_checkpoints``) on every rank: restore its newest step complete
+    across the nodes when it is newer than ``resume`` (the durable tier's), start or keep the run's
+    lineage, and save every ``local.every`` steps from now on; the checkpoint to resume from."""
+    from hfscale.training.callbacks.local_tier import LocalCheckpointCallback, restore, start_lineage
+
+    out = trainer.args.output_dir
+    resume = restore(out, local.dir, resume) or resume
+    lineage = start_lineage(out, fresh=resume is None)
+    trainer.add_callback(LocalCheckpointCallback(trainer, local.every, local.dir, local.keep, local.buddy, lineage))
+    return resume

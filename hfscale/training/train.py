@@ -28,7 +28,7 @@ from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.rules.config_file import load_job
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import fit_flight_recorder
-from hfscale.training.instrument import add_callbacks, choose
+from hfscale.training.instrument import add_callbacks, choose, with_local_tier
 from hfscale.training.shutdown import exit_cleanly
 
 BYTE_VOCAB = 256
@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     preemption = next(cb for cb in added if isinstance(cb, PreemptionCallback))
     trainer.add_callback(SaveAtEnd())
 
+    if t.local_checkpoints is not None:  # every rank: the nodes' local steps, newer than the durable one
+        resume = with_local_tier(trainer, t.local_checkpoints, resume)
     if resume and trainer.is_world_process_zero():
         print(f"hfscale: resuming from {resume}", flush=True)
     result = trainer.train(resume_from_checkpoint=resume)
