@@ -252,6 +252,12 @@ class TrainingConfig(Strict):
     logging_steps: PositiveInt = Field(10, description="Log every N steps.")
     save_steps: PositiveInt = Field(500, description="Save a checkpoint every N steps.")
     save_total_limit: PositiveInt | None = Field(None, description="Keep at most N checkpoints. Null: keep all.")
+    async_save: bool = Field(
+        False, description="Write each checkpoint's DeepSpeed shards in the background (DeepSpeed's decoupled "
+        "checkpoint writer: a writer process per rank) while training goes on; the checkpoint counts as complete "
+        "(hfscale_complete.json) only once every rank's writes are committed, at the next optimizer step or the end "
+        "of training. DeepSpeed ZeRO stage 1-3 only; the model's safetensors file is still written by the Trainer "
+        "before training goes on. See docs/engines.md.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in backward (the Trainer's gradient_checkpointing): "
         "about a third more compute for a fraction of the activation memory.")
