@@ -31,7 +31,7 @@ UNIT_MODULES = frozenset({
     "test_fuzz", "test_kubernetes", "test_launch_summary", "test_lock_follows_job", "test_memory_measured",
     "test_network", "test_node_lines", "test_public_face", "test_render", "test_recovery_config", "test_recovery_policy",
     "test_supervisor", "test_schedule",
-    "test_tiers", "test_validation", "test_spares",
+    "test_tiers", "test_validation", "test_spares", "test_async_save_unit",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "podman2"})
 # The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,

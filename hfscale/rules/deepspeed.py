@@ -72,7 +72,6 @@ def owned() -> dict[tuple[str, ...], str]:
         ("scheduler", "params", "warmup_max_lr"): "training.learning_rate",
         ("scheduler", "params", "warmup_num_steps"): "training.warmup_steps",
         ("scheduler", "params", "total_num_steps"): "training.max_steps",
-        ("checkpoint", "writer"): "training.async_save",
     }
     out.update({("zero_optimization", k): f"{BASE}.{k}" for k in ZERO_KEYS})
     for name, model in (("offload_optimizer", OffloadOptimizerConfig), ("offload_param", OffloadParamConfig)):
@@ -108,6 +107,9 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
     if cfg.training.async_save and ds.stage == 0:
         out.append((("training", "async_save"), "needs ZeRO (distributed.deepspeed.stage 1, 2 or 3): hfscale tests "
                     "DeepSpeed's decoupled checkpoint writer with ZeRO's sharded state only; stage is 0"))
+    checkpoint = ds.extra.get("checkpoint")
+    if isinstance(checkpoint, dict) and "writer" in checkpoint:  # DeepSpeed's checkpoint section is read as open
+        out.append((base + ("extra", "checkpoint", "writer"), "hfscale sets this from training.async_save; set it there"))
     out += _offload_problems(ds, base)
     nvme = "nvme" in (ds.offload_optimizer.device, ds.offload_param.device)
     if ds.aio is not None and not nvme:

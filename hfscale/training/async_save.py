@@ -17,7 +17,16 @@ What this module adds, each for a reason seen with DeepSpeed 0.19.8 under the HF
   require grad (non-leaf), which torch.multiprocessing refuses to send ("Cowardly refusing to
   serialize non-leaf tensor which requires_grad"); the same tensors, detached, are sent instead.
 - ``writer_main``: the writer process dies with its rank (Linux ``PR_SET_PDEATHSIG``); otherwise a
-  rank killed mid-run leaves its writer waiting on the queue for ever (it holds both ends).
+  rank killed mid-run leaves its writer waiting on the queue for ever (it holds both ends). It
+  ignores SIGTERM, SIGINT and SIGUSR1: a scheduler signals the whole process group, and a writer
+  that died of it would fail the save the rank then makes (PreemptionCallback's).
+- ``writes_model_states``: the decoupled engine makes every rank a writer of the model states, and
+  under ZeRO-1/2 every rank's writer wrote the same ``mp_rank_00_model_states.pt`` at once (a file
+  of the right size that did not load, seen with slowed writes); only the rank DeepSpeed's torch
+  engine picks writes it.
+- the decoupled engine's ``load`` calls ``torch.load`` with torch's ``weights_only`` default, which
+  refuses DeepSpeed's ``LossScaler`` in every ZeRO shard, so no resume worked; it loads as DeepSpeed's
+  torch engine loads every synchronous checkpoint (the job's own files, the same trust).
 - ``commit_pending``: the last save of a run has no next optimizer step; it is committed at the end
   of training with DeepSpeed's own ``_commit_decoupled_checkpoint``.
 - ``stop_writers`` (at exit): the writers are not daemons, and multiprocessing joins them at exit;
@@ -40,6 +49,8 @@ from typing import Any
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # DeepSpeed engines that saved through a decoupled writer
 _INSTALLED: list[bool] = []
 PR_SET_PDEATHSIG = 1
+# what PreemptionCallback and a Ctrl-C handle in the rank; a writer killed by one fails the rank's save
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def cross_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -84,7 +95,10 @@ def detached(obj: Any) -> Any:
 
 
 def writer_main(*args: Any) -> None:
-    """The writer process: die with the rank that started it, then run DeepSpeed's writer loop."""
+    """The writer process: die with the rank that started it, let the rank alone handle the signals
+    that stop a job, then run DeepSpeed's writer loop."""
+    for sig in STOP_SIGNALS:  # a scheduler signals the whole process group: the rank saves, then stops
+        signal.signal(sig, signal.SIG_IGN)
     try:
         import ctypes
 
@@ -106,6 +120,7 @@ def install() -> None:
     _INSTALLED.append(True)
     from deepspeed.runtime import engine as ds_engine
     from deepspeed.runtime.checkpoint_engine import decoupled_checkpoint_engine as dce
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     dce._hfscale_writer_main = dce.init_decoupled_checkpoint  # noqa: SLF001 - DeepSpeed's loop, run by writer_main
     dce.init_decoupled_checkpoint = writer_main
@@ -115,15 +130,32 @@ def install() -> None:
         return save(self, detached(state_dict), path)
 
     dce.DecoupledCheckpointEngine.save = save_detached
+    # the decoupled engine's own load calls torch.load with torch's weights_only default, which refuses
+    # DeepSpeed's LossScaler in every ZeRO shard: a resume failed. DeepSpeed's torch engine, which loads
+    # every synchronous checkpoint, loads them with weights_only=False: the same files, the same trust
+    dce.DecoupledCheckpointEngine.load = TorchCheckpointEngine.load
     save_checkpoint = ds_engine.DeepSpeedEngine.save_checkpoint
 
     def save_checkpoint_noted(self, *args, **kwargs):
         if self.checkpoint_engine.is_decoupled():
             _ENGINES.add(self)
+            self.save_non_zero_checkpoint = writes_model_states(self)
         return save_checkpoint(self, *args, **kwargs)
 
     ds_engine.DeepSpeedEngine.save_checkpoint = save_checkpoint_noted
     atexit.register(stop_writers)
+
+
+def writes_model_states(engine: Any) -> bool:
+    """Whether this rank writes the engine's model-states file, as DeepSpeed decides it for its torch
+    engine (``DeepSpeedEngine._configure_checkpointing``): data-parallel rank 0 (node-local rank 0 with
+    node-local storage), and under ZeRO-3 every rank of the first weights partition group (each its
+    own file). The decoupled engine makes every rank a writer, and under ZeRO-1/2 they all wrote the
+    one ``mp_rank_00_model_states.pt`` at once: a checkpoint whose file was whole but did not load."""
+    from deepspeed.utils import groups
+
+    rank = engine.local_rank if engine.use_node_local_storage() else groups._get_sequence_data_parallel_rank()  # noqa: SLF001
+    return rank == 0 or bool(engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group())
 
 
 def pending() -> list[Any]:
