@@ -152,3 +152,25 @@ def test_sigterm_to_the_whole_group_saves_and_marks_with_the_writers_alive(tmp_p
     assert latest_checkpoint(out) == str(out / f"checkpoint-{k}")
     assert deepspeed_tag(out / f"checkpoint-{k}") == f"global_step{k}"
     assert alive(ranks + writers) == []
+
+
+def test_zero3_async_saves_train_and_resume_like_synchronous_ones(tmp_path):
+    """ZeRO-3: every rank writes its own model-states shard; the same losses, and a resume from an
+    asynchronously written checkpoint ends where the synchronous run does."""
+    z3 = [*COMMON[:-4], "--deepspeed", "3", "--seed", "1234"]
+    assert z3[-4:] == ["--deepspeed", "3", "--seed", "1234"]
+    sync = run(tmp_path / "sync", z3)
+    assert sync.rc == 0, sync.tail()
+    out = tmp_path / "out"
+    r = run(out, [*z3, "--async-save"])
+    assert r.rc == 0, r.tail()
+    assert r.result["losses"] == sync.result["losses"] and r.result["final_loss"] == sync.result["final_loss"]
+    tag = out / "checkpoint-16" / "global_step16"
+    assert sorted(p.name for p in tag.iterdir() if "model_states" in p.name) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    shutil.rmtree(out / "checkpoint-16")
+    resumed = run(out, [*z3, "--async-save"])
+    assert resumed.rc == 0, resumed.tail()
+    assert resumed.result["resumed_from"] == str(out / "checkpoint-12")
+    assert resumed.result["final_loss"] == sync.result["final_loss"]
+    assert resumed.result["losses"] == sync.result["losses"]
