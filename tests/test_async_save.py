@@ -174,3 +174,40 @@ def test_zero3_async_saves_train_and_resume_like_synchronous_ones(tmp_path):
     assert resumed.result["resumed_from"] == str(out / "checkpoint-12")
     assert resumed.result["final_loss"] == sync.result["final_loss"]
     assert resumed.result["losses"] == sync.result["losses"]
+
+
+def test_sigkills_at_random_moments_never_resume_from_an_incomplete_checkpoint(tmp_path, tmp_path_factory):
+    """Three lost nodes at random moments (writes slowed down, so most kills land during a write or a
+    commit): each time the checkpoint picked is complete and every shard of it loads; the job that
+    finally runs through ends as the uninterrupted one."""
+    import random
+
+    import torch
+
+    ref = trainer_runs.reference(tmp_path_factory).result
+    out = tmp_path / "out"
+    rng = random.Random(30)
+    picked = []
+    for _ in range(3):
+        job = Job(out, [*ASYNC, "--slow-writes", "0.02", "--step-sleep", "0.1"])
+        job.wait_for(out.parent / "out.pids" / "rank1.pid")
+        time.sleep(rng.uniform(8.0, 20.0))  # start-up takes ~6 s here; a run ~25 s
+        ranks, writers = ranks_and_writers(job)
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        job.kill()
+        assert alive(ranks + writers) == []
+        for p in (out.parent / "out.pids").glob("rank*.pid"):
+            p.unlink()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IncompleteCheckpointWarning)
+            resume = latest_checkpoint(out)
+        picked.append(resume)
+        if resume is not None:
+            assert checkpoint_problem(resume) is None
+            for shard in sorted((Path(resume) / str(deepspeed_tag(resume))).glob("*.pt")):
+                torch.load(shard, weights_only=False)  # this test's own files
+    done = run(out, ASYNC)
+    assert done.rc == 0, done.tail()
+    assert done.result["global_step"] == 16 and done.result["final_loss"] == ref["final_loss"], picked
+    assert done.result["losses"] == ref["losses"]
