@@ -269,6 +269,12 @@ class TrainingConfig(Strict):
         None, description="Frequent checkpoints on each node's own disk and one buddy's (the built-in entry point, and "
         "a script that calls hfscale.instrument(trainer)): a restart resumes from the newest one complete across "
         "the nodes left, when it is newer than the durable tier's. Null: off.")
+    async_save: bool = Field(
+        False, description="Write each checkpoint's DeepSpeed shards in the background (DeepSpeed's decoupled "
+        "checkpoint writer: a writer process per rank) while training goes on; the checkpoint counts as complete "
+        "(hfscale_complete.json) only once every rank's writes are committed, at the next optimizer step or the end "
+        "of training. DeepSpeed ZeRO stage 1-3 only; the model's safetensors file is still written by the Trainer "
+        "before training goes on. See docs/engines.md.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in backward (the Trainer's gradient_checkpointing): "
         "about a third more compute for a fraction of the activation memory.")

@@ -10,7 +10,8 @@ and LR scheduler belong to the training script and are left out unless
 ``distributed.deepspeed.optimizer`` / ``scheduler`` hand them to DeepSpeed (with optimizer
 offload and none named, accelerate swaps the script's torch optimizer for DeepSpeed's CPU Adam);
 their parameters are written from ``training``.
-``distributed.deepspeed.extra`` is merged in last (hfscale.rules.deepspeed refuses keys written here).
+``training.async_save`` writes ``checkpoint.writer`` (DeepSpeed's decoupled checkpoint engine: see
+``ASYNC_WRITER``). ``distributed.deepspeed.extra`` is merged in last (hfscale.rules.deepspeed refuses keys written here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from hfscale.config.deepspeed import DeepSpeedSection, OffloadOptimizerConfig, OffloadParamConfig
 from hfscale.config.extra_keys import merge
-from hfscale.rules.deepspeed import NVME_ONLY, SECTIONS, ZERO_KEYS
+from hfscale.rules.deepspeed import ASYNC_WRITER, NVME_ONLY, SECTIONS, ZERO_KEYS
 from hfscale.rules.parallelism import sequence_parallel_size
 from hfscale.rules.resolved import Job
 
@@ -129,6 +130,8 @@ def deepspeed_config(job: Job, load_universal: bool = False) -> dict[str, Any]:
     for name, section in (("optimizer", _optimizer(job, ds)), ("scheduler", _scheduler(job, ds))):
         if section is not None:
             out[name] = section
+    if cfg.training.async_save:
+        out["checkpoint"] = {"writer": dict(ASYNC_WRITER)}
     out = merge(out, ds.extra)
     if load_universal:  # after extra: the resume needs it whatever extra says
         out.setdefault("checkpoint", {})["load_universal"] = True

@@ -129,6 +129,9 @@ def _training_problems(cfg: HfscaleConfig) -> list[tuple[tuple, str]]:
     out: list[tuple[tuple, str]] = []
     if t.max_steps is not None and t.warmup_steps > t.max_steps:
         out.append((("training", "warmup_steps"), f"{t.warmup_steps} warm-up steps exceed max_steps {t.max_steps}"))
+    if t.async_save and cfg.distributed.backend != "deepspeed":
+        out.append((("training", "async_save"), f"needs distributed.backend: deepspeed (its decoupled checkpoint "
+                    f"writer); with {cfg.distributed.backend} the Trainer saves synchronously"))
     if t.model.path is not None and t.model.config is not None:
         out.append((("training", "model", "config"), "set either 'path' or 'config', not both"))
     return out

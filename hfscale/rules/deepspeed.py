@@ -38,6 +38,15 @@ NVME_ONLY = {  # offload keys only NVMe offload reads
     "offload_optimizer": ("buffer_count", "pipeline_read", "pipeline_write", "fast_init"),
     "offload_param": ("buffer_count", "buffer_size", "max_in_cpu")}
 
+# training.async_save: DeepSpeed's decoupled checkpoint engine (deepspeed/runtime/checkpoint_engine/
+# decoupled_checkpoint_engine.py): each rank hands its state to a writer process and trains on; the engine
+# commits (waits for the writers, then writes 'latest') at the next optimizer step. "python": a plain file
+# writer ("fast" needs the async_io op and, with ZeRO-1/2, names its files <name>-<rank>.<n>, which the
+# loader does not read); "replica": DeepSpeed 0.19.8 fails without a data_parallel unit when there is no
+# model-parallel unit ('UniversalParallelInfo' object has no attribute 'dp_rank'), and with replica every
+# rank writes its own shards, as without the writer.
+ASYNC_WRITER = {"type": "python", "decoupled": True, "data_parallel": "replica"}
+
 
 @lru_cache(maxsize=1)
 def owned() -> dict[tuple[str, ...], str]:
@@ -95,6 +104,12 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
     if ds.stage == 3 and ds.zero_hpz_partition_size > 1 and world % ds.zero_hpz_partition_size:
         out.append((base + ("zero_hpz_partition_size",), f"{ds.zero_hpz_partition_size} does not divide the world "
                     f"size {world}"))
+    if cfg.training.async_save and ds.stage == 0:
+        out.append((("training", "async_save"), "needs ZeRO (distributed.deepspeed.stage 1, 2 or 3): hfscale tests "
+                    "DeepSpeed's decoupled checkpoint writer with ZeRO's sharded state only; stage is 0"))
+    checkpoint = ds.extra.get("checkpoint")
+    if isinstance(checkpoint, dict) and "writer" in checkpoint:  # DeepSpeed's checkpoint section is read as open
+        out.append((base + ("extra", "checkpoint", "writer"), "hfscale sets this from training.async_save; set it there"))
     out += _offload_problems(ds, base)
     nvme = "nvme" in (ds.offload_optimizer.device, ds.offload_param.device)
     if ds.aio is not None and not nvme:

@@ -14,7 +14,8 @@ Under ``hfscale launch`` (``$HFSCALE_CONFIG`` names the run's copy of the YAML) 
   ``precision: "no"``); tokens per sample from ``training.data.block_size`` when the built-in entry
   point trains (``training.script: null``), else ``seq_len=`` or the Trainer's own token count;
 - ``StragglerCallback`` when the job has more than one rank;
-- ``PreemptionCallback``, ``CheckpointCompleteCallback`` (it takes ``save_total_limit`` over) and
+- ``PreemptionCallback``, ``CheckpointCompleteCallback`` (it takes ``save_total_limit`` over, and with
+  ``training.async_save`` sets DeepSpeed's decoupled writer up: hfscale.training.async_save) and
   ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) always.
 
 Outside it, the defaults: all five, MFU looked up for known GPUs at the Trainer's bf16/fp16. A
@@ -49,6 +50,7 @@ class Chosen:
     peak_tflops: float | None = None  # from the YAML; None: looked up by GPU name
     # look the peak up by GPU name: the YAML's precision is not "no" (None: the Trainer's bf16/fp16 decides)
     lookup_peak: bool | None = None
+    async_save: bool = False  # training.async_save: CheckpointCompleteCallback sets DeepSpeed's writer up
 
 
 def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
@@ -59,7 +61,7 @@ def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
     t = job.config.training
     kinds = tuple(k for k in KINDS if k != "stragglers" or job.world_size > 1)
     return Chosen(kinds, t.data.block_size if t.script is None else seq_len, t.peak_tflops,
-                  job.config.precision != "no")
+                  job.config.precision != "no", t.async_save)
 
 
 def peak_flops(chosen: Chosen, half_precision: bool) -> float | None:
@@ -97,7 +99,7 @@ def add_callbacks(trainer: Any, chosen: Chosen) -> list[Any]:
                                            peak_flops_per_device=peak_flops(chosen, bool(args.bf16 or args.fp16))),
         "stragglers": lambda: StragglerCallback(trainer=trainer),
         "preemption": PreemptionCallback,
-        "checkpoints": CheckpointCompleteCallback,
+        "checkpoints": lambda: CheckpointCompleteCallback(async_save=chosen.async_save),
         "progress": ProgressCallback,
     }
     kind_of = {"metrics": MetricsCallback, "stragglers": StragglerCallback, "preemption": PreemptionCallback,

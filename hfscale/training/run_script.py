@@ -243,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     if os.environ.get("HFSCALE_RUN_DIR") and not plain:  # launched by hfscale: the hang watchdog needs the steps
+        from hfscale.training.async_save import prepare_env
         from hfscale.training.trainer_hook import install
 
         install()
+        prepare_env()  # CROSS_RANK/CROSS_SIZE, which DeepSpeed's decoupled writer (training.async_save) reads
     world_size = _world_size(os.environ)
     mode = plain_mode(os.environ) if plain else None
     if mode == "fsdp":

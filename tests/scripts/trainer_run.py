@@ -12,7 +12,8 @@ At the end rank 0 prints one line ``HFSCALE_RESULT {json}`` with ``global_step``
 (``repr`` of the loss of the final weights on a fixed held-out batch: bitwise comparable),
 ``train_loss`` (the Trainer's last logged loss), ``preempted``, ``resumed_from``, ``world_size``,
 ``restart`` (torchrun restart count), ``marked`` (checkpoints this process marked complete) and
-``gathers`` (how many times the reporting callbacks gathered across ranks). With ``--pid-dir`` each
+``gathers`` (how many times the reporting callbacks gathered across ranks) and ``losses`` (every
+logged training loss, ``repr``). ``--async-save`` sets ``training.async_save``. With ``--pid-dir`` each
 rank writes ``rank<R>.pid`` at start and ``rank<R>.exit`` (its exit status) at the end.
 """
 
@@ -98,6 +99,7 @@ training:
   logging_steps: {a.logging_steps}
   save_steps: {a.save_steps}
   save_total_limit: {limit}
+  async_save: {json.dumps(a.async_save)}
 """
 
 
@@ -154,6 +156,9 @@ def main() -> None:
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--pid-dir", default=None, help="write rank<R>.pid files here")
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--async-save", action="store_true", help="training.async_save: DeepSpeed's decoupled writer")
+    ap.add_argument("--slow-writes", type=float, default=0.0,
+                    help="with --async-save: the writer processes sleep this long per write (tests/scripts/slow_writer.py)")
     a = ap.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -201,8 +206,12 @@ def main() -> None:
         preempt = PreemptionCallback()
         trainer.add_callback(preempt)
     if "complete" in names:
-        complete = CheckpointCompleteCallback()
+        complete = CheckpointCompleteCallback(async_save=a.async_save)
         trainer.add_callback(complete)
+    if a.slow_writes:
+        import slow_writer
+
+        slow_writer.install(a.slow_writes)
 
     resume = None if a.no_resume else latest_checkpoint(a.output_dir)
     trainer.train(resume_from_checkpoint=resume)
@@ -223,6 +232,7 @@ def main() -> None:
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "marked": complete.marked if complete else [],
             "gathers": GATHERS[0],
+            "losses": [(h["step"], repr(h["loss"])) for h in trainer.state.log_history if "loss" in h],
         }
         print("HFSCALE_RESULT " + json.dumps(result), flush=True)
     if preempt is not None:

@@ -37,6 +37,7 @@ from transformers import TrainerCallback
 from hfscale.checkpoints import local_tier as tier
 from hfscale.checkpoints.resume import saved_state, write_marker
 from hfscale.core.untrusted import Unreadable, read_json
+from hfscale.training import async_save as async_saves
 from hfscale.training.callbacks.collectives import logger, rank_world
 
 CHUNK = 64 << 20  # bytes per message of the buddy copy
@@ -219,6 +220,10 @@ class LocalCheckpointCallback(TrainerCallback):
             error = f"{host()}: {e}"
         finally:
             args.output_dir = output_dir
+        # training.async_save: DeepSpeed's writers may still hold the shards; the listing and the buddy copy
+        # need them on disk, so a local save waits for its writes (a barrier inside: all ranks or none)
+        if all(_all_gather(bool(async_saves.pending()))):
+            async_saves.commit_pending()
         _barrier()  # every rank of every node has written its files (or failed to)
         listed = None
         if first:

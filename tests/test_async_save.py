@@ -1,0 +1,213 @@
+"""Asynchronous saves for real (training.async_save: DeepSpeed's decoupled checkpoint writer): 2 ranks,
+DeepSpeed ZeRO-2 on CPU under the HF Trainer and torchrun (tests/scripts/trainer_run.py). Training
+with asynchronous saves gives the synchronous run's losses, and so does a resume from one of its
+checkpoints; a SIGKILL while the writers are still writing (slowed down by tests/scripts/slow_writer.py)
+leaves that checkpoint unmarked and the previous one to resume from, with nothing lost; a rank killed
+mid-write takes its writer process with it. The pure parts: tests/test_async_save_unit.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from scripts import trainer_runs
+from scripts.trainer_runs import COMMON, Job, run
+
+from hfscale.checkpoints.files import deepspeed_tag
+from hfscale.checkpoints.resume import MARKER, IncompleteCheckpointWarning, checkpoint_problem, latest_checkpoint
+
+pytestmark = pytest.mark.slow
+
+ASYNC = [*COMMON, "--async-save"]
+
+
+def children(pids: list[int]) -> list[int]:
+    """The processes whose parent is one of ``pids`` (a rank's writer, multiprocessing's resource tracker)."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    return [int(p) for p, pp in (ln.split() for ln in ps.splitlines()) if int(pp) in pids]
+
+
+def alive(pids: list[int], wait: float = 15.0) -> list[int]:
+    """Those of ``pids`` still running after up to ``wait`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = [p for p in pids if Path(f"/proc/{p}").exists()
+                and "zombie" not in Path(f"/proc/{p}/status").read_text(errors="replace").split("State:")[1][:20]]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def ranks_and_writers(job: Job) -> tuple[list[int], list[int]]:
+    """(the rank pids, their children). torchrun starts each rank in a session of its own, so killing
+    torchrun's process group leaves the ranks running: a lost node is every one of them killed."""
+    ranks = [job.pid(0), job.pid(1)]
+    return ranks, children(ranks)
+
+
+def names(out: Path) -> list[str]:
+    return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+
+
+def test_async_saves_train_and_resume_like_synchronous_ones(tmp_path, tmp_path_factory):
+    ref = trainer_runs.reference(tmp_path_factory).result  # synchronous saves
+    out = tmp_path / "out"
+    job = Job(out, ASYNC)
+    job.wait_for(out / "checkpoint-4" / MARKER)
+    ranks, writers = ranks_and_writers(job)
+    assert len(writers) >= 2  # a writer per rank (and multiprocessing's resource trackers)
+    r = job.finish()
+    assert r.rc == 0, r.tail()
+    assert alive(ranks + writers) == []  # the writer processes ended with their ranks
+    res = r.result
+    assert res["global_step"] == 16 and res["losses"] == ref["losses"] and len(res["losses"]) == 8
+    assert res["final_loss"] == ref["final_loss"]  # bitwise
+    assert "DecoupledCheckpointEngine" in r.log  # DeepSpeed's writer did the saving
+    assert res["marked"] == [str(out / f"checkpoint-{s}") for s in (4, 8, 12, 16)]  # the last one too (train end)
+    for step in (4, 8, 12, 16):
+        ckpt = out / f"checkpoint-{step}"
+        assert checkpoint_problem(ckpt) is None and deepspeed_tag(ckpt) == f"global_step{step}"
+
+    shutil.rmtree(out / "checkpoint-16")
+    shutil.rmtree(out / "checkpoint-12")
+    resumed = run(out, ASYNC)
+    assert resumed.rc == 0, resumed.tail()
+    res2 = resumed.result
+    assert res2["resumed_from"] == str(out / "checkpoint-8") and res2["global_step"] == 16
+    assert res2["final_loss"] == ref["final_loss"] and res2["losses"] == ref["losses"]
+
+
+def test_sigkill_during_an_asynchronous_write_resumes_from_the_previous_checkpoint(tmp_path, tmp_path_factory):
+    ref = trainer_runs.reference(tmp_path_factory).result
+    out = tmp_path / "out"
+    job = Job(out, [*ASYNC, "--slow-writes", "0.05", "--step-sleep", "0.1"])
+    job.wait_for(out / "checkpoint-4" / MARKER)
+    job.wait_for(out / "checkpoint-8" / "trainer_state.json")  # the Trainer's last file: the writers are at work
+    assert not (out / "checkpoint-8" / MARKER).exists() and not (out / "checkpoint-8" / "latest").exists()
+    ranks, writers = ranks_and_writers(job)
+    for pid in ranks:  # the whole node: both ranks, torchrun; the writers die with their ranks
+        os.kill(pid, signal.SIGKILL)
+    job.kill()
+    assert alive(ranks + writers) == []
+
+    assert names(out) == ["checkpoint-4", "checkpoint-8"]
+    with pytest.warns(IncompleteCheckpointWarning, match=r"checkpoint-8: no hfscale_complete.json, and by its own "
+                                                         r"files: DeepSpeed file 'latest' is missing"):
+        assert latest_checkpoint(out) == str(out / "checkpoint-4")
+
+    resumed = run(out, ASYNC)
+    assert resumed.rc == 0, resumed.tail()
+    res = resumed.result
+    assert res["resumed_from"] == str(out / "checkpoint-4") and res["global_step"] == 16
+    assert res["final_loss"] == ref["final_loss"] and res["losses"] == ref["losses"]  # nothing lost
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert latest_checkpoint(out) == str(out / "checkpoint-16")
+    assert checkpoint_problem(out / "checkpoint-8") is None  # written again, whole this time
+
+
+def test_a_rank_killed_mid_write_takes_its_writer_and_the_restart_resumes_exactly(tmp_path, tmp_path_factory):
+    ref = trainer_runs.reference(tmp_path_factory).result
+    out = tmp_path / "out"
+    job = Job(out, [*ASYNC, "--slow-writes", "0.05", "--step-sleep", "0.1"], max_restarts=1,
+              env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # see test_resume's restart test
+    job.wait_for(out / "checkpoint-4" / MARKER)
+    job.wait_for(out / "checkpoint-8" / "trainer_state.json")
+    assert not (out / "checkpoint-8" / MARKER).exists()
+    writers = children([job.pid(1)])
+    os.kill(job.pid(1), signal.SIGKILL)
+    assert alive(writers) == []  # the writer died with its rank, not left waiting on its queue for ever
+    done = job.finish()
+
+    assert done.rc == 0, done.tail()
+    res = done.result
+    assert res["restart"] == 1 and res["global_step"] == 16
+    assert res["resumed_from"] in (str(out / "checkpoint-4"), str(out / "checkpoint-8")), res
+    assert res["final_loss"] == ref["final_loss"] and res["losses"] == ref["losses"]
+    assert latest_checkpoint(out) == str(out / "checkpoint-16")
+
+
+def test_sigterm_to_the_whole_group_saves_and_marks_with_the_writers_alive(tmp_path):
+    """What a scheduler does: every process gets SIGTERM, each rank's writer too (a rank's process group
+    holds its writer); the writers ignore it, the ranks save (PreemptionCallback) and the save is
+    committed and marked at the end of training."""
+    out = tmp_path / "out"
+    job = Job(out, [*ASYNC, "--step-sleep", "0.1"])
+    job.wait_for(out / "checkpoint-4" / MARKER)
+    ranks, writers = ranks_and_writers(job)
+    for pid in ranks:
+        os.killpg(os.getpgid(pid), signal.SIGTERM)
+    stopped = job.finish()
+
+    assert stopped.exit_codes() == ["0", "0"], stopped.tail()
+    k = stopped.result["global_step"]
+    assert stopped.result["preempted"] and 5 <= k <= 14
+    assert stopped.result["marked"][-1] == str(out / f"checkpoint-{k}")
+    assert latest_checkpoint(out) == str(out / f"checkpoint-{k}")
+    assert deepspeed_tag(out / f"checkpoint-{k}") == f"global_step{k}"
+    assert alive(ranks + writers) == []
+
+
+def test_zero3_async_saves_train_and_resume_like_synchronous_ones(tmp_path):
+    """ZeRO-3: every rank writes its own model-states shard; the same losses, and a resume from an
+    asynchronously written checkpoint ends where the synchronous run does."""
+    z3 = [*COMMON[:-4], "--deepspeed", "3", "--seed", "1234"]
+    assert z3[-4:] == ["--deepspeed", "3", "--seed", "1234"]
+    sync = run(tmp_path / "sync", z3)
+    assert sync.rc == 0, sync.tail()
+    out = tmp_path / "out"
+    r = run(out, [*z3, "--async-save"])
+    assert r.rc == 0, r.tail()
+    assert r.result["losses"] == sync.result["losses"] and r.result["final_loss"] == sync.result["final_loss"]
+    tag = out / "checkpoint-16" / "global_step16"
+    assert sorted(p.name for p in tag.iterdir() if "model_states" in p.name) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+    shutil.rmtree(out / "checkpoint-16")
+    resumed = run(out, [*z3, "--async-save"])
+    assert resumed.rc == 0, resumed.tail()
+    assert resumed.result["resumed_from"] == str(out / "checkpoint-12")
+    assert resumed.result["final_loss"] == sync.result["final_loss"]
+    assert resumed.result["losses"] == sync.result["losses"]
+
+
+def test_sigkills_at_random_moments_never_resume_from_an_incomplete_checkpoint(tmp_path, tmp_path_factory):
+    """Three lost nodes at random moments (writes slowed down, so most kills land during a write or a
+    commit): each time the checkpoint picked is complete and every shard of it loads; the job that
+    finally runs through ends as the uninterrupted one."""
+    import random
+
+    import torch
+
+    ref = trainer_runs.reference(tmp_path_factory).result
+    out = tmp_path / "out"
+    rng = random.Random(30)
+    picked = []
+    for _ in range(3):
+        job = Job(out, [*ASYNC, "--slow-writes", "0.02", "--step-sleep", "0.1"])
+        job.wait_for(out.parent / "out.pids" / "rank1.pid")
+        time.sleep(rng.uniform(8.0, 20.0))  # start-up takes ~6 s here; a run ~25 s
+        ranks, writers = ranks_and_writers(job)
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        job.kill()
+        assert alive(ranks + writers) == []
+        for p in (out.parent / "out.pids").glob("rank*.pid"):
+            p.unlink()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IncompleteCheckpointWarning)
+            resume = latest_checkpoint(out)
+        picked.append(resume)
+        if resume is not None:
+            assert checkpoint_problem(resume) is None
+            for shard in sorted((Path(resume) / str(deepspeed_tag(resume))).glob("*.pt")):
+                torch.load(shard, weights_only=False)  # this test's own files
+    done = run(out, ASYNC)
+    assert done.rc == 0, done.tail()
+    assert done.result["global_step"] == 16 and done.result["final_loss"] == ref["final_loss"], picked
+    assert done.result["losses"] == ref["losses"]
