@@ -186,6 +186,8 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
     print(status.stdout.split("\n---")[0])
     assert status.returncode == 0, status.stderr
     assert f"restarts     {len(relaunches)}" in status.stdout and "goodput      " in status.stdout
+    assert "replaced     node3 replaced node1 at +" in status.stdout  # which spare replaced which host, and when
+    assert "state        finished (exit code 0)" in status.stdout and "; ended " in status.stdout  # the real end
     left = {n: p for n, p in leftover_processes(cluster, timeout=60, contains=str(tmp_path)).items() if n != victim}
     assert left == {}
     assert {n: p for n, p in slurm.job_processes(timeout=60).items() if n != victim} == {}
