@@ -9,6 +9,7 @@ flight-recorder thread (which faulthandler lists first under python -m)."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -87,7 +88,10 @@ def test_the_stuck_callback_is_named_without_py_spy(tmp_path):
     hfscale's flight recorder and whose main thread's outermost frame is runpy's."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    (bindir / "python").symlink_to(sys.executable)
+    # a script, not a symlink: Python finds its venv (pyvenv.cfg) beside the path it was started by, so a
+    # symlinked venv interpreter in another folder is the base interpreter, without this checkout's packages
+    (bindir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bindir / "python").chmod(0o755)
     env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-m", "hfscale", "launch",
                         str(config(tmp_path, 29673, python=str(bindir / "python")))], cwd=tmp_path,
