@@ -189,12 +189,25 @@ def test_sigkills_at_random_moments_never_resume_from_an_incomplete_checkpoint(t
     rng = random.Random(30)
     picked = []
     for _ in range(3):
+        before = {p.name for p in out.glob("checkpoint-*")}
         job = Job(out, [*ASYNC, "--slow-writes", "0.02", "--step-sleep", "0.1"])
         job.wait_for(out.parent / "out.pids" / "rank1.pid")
-        time.sleep(rng.uniform(8.0, 20.0))  # start-up takes ~6 s here; a run ~25 s
+        # the moment follows the run, not the clock (a fast machine finished a whole run within a fixed
+        # 8-20 s): a new save has begun, then up to 2 s more, into its writes, the commit or the next save
+        deadline = time.monotonic() + 240
+        while not {p.name for p in out.glob("checkpoint-*")} - before and job.proc.poll() is None:
+            assert time.monotonic() < deadline, "no save began"
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 2.0))
+        if job.proc.poll() is not None:  # the run ended first: nothing left to kill
+            job.kill()
+            break
         ranks, writers = ranks_and_writers(job)
         for pid in ranks:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended between the listing and the kill
+                pass
         job.kill()
         assert alive(ranks + writers) == []
         for p in (out.parent / "out.pids").glob("rank*.pid"):
@@ -207,6 +220,8 @@ def test_sigkills_at_random_moments_never_resume_from_an_incomplete_checkpoint(t
             assert checkpoint_problem(resume) is None
             for shard in sorted((Path(resume) / str(deepspeed_tag(resume))).glob("*.pt")):
                 torch.load(shard, weights_only=False)  # this test's own files
+    print(f"checkpoints picked after each kill: {picked}")
+    assert picked, "no kill was made"
     done = run(out, ASYNC)
     assert done.rc == 0, done.tail()
     assert done.result["global_step"] == 16 and done.result["final_loss"] == ref["final_loss"], picked
