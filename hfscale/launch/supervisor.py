@@ -112,9 +112,9 @@ def healthy_again(job: Job, hosts: tuple[str, ...], python: str) -> frozenset[st
     if not hosts:
         return frozenset()
     specs = tuple(_as(h, spare=False) for h in job.hosts + job.spares if h.host in hosts)
-    cmds = {k: c for k, c in probes(replace(job, hosts=specs, num_nodes=len(specs)), python).items()
-            if k.split("/")[0] in hosts}
-    reports = evaluate(replace(job, hosts=specs, num_nodes=len(specs)), run_probes(cmds, PROBE_TIMEOUT_S))
+    probed = replace(job, hosts=specs, num_nodes=len(specs))
+    cmds = {k: c for k, c in probes(probed, python).items() if k.split("/")[0] in hosts}
+    reports = evaluate(probed, run_probes(cmds, PROBE_TIMEOUT_S))
     return frozenset(r.host for r in reports if not r.problems)
 
 

@@ -165,10 +165,15 @@ def _event_line(e: "TimelineEvent", t0: float) -> str:
     return f"{head}  {printable(e.what or '', 1000)}".rstrip()
 
 
+def _t0(t: "Timeline") -> float:
+    """The time the status and report lines count from: the first launch (else the first event)."""
+    return next((e.at for e in t.events if e.kind == "launch"), t.events[0].at if t.events else 0.0)
+
+
 def replacement_lines(t: "Timeline") -> list[str]:
     """``replaced     node3 replaced node1 at +72.4 s (attempt 1; spares left: none)``: which spare took
     which host's place, and when (from the first launch); at most MAX_NAMES lines, the rest counted."""
-    t0 = next((e.at for e in t.events if e.kind == "launch"), t.events[0].at if t.events else 0.0)
+    t0 = _t0(t)
     out = [f"replaced     {r.spare} replaced {r.host} at +{e.at - t0:.1f} s (attempt {e.attempt}"
            + (f"; spares left: {_names(e.spares) if e.spares else 'none'})" if e.spares is not None else ")")
            for e in t.events if e.kind == "relaunch" for r in e.replaced or ()]
@@ -180,7 +185,7 @@ def requeue_lines(t: "Timeline") -> list[str]:
     attempt 1 resumed``: a supervised Slurm job that requeued itself (hfscale.launch.requeue)."""
     from hfscale.launch.requeue import REQUEUED
 
-    t0 = next((e.at for e in t.events if e.kind == "launch"), t.events[0].at if t.events else 0.0)
+    t0 = _t0(t)
     out = [f"requeued     {printable(e.what or '', 300)}, at +{e.at - t0:.1f} s; attempt {e.attempt + 1} resumed"
            for e in t.events if e.kind == "failure" and REQUEUED in (e.what or "")]
     return out[:MAX_NAMES]
@@ -190,8 +195,7 @@ def timeline_lines(t: "Timeline") -> list[str]:
     """One line per failure, relaunch and giving up, times from the first launch."""
     if not t.events and not t.skipped:
         return []
-    launch = next((e for e in t.events if e.kind == "launch"), t.events[0] if t.events else None)
-    t0 = launch.at if launch is not None else 0.0
+    t0 = _t0(t)
     out = [_event_line(e, t0) for e in t.events if e.kind in ("failure", "relaunch", "gave_up")]
     if t.skipped:
         out.append(f"({t.skipped} bad timeline line{'s' * (t.skipped != 1)} skipped)")
