@@ -16,17 +16,14 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 import yaml
 
 from cluster import leftover_processes, run_on
-from conftest import ROOT
 from hfscale.launch.timeline import read_timeline
-from test_recovery_cluster import _attempt_training, losses, run_dir_of, train_config, wait_for
+from test_recovery_cluster import _attempt_training, losses, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 EVERY = 2
@@ -48,24 +45,14 @@ def test_kills_at_random_moments_never_resume_from_an_incomplete_checkpoint(make
                                                              "keep": 2})
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     t0 = time.time()
-    log = tmp_path / "hfscale.out"  # a file, not a pipe: nothing reads a pipe during the kills, and a full one blocks
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
-                                stdout=sink, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for("the run directory", lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), proc)
+    with launched(config, cluster.env(), tmp_path, timeout=1800) as job:
         run = run_dir_of(tmp_path)
         for n in range(kills):
-            wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), proc, timeout=600)
+            wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), job.proc, timeout=600)
             time.sleep(rng.uniform(0.0, 2.0))
             run_on(cluster, rng.choice(cluster.nodes), "pkill -KILL '^python'", timeout=30)
-        proc.wait(timeout=1800)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = log.read_text(errors="replace")
-    assert proc.returncode == 0, output[-6000:]
+    output = job.output()
+    assert job.proc.returncode == 0, output[-6000:]
     events = read_timeline(run_dir_of(tmp_path)).events
     failures = [e for e in events if e.kind == "failure"]
     restored = [int(m) for m in re.findall(r"hfscale: restored step (\d+) from the nodes' local checkpoints", output)]

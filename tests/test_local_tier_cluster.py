@@ -15,18 +15,14 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
-import time
 
 import pytest
 import yaml
 
 from cluster import leftover_processes, run_on
-from conftest import ROOT
 from hfscale.checkpoints.local_tier import node_dir
 from hfscale.launch.timeline import read_timeline
-from test_recovery_cluster import _attempt_training, _step, losses, run_dir_of, train_config, wait_for
+from test_recovery_cluster import _attempt_training, _step, losses, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 60
@@ -46,33 +42,23 @@ def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_bu
     doc = yaml.safe_load(config.read_text())
     doc["training"].update(save_steps=50, local_checkpoints={"every": EVERY, "dir": str(local), "keep": 2})
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
-    log = tmp_path / "hfscale.out"  # a file, not a pipe: nothing reads a pipe while the faults are made
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
-                                stdout=sink, stderr=subprocess.STDOUT, text=True)
     faults: list[tuple[str, int]] = []
-    try:
-        wait_for("the run directory", lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), proc)
+    with launched(config, cluster.env(), tmp_path) as job:
         run = run_dir_of(tmp_path)
         for n, victim in enumerate(("node2", "node1")):
             if n:
-                wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), proc)
+                wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), job.proc)
             at = min(_step(run) + rng.randint(7, 14), MAX_STEPS - 8)
-            wait_for(f"step {at}", lambda: _step(run) >= at, proc)
+            wait_for(f"step {at}", lambda: _step(run) >= at, job.proc)
             run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)
             if victim == "node1":  # its disk is gone with it: its part of the newest local step lives on node2
                 gone = node_dir(str(local), "node1", str(out)).parent
                 shutil.rmtree(gone, ignore_errors=True)
                 assert not gone.exists()
             faults.append((victim, _step(run)))
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = log.read_text(errors="replace")
+    output = job.output()
     print(f"faults (node, step seen): {faults}")
-    assert proc.returncode == 0, output[-6000:]
+    assert job.proc.returncode == 0, output[-6000:]
     events = read_timeline(run_dir_of(tmp_path)).events
     failures = [e for e in events if e.kind == "failure"]
     assert [e.host for e in failures] == ["node2", "node1"], output[-6000:]

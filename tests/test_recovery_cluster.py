@@ -16,13 +16,16 @@ real sshd, real torchrun and DeepSpeed ZeRO-2 on CPU, faults made the way they h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -91,6 +94,37 @@ def wait_for(what: str, cond, proc: subprocess.Popen, timeout: float = 300) -> N
         assert proc.poll() is None, f"hfscale ended (exit code {proc.returncode}) while waiting for {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.3)
+
+
+@dataclass
+class Launch:
+    """``hfscale launch`` started by ``launched``: its process, and its output so far."""
+
+    proc: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def launched(config: Path, env: dict[str, str], tmp: Path, timeout: float = 900) -> Iterator[Launch]:
+    """``hfscale launch config`` with its output in ``tmp/hfscale.out`` (a file, not a pipe: nothing
+    reads a pipe while the faults are made, and a full one blocks the launcher), entered once the
+    run directory exists; on leaving, waits ``timeout`` s for the launch to end (killed if it has not,
+    or if the block raised)."""
+    log = tmp / "hfscale.out"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=env,
+                                stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for("the run directory", lambda: (tmp / "runs").is_dir() and any((tmp / "runs").iterdir()), proc)
+        yield Launch(proc, log)
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_job_heals_around_a_killed_a_frozen_and_a_cut_off_node(make_cluster, tmp_path, uninterrupted_losses):

@@ -23,7 +23,7 @@ import yaml
 from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.timeline import read_timeline
-from test_recovery_cluster import MAX_STEPS, _attempt_training, _step, losses, run_dir_of, train_config, wait_for
+from test_recovery_cluster import MAX_STEPS, _attempt_training, _step, losses, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -44,30 +44,20 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
     assert check.returncode == 0, check.stdout + check.stderr
     assert "+ 1 spare (node3)" in check.stdout and "nothing converted" in check.stdout, check.stdout
     t0 = time.time()
-    log = tmp_path / "hfscale.out"  # a file, not a pipe: nothing reads a pipe while the faults are made
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, env=cluster.env(),
-                                stdout=sink, stderr=subprocess.STDOUT, text=True)
     faults: list[tuple[str, float, int]] = []
-    try:
-        wait_for("the run directory", lambda: (tmp_path / "runs").is_dir() and any((tmp_path / "runs").iterdir()), proc)
+    with launched(config, cluster.env(), tmp_path) as job:
         run = run_dir_of(tmp_path)
         for n, victim in enumerate(("node1", "node2")):
             if n:
-                wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), proc)
+                wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), job.proc)
             at = min(_step(run) + rng.randint(3, 8), MAX_STEPS - 6)
-            wait_for(f"step {at}", lambda: _step(run) >= at, proc)
+            wait_for(f"step {at}", lambda: _step(run) >= at, job.proc)
             run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
             faults.append((f"kill {victim}", time.time(), _step(run)))
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = log.read_text(errors="replace")
+    output = job.output()
     for what, when, step in faults:
         print(f"{what} at +{when - t0:.1f} s, step {step}")
-    assert proc.returncode == 0, output[-6000:]
+    assert job.proc.returncode == 0, output[-6000:]
     run = run_dir_of(tmp_path)
     events = read_timeline(run).events
     for e in events:
