@@ -36,6 +36,7 @@ import yaml
 
 from cluster import leftover_processes, pids_in_node, run_on
 from conftest import ROOT
+from hfscale.launch.runners.slurm_script import BATCH_HOST_LOST_S, REQUEUE_LOG
 from hfscale.launch.timeline import read_timeline
 from test_orphans_cluster import SLOW
 from test_recovery_cluster import losses, node_env
@@ -101,14 +102,27 @@ def _training_after(run: Path, attempt: int) -> bool:
     return any(e.attempt > attempt for e in _events(run, "training"))
 
 
-def wait_for(what: str, cond, slurm, job: str, timeout: float = 400) -> None:
+def wait_for(what: str, cond, slurm, job: str, timeout: float = 400, run: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         state = slurm.state(job)
         assert state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING"), \
             f"job {job} is {state} while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; job {job} is {state}\n"
+                                 + _diagnosis(slurm, job, run))
         time.sleep(0.3)
+
+
+def _diagnosis(slurm, job: str, run: Path | None) -> str:
+    """What Slurm and the run directory say, for a test that timed out."""
+    parts = [slurm.run("scontrol", "show", "job", job, check=False).stdout[-3000:],
+             slurm.run("sinfo", "-N", "-o", "%N %T %E", check=False).stdout[-2000:]]
+    if run is not None:
+        requeue = run / REQUEUE_LOG
+        parts += [f"{REQUEUE_LOG}: " + (requeue.read_text(errors="replace")[-2000:] if requeue.exists() else "(none)"),
+                  output(run, job)[-4000:]]
+    return "\n".join(parts)
 
 
 def output(run: Path, job: str) -> str:
@@ -131,26 +145,26 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
     link = f"hfs{cluster.id}v2"  # node2's veth end on the bridge
     try:
         # 1. node1's ranks SIGKILLed (a GPU fault, the OOM killer)
-        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600)
+        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600, run=run)
         at = _step(run) + rng.randint(3, 10)
-        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
         run_on(cluster, "node1", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
         faults.append(("kill node1's ranks", time.time(), _step(run)))
-        wait_for("attempt 1 training", lambda: _training_after(run, 0), slurm, job)
+        wait_for("attempt 1 training", lambda: _training_after(run, 0), slurm, job, run=run)
         # 2. node2's link cut (a dead switch port): Slurm's Node failure, node2 leaves the job
         at = _step(run) + rng.randint(3, 10)
-        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
         subprocess.run(["ip", "link", "set", link, "down"], check=True)
         faults.append(("cut node2's link", time.time(), _step(run)))
-        wait_for("node2's loss noticed", lambda: len(_events(run, "failure")) >= 2, slurm, job)
+        wait_for("node2's loss noticed", lambda: len(_events(run, "failure")) >= 2, slurm, job, run=run)
         last = _events(run, "failure")[-1].attempt
-        wait_for("the next attempt training", lambda: _training_after(run, last), slurm, job)
+        wait_for("the next attempt training", lambda: _training_after(run, last), slurm, job, run=run)
         subprocess.run(["ip", "link", "set", link, "up"], check=True)  # back; it stays out of the job
         # 3. the slurmd of a training node (not the batch host) stopped: Slurm's Node failure again
         hosts = _events(run, "relaunch")[-1].hosts
         victim = next(h for h in hosts if h != "node0")
         at = _step(run) + rng.randint(3, 10)
-        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
         slurm.stop_slurmd(victim)
         faults.append((f"stop {victim}'s slurmd", time.time(), _step(run)))
         info = slurm.wait(job, timeout=900)
@@ -168,6 +182,8 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
     failures = [e for e in events if e.kind == "failure"]
     relaunches = [e for e in events if e.kind == "relaunch"]
     assert len(failures) == 3 and len(relaunches) == 3, text[-6000:]
+    # the supervisor beat through every gap between attempts (its probes, its decisions): no watch requeued
+    assert int(info.get("Restarts", "0")) == 0 and not (run / REQUEUE_LOG).exists(), text[-6000:]
     assert (failures[0].cause, failures[0].host) == ("rank_failed", "node1")
     # the spare (node3, the allocation's last node) in node1's place: the same world size, nothing converted
     assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
@@ -202,9 +218,9 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
     t0 = time.time()
     job, run = submit(slurm, config)
     try:
-        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600)
+        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600, run=run)
         batch_host = slurm.job(job)["BatchHost"]
-        wait_for("a checkpoint", lambda: _step(run) >= 12, slurm, job)
+        wait_for("a checkpoint", lambda: _step(run) >= 12, slurm, job, run=run)
         killed_at = _step(run)
         # the batch host dies: its slurmd, the batch script, the supervisor, its ranks
         slurm.stop_slurmd(batch_host)
@@ -214,7 +230,10 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
             except ProcessLookupError:
                 pass
         t_kill = time.time()
-        wait_for("the requeued job", lambda: "restart 1" in output(run, job), slurm, job, timeout=300)
+        # the watches notice within BATCH_HOST_LOST_S + 10 s; Slurm starts the job again after its credential
+        # lifetime (10 s here) once it has set the batch host DOWN (SlurmdTimeout 10 s)
+        wait_for("the requeued job", lambda: "restart 1" in output(run, job), slurm, job,
+                 timeout=BATCH_HOST_LOST_S + 240, run=run)
         t_requeued = time.time()
         info = slurm.wait(job, timeout=900)
     finally:
@@ -248,7 +267,7 @@ def test_hfscale_stop_cancels_a_supervised_job_and_leaves_nothing(make_slurm, tm
     config = slurm_config(tmp_path, out, 29991, nodes=2)
     job, run = submit(slurm, config)
     try:
-        wait_for("step 4", lambda: _step(run) >= 4, slurm, job, timeout=600)
+        wait_for("step 4", lambda: _step(run) >= 4, slurm, job, timeout=600, run=run)
         assert (out / "_hfscale-lock.json").is_file()  # held by the supervisor on the batch host
         t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "hfscale", "stop", str(run)], cwd=ROOT, env=slurm.env(),

@@ -24,6 +24,7 @@ from hfscale.config.model import HostSpec
 from hfscale.core import exitcodes
 from hfscale.core.records import LOG_TAIL, TimelineEvent
 from hfscale.core.untrusted import Unreadable, read_bytes
+from hfscale.launch.beats import LauncherBeat
 from hfscale.launch.build import build_plan
 from hfscale.launch.execute import execute_attempt, run_probes
 from hfscale.launch.node_command import LaunchContext
@@ -148,8 +149,9 @@ def supervise(job: Job, context: Callable[[Job, int], LaunchContext], echo_for: 
     goes on from its previous attempts, hfscale.launch.requeue)."""
     previous = {s: signal.signal(s, _stop_between_attempts) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     runs: list[str] = []
+    gap: list[LauncherBeat] = []
     try:
-        return _supervise(job, context, echo_for, say, runs, first)
+        return _supervise(job, context, echo_for, say, runs, gap, first)
     except _Stopped as e:
         say(f"hfscale: got {signal.Signals(e.signum).name} between attempts (nothing was running); not relaunched")
         if runs:
@@ -157,8 +159,14 @@ def supervise(job: Job, context: Callable[[Job, int], LaunchContext], echo_for: 
             _event(runs[0], kind="gave_up", attempt=0, what=f"stopped by {signal.Signals(e.signum).name} between attempts")
         return 128 + e.signum
     finally:
+        _end_gap(gap)
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _end_gap(gap: list[LauncherBeat]) -> None:
+    while gap:
+        gap.pop().stop()
 
 
 def _say_policy(policy: Policy, nodes: int, say: Callable[[str], None]) -> None:
@@ -183,7 +191,10 @@ def _spares_said(spares: tuple[str, ...]) -> str:
 
 def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
                echo_for: Callable[[LaunchPlan], Callable[[str], None]], say: Callable[[str], None],
-               runs: list[str], first: int = 0) -> int:
+               runs: list[str], gap: list[LauncherBeat], first: int = 0) -> int:
+    """``gap``: the heartbeat the supervisor writes between two attempts (each attempt's launch writes
+    its own): the nodes that watch it (a supervised Slurm job's, hfscale.launch.runners.slurm_script)
+    then see a live supervisor through its probes and decisions, and a lost one within a minute."""
     policy = Policy.of(job.config.recovery, tuple(h.host for h in job.hosts), tuple(h.host for h in job.spares))
     history = History()
     current, attempt, python = job, first, job.config.runner.python or ""
@@ -216,6 +227,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
             run_dir, attempt, resume or 0, steps, done, ready,
             lambda s, t: _event(run_dir, kind="training", attempt=n, at=t, step=s)))
         watcher.start()
+        _end_gap(gap)
         try:
             outcome = execute_attempt(plan, plan.render(), echo_for(plan), attempt)
         except Refused as e:  # another launch took the output_dir between two attempts
@@ -235,6 +247,8 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         if outcome.signalled or outcome.where is None:  # stopped by hand, or nothing ran (no node failed)
             return outcome.rc
         record_state(run_dir, state="running", exit_code=None, ended=None)  # deciding: hfscale stop still applies
+        if plan.keeper is not None and os.path.isdir(run_dir):
+            gap.append(LauncherBeat(run_dir, say))
         hosts = {h.host for h in current.hosts}
         cause = _cause(outcome, hosts)
         host = outcome.where if outcome.where in hosts else None

@@ -95,15 +95,16 @@ def render_sbatch(job: Job, run_dir: str, workdir: str, env: dict[str, str], lau
     return "\n".join(lines) + "\n"
 
 
-BATCH_HOST_LOST_S = 120  # the supervisor's heartbeat unchanged this long, once seen: its batch host is lost
+BATCH_HOST_LOST_S = 50  # the supervisor's heartbeat unchanged this long, once seen: its batch host is lost
+# (read every 10 s: a lost batch host is noticed 50-60 s after its last beat)
 REQUEUE_LOG = "requeue.log"  # the watches' lines, in the run directory
 
 
 def watch_loop(run_dir: str) -> str:
     """Shell text one node runs for the whole job: every 10 s it reads the supervisor's heartbeat
-    (hfscale.launch.beats.LauncherBeat, rewritten every few seconds while an attempt runs); once it
-    has seen one, a heartbeat unchanged for BATCH_HOST_LOST_S seconds (longer than any gap between
-    two attempts) means the batch host is lost: it says so in ``requeue.log`` and requeues the job."""
+    (hfscale.launch.beats.LauncherBeat, rewritten every 5 s while an attempt runs and while the
+    supervisor decides between two attempts); once it has seen one, a heartbeat unchanged for
+    BATCH_HOST_LOST_S seconds means the batch host is lost: it says so in ``requeue.log`` and requeues the job."""
     beat, log = shlex.quote(posixpath.join(run_dir, LAUNCHER_BEAT)), shlex.quote(posixpath.join(run_dir, REQUEUE_LOG))
     return (f'last=; same=0; while sleep 10; do c=$(head -c 64 {beat} 2>/dev/null); '
             'if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; elif [ -n "$last" ]; then same=$((same + 10)); fi; '
