@@ -3,32 +3,37 @@
 
 The same HF Trainer job (a GPT-2 built from a config, nothing downloaded; byte-level blocks of the
 Python standard library's ``.py`` files, as in tests/scripts/trainer_run.py; CPU, DeepSpeed ZeRO on
-``--ranks`` processes under torchrun, gloo) runs ``--steps`` optimizer steps, saving every
-``--save-steps``, once with ``training.async_save: false`` (DeepSpeed's torch.save engine: every rank
-waits until every shard is written) and once with ``true`` (DeepSpeed's decoupled writer,
-hfscale.training.async_save), the two interleaved ``--repeat`` times inside ONE torchrun launch
-(fresh model with the same seed, fresh Trainer and DeepSpeed engine per run). Both variants run
-hfscale's CheckpointCompleteCallback (the marker, and rotation with ``save_total_limit`` 2).
+``--ranks`` processes under torchrun, gloo) runs ``--steps`` optimizer steps three ways: saving
+nothing (the baseline), saving every ``--save-steps`` with ``training.async_save: false``
+(DeepSpeed's torch.save engine: every rank waits until every shard is written), and with ``true``
+(DeepSpeed's decoupled writer fed a snapshot, hfscale.training.async_save); the three interleaved
+``--repeat`` times inside ONE torchrun launch (fresh model with the same seed, fresh Trainer and
+DeepSpeed engine per run). The saving variants run hfscale's CheckpointCompleteCallback (the
+marker, and rotation with ``save_total_limit`` 2).
 
-How the pause is measured, on rank 0: timer callbacks record ``time.perf_counter()`` at every
-``on_step_begin`` and ``on_step_end``. The interval that follows a step with a save holds the save
-(the Trainer saves after ``on_step_end``), the next step and, with asynchronous saves, the wait for
-the writers at that step's commit and the marker. The gap (the figure the issue asks for) = that
-interval minus the median of the plain intervals around it (two before, two after); the last step
-saves nothing (``--steps`` is not a multiple of ``--save-steps``), so every save measured is followed
-by a full step. On a shared machine the gap is noisy (a plain step varies by seconds), so the parts
-are measured inside as well: the save itself (step end to the next step's begin), DeepSpeed's
-commit wait (``_commit_decoupled_checkpoint``, timed) and the asynchronous marker; "direct" is their
-sum. What direct leaves out: the writers' competition with training for the CPU during the next
-step (the gap holds it). The table shows medians over the saves, the ratio async/sync of each,
-the bytes one checkpoint holds and the plain step time.
+Three measures of the pause per checkpoint, on rank 0 (timer callbacks record
+``time.perf_counter()`` at every ``on_step_begin`` and ``on_step_end``):
+
+- gap: the interval that follows a step with a save holds the save (the Trainer saves after
+  ``on_step_end``) and the next step; the gap is that interval minus the median of the plain
+  intervals around it (two before, two after). The last step saves nothing (``--steps`` is not a
+  multiple of ``--save-steps``), so every save measured is followed by a full step.
+- lost: the time the run took from the end of step ``--warmup`` to its last save, minus the time
+  the no-save run of the same round took for the same steps, per save in that stretch. It holds
+  what the gap may leave out (writers that slow the steps after the one with the save) and the
+  run-to-run noise of a shared machine (two runs' step times differ by a few per cent, over
+  every step of the stretch).
+- direct, measured inside: the save itself (step end to the next step's begin), the commit calls
+  at the step that follows (the ranks' agreement, or the wait for the writers) and the
+  asynchronous marker.
 
 What stays synchronous with ``async_save``: the Trainer's own files, written before the save returns
 (``model.safetensors`` by rank 0 under ZeRO-1/2, not under ZeRO-3 unless gather_16bit_weights_on_model_save;
-RNG states, ``trainer_state.json``, the scheduler), and the hand-off of the state to the writer (the
-first save moves the tensors to shared memory: a copy).
+RNG states, ``trainer_state.json``, the scheduler), and the snapshot of the state handed to the
+writer (a copy into shared memory, into buffers reused from save to save).
 
     python bench/bench_checkpoint.py                               # ZeRO-2, 2 ranks
+    python bench/bench_checkpoint.py --ranks 1 --precision bf16    # a core left to the writer, as on a GPU node
     python bench/bench_checkpoint.py --stage 3 --ranks 1
     python bench/bench_checkpoint.py --layers 12 --width 768 --repeat 3
 """
