@@ -79,40 +79,59 @@ def test_cross_rank_and_size_come_from_torchrun():
     assert async_save.cross_env({"WORLD_SIZE": "x", "LOCAL_WORLD_SIZE": "0"}) == {"CROSS_RANK": "0", "CROSS_SIZE": "1"}
 
 
-def test_tensors_requiring_grad_are_detached_nothing_copied():
-    flat = torch.zeros(10, requires_grad=True)
-    part = flat[:8]  # ZeRO-1/2's fp32 partition without its padding: a non-leaf view requiring grad
+def test_the_writer_gets_a_snapshot_in_shared_memory_views_kept_buffers_reused(tmp_path):
+    flat = torch.arange(10.0, requires_grad=True) * 1  # ZeRO-1/2's flat fp32 group
+    part = flat[:8]  # its partition without padding: a non-leaf view requiring grad (torch.multiprocessing refuses it)
+    strided = flat[1::3]
     assert part.requires_grad and not part.is_leaf
     meta = OrderedDict(w=torch.ones(2))
     meta._metadata = {"": {"version": 1}}
-    sd = {"optimizer_state_dict": {"single_partition_of_fp32_groups": [part], "step": 3, "pair": (part, 1)},
-          "module": meta}
-    out = async_save.detached(sd)
-    groups = out["optimizer_state_dict"]["single_partition_of_fp32_groups"]
-    assert not groups[0].requires_grad and groups[0].data_ptr() == flat.data_ptr()
-    assert out["optimizer_state_dict"]["pair"][1] == 1 and not out["optimizer_state_dict"]["pair"][0].requires_grad
-    assert out["module"] is meta and out["module"]._metadata == {"": {"version": 1}}  # nothing to detach: the same
+    sd = {"optimizer_state_dict": {"single_partition_of_fp32_groups": [part], "step": 3, "pair": (strided, 1)},
+          "module": meta, "plain": {"lr": 0.1}}
+    pool: dict = {}
+    out = async_save.snapshot(sd, pool)
+    got = out["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    pair = out["optimizer_state_dict"]["pair"][0]
+    assert torch.equal(got, part.detach()) and torch.equal(pair, strided.detach())
+    assert not got.requires_grad and got.is_shared() and got.data_ptr() != part.data_ptr()
+    # the two views of one storage are views of one copy, at the same offsets and strides
+    assert got.untyped_storage().data_ptr() == pair.untyped_storage().data_ptr()
+    assert (pair.storage_offset(), pair.stride()) == (1, (3,))
+    assert out["optimizer_state_dict"]["step"] == 3 and out["plain"] is sd["plain"]  # no tensor: the same object
+    assert type(out["module"]) is OrderedDict and out["module"]._metadata == {"": {"version": 1}}
     assert sd["optimizer_state_dict"]["single_partition_of_fp32_groups"][0] is part  # the original is left alone
-    changed = OrderedDict(p=part)
-    changed._metadata = {"x": 1}
-    again = async_save.detached(changed)
-    assert type(again) is OrderedDict and again._metadata == {"x": 1} and not again["p"].requires_grad
+    with torch.no_grad():
+        flat.add_(100.0)  # the next optimizer step changes the live tensors; the snapshot does not change
+    assert got[0].item() == 0.0 and pair[0].item() == 1.0
+    # torch.save writes from the snapshot what it writes from the live tensors: one storage, two views
+    torch.save(out, tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt", weights_only=True)
+    views = back["optimizer_state_dict"]["single_partition_of_fp32_groups"][0], back["optimizer_state_dict"]["pair"][0]
+    assert views[0].untyped_storage().data_ptr() == views[1].untyped_storage().data_ptr()
+    assert torch.equal(views[1], torch.tensor([1.0, 4.0, 7.0]))
+    # the next save of the same file reuses the copies: nothing allocated, the new values in them
+    again = async_save.snapshot(sd, pool)
+    new = again["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    assert new.untyped_storage().data_ptr() == got.untyped_storage().data_ptr() and new[0].item() == 100.0
+    assert len(pool) == 2  # the flat group's storage and the module's weight
 
 
 # ---- CheckpointCompleteCallback with a stand-in for DeepSpeed's engine ------------------------------
 
 
 class Engine:
-    """What the callback reads of a DeepSpeedEngine with a decoupled checkpoint engine."""
+    """What the callback reads of a DeepSpeedEngine with a decoupled checkpoint engine; its commit
+    (async_save.commit, which needs DeepSpeed's process group) is a stand-in too."""
 
     def __init__(self) -> None:
         self.checkpoint_engine = types.SimpleNamespace(get_commit_info=lambda: self.info)
         self.info: object | None = None
         self.commits = 0
 
-    def _commit_decoupled_checkpoint(self) -> None:
+    def commit(self) -> bool:
         self.info = None
         self.commits += 1
+        return True
 
 
 def checkpoint(root: Path, step: int, world: int = 2, shards: bool = True) -> Path:
@@ -135,6 +154,7 @@ def checkpoint(root: Path, step: int, world: int = 2, shards: bool = True) -> Pa
 def engine(monkeypatch):
     e = Engine()
     monkeypatch.setattr(async_save, "_ENGINES", {e})
+    monkeypatch.setattr(async_save, "commit", lambda engine, wait: engine.commit())
     return e
 
 
@@ -208,3 +228,22 @@ def test_a_synchronous_save_is_marked_at_once(tmp_path, engine):
     ckpt = checkpoint(tmp_path, 4)
     cb.on_save(args, state, None)  # no engine has a commit pending
     assert (ckpt / MARKER).exists() and cb.pending is None
+
+
+def test_a_save_that_begins_before_the_previous_commit_marks_the_previous_first(tmp_path, engine):
+    """The writers of step 8 were still at work when step 12 saved: DeepSpeed's save waited for their
+    commit (async_save's save_checkpoint), so checkpoint-8 is marked at step 12's save, before
+    checkpoint-12 becomes the pending one."""
+    cb, args, state = hooks(tmp_path)
+    state.global_step = 8
+    first = checkpoint(tmp_path, 8)
+    engine.info = "global_step8"
+    cb.on_save(args, state, None)
+    state.global_step = 12
+    cb.on_step_end(args, state, None)  # still writing: not committed at any step in between
+    assert cb.pending == (str(first), 8) and not (first / MARKER).exists()
+    second = checkpoint(tmp_path, 12, shards=False)
+    engine.info = "global_step12"  # step 8 committed inside the save, step 12 handed to the writers
+    cb.on_save(args, state, None)
+    assert (first / MARKER).exists() and json.loads((first / MARKER).read_text())["global_step"] == 8
+    assert cb.pending == (str(second), 12) and not (second / MARKER).exists()

@@ -190,3 +190,50 @@ def test_a_file_that_cannot_be_read_or_written_fails_the_copy_without_a_hang(tmp
         writer.write(c)
     writer.finish()
     assert writer.error is not None and writer.next_size() == 0
+
+
+def _restorable(tmp_path: Path) -> tuple[Path, str, Path]:
+    """An output_dir with a lineage and this host's local step 5 (every file its own, one rank)."""
+    from hfscale.training.callbacks import local_tier as ranks
+
+    out, template = tmp_path / "out", str(tmp_path / "local" / "{host}")
+    out.mkdir()
+    (out / tier.LINEAGE_FILE).write_text(f'{{"lineage": "{LINEAGE}"}}\n')
+    root = Path(tier.node_dir(template, ranks.host(), str(out)))
+    node(root, 5, list(WHOLE), [], world=1)
+    return out, template, root
+
+
+def test_a_restore_cut_short_or_missing_a_file_falls_back_to_the_durable_tier(tmp_path: Path, monkeypatch, capsys):
+    """Every rank learns that the restore is not whole (no rank raises while the others wait at a
+    barrier): the staging folder goes, the user is told, and training resumes from the durable tier."""
+    from hfscale.training.callbacks import local_tier as ranks
+
+    out, template, root = _restorable(tmp_path)
+    real = tier.copy_files
+
+    def cut_short(files, dest):  # the copy of one file ends early (the node's disk filled, say)
+        real(files, dest)
+        (dest / "global_step5/mp_rank_00_model_states.pt").write_bytes(b"x")
+
+    monkeypatch.setattr(tier, "copy_files", cut_short)
+    assert ranks.restore(str(out), template, durable=None) is None
+    said = capsys.readouterr().out
+    assert "the restore of local step 5" in said and "is not whole (1 file(s) missing or short, e.g. " \
+        "global_step5/mp_rank_00_model_states.pt)" in said and "resuming from the durable tier's nothing" in said
+    assert sorted(p.name for p in out.iterdir()) == [tier.LINEAGE_FILE]  # no checkpoint-5, no staging left
+
+    def vanished(files, dest):  # a local file removed after the scan: copy_files' own OSError
+        (Path(files["rng_state_0.pth"]) / "rng_state_0.pth").unlink()
+        real(files, dest)
+
+    monkeypatch.setattr(tier, "copy_files", vanished)
+    assert ranks.restore(str(out), template, durable=str(out / "checkpoint-2")) is None
+    said = capsys.readouterr().out
+    assert "No such file or directory" in said and "rng_state_0.pth" in said and "checkpoint-2 instead" in said
+    assert sorted(p.name for p in out.iterdir()) == [tier.LINEAGE_FILE]
+
+    monkeypatch.setattr(tier, "copy_files", real)  # whole: restored and marked
+    node(root, 5, list(WHOLE), [], world=1)
+    assert ranks.restore(str(out), template, durable=None) == str(out / "checkpoint-5")
+    assert (out / "checkpoint-5" / "hfscale_complete.json").is_file()

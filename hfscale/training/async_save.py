@@ -3,19 +3,29 @@
 ``training.async_save`` renders ``checkpoint.writer`` (hfscale.rules.deepspeed.ASYNC_WRITER) into the
 DeepSpeed JSON. DeepSpeed then builds a ``DecoupledCheckpointEngine`` on every rank: each rank starts
 one writer process (torch.multiprocessing, spawn), ``save_checkpoint`` hands the state dicts to it
-through a queue (the tensors move to shared memory, nothing is copied twice) and returns, and the
-engine *commits* at the next optimizer step (``DeepSpeedEngine.step`` ->
-``_commit_decoupled_checkpoint``: wait for this rank's writer, write ``latest`` on rank 0, barrier),
-before the step changes the weights and optimizer state being written. Until the commit a checkpoint
-has no ``latest``, and hfscale's marker is written only after it (hfscale.training.callbacks.checkpoints).
+through a queue and returns, and the engine *commits* at the next optimizer step
+(``DeepSpeedEngine.step`` -> ``_commit_decoupled_checkpoint``: wait for this rank's writer, write
+``latest`` on rank 0, barrier). Until the commit a checkpoint has no ``latest``, and hfscale's
+marker is written only after it (hfscale.training.callbacks.checkpoints).
+
+DeepSpeed hands the writer the live tensors (moved to shared memory), so its commit must wait, at
+the very next step, until the writer has written them all, before the step changes them: the save
+then pauses training for the write minus one step. hfscale hands the writer a snapshot instead
+(``snapshot``: one copy of each storage into shared CPU memory, on a GPU the device-to-host copy,
+into buffers reused from save to save) and commits without waiting (``commit``): at each optimizer
+step the ranks agree, with one small all-reduce, whether every writer has finished, and commit
+when they all have. Training pauses for the copy, not the write. The price: host memory for one
+copy of each rank's shard of the checkpoint (what PyTorch DCP's ``async_save`` and
+nvidia-resiliency-ext stage the same way). A save waits for the previous one's commit, so at most
+one is in flight.
 
 What this module adds, each for a reason seen with DeepSpeed 0.19.8 under the HF Trainer on CPU:
 
 - ``cross_env``: the writer factory reads ``CROSS_RANK``/``CROSS_SIZE`` (set by DeepSpeed's own
   launcher only); under torchrun and accelerate launch they come from torchrun's variables.
-- ``detached``: ZeRO-1/2's ``state_dict()`` holds the fp32 partitions as slices of tensors that
-  require grad (non-leaf), which torch.multiprocessing refuses to send ("Cowardly refusing to
-  serialize non-leaf tensor which requires_grad"); the same tensors, detached, are sent instead.
+- ``snapshot`` also makes the state sendable: ZeRO-1/2's ``state_dict()`` holds the fp32 partitions
+  as slices of tensors that require grad (non-leaf), which torch.multiprocessing refuses to send
+  ("Cowardly refusing to serialize non-leaf tensor which requires_grad"); the copies do not.
 - ``writer_main``: the writer process dies with its rank (Linux ``PR_SET_PDEATHSIG``); otherwise a
   rank killed mid-run leaves its writer waiting on the queue for ever (it holds both ends). It
   ignores SIGTERM, SIGINT and SIGUSR1: a scheduler signals the whole process group, and a writer
@@ -71,23 +81,40 @@ def prepare_env() -> None:
     os.environ.update(cross_env(os.environ))
 
 
-def detached(obj: Any) -> Any:
-    """``obj`` with every tensor that requires grad in its dicts, lists and tuples replaced by
-    ``tensor.detach()`` (the same storage: nothing is copied); containers without one are returned
-    as they are, and a changed dict keeps its type and attributes (a module state dict's ``_metadata``)."""
+def snapshot(obj: Any, pool: dict[int, Any], seen: dict[tuple[str, int], Any] | None = None) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples replaced by a copy in shared CPU memory
+    that no longer requires grad; containers without a tensor are returned as they are, and a changed
+    dict keeps its type and attributes (a module state dict's ``_metadata``). Each storage is copied
+    once, whole, and the tensors that were views of it are views of the copy (same offset, size and
+    stride: torch.save writes what it would have written from the live tensors). ``pool``: the
+    copies of the previous save of the same file, reused when their size matches (the writer has
+    finished with them: a save waits for the previous commit), so steady saves allocate nothing."""
     import torch
 
+    if seen is None:
+        seen = {}
     if isinstance(obj, torch.Tensor):
-        return obj.detach() if obj.requires_grad else obj
+        st = obj.untyped_storage()
+        key = (str(st.device), st.data_ptr())
+        copy_ = seen.get(key)
+        if copy_ is None:
+            slot = len(seen)
+            copy_ = pool.get(slot)
+            if copy_ is None or copy_.nbytes() != st.nbytes():
+                copy_ = torch.UntypedStorage(st.nbytes()).share_memory_()
+                pool[slot] = copy_
+            copy_.copy_(st)  # on a GPU: the device-to-host copy, the whole pause of the save
+            seen[key] = copy_
+        return torch.empty(0, dtype=obj.dtype).set_(copy_, obj.storage_offset(), obj.size(), obj.stride())
     if isinstance(obj, dict):
-        changed = {k: d for k, v in obj.items() if (d := detached(v)) is not v}
+        changed = {k: d for k, v in obj.items() if (d := snapshot(v, pool, seen)) is not v}
         if not changed:
             return obj
         out = copy.copy(obj)
         out.update(changed)
         return out
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [detached(v) for v in obj]
+        items = [snapshot(v, pool, seen) for v in obj]
         if all(a is b for a, b in zip(items, obj)):
             return obj
         return items if isinstance(obj, list) else tuple(items)
@@ -126,10 +153,11 @@ def install() -> None:
     dce.init_decoupled_checkpoint = writer_main
     save = dce.DecoupledCheckpointEngine.save
 
-    def save_detached(self, state_dict, path):
-        return save(self, detached(state_dict), path)
+    def save_snapshot(self, state_dict, path):
+        pools = self.__dict__.setdefault("_hfscale_pools", {})
+        return save(self, snapshot(state_dict, pools.setdefault(os.path.basename(path), {})), path)
 
-    dce.DecoupledCheckpointEngine.save = save_detached
+    dce.DecoupledCheckpointEngine.save = save_snapshot
     # the decoupled engine's own load calls torch.load with torch's weights_only default, which refuses
     # DeepSpeed's LossScaler in every ZeRO shard: a resume failed. DeepSpeed's torch engine, which loads
     # every synchronous checkpoint, loads them with weights_only=False: the same files, the same trust
@@ -140,9 +168,12 @@ def install() -> None:
         if self.checkpoint_engine.is_decoupled():
             _ENGINES.add(self)
             self.save_non_zero_checkpoint = writes_model_states(self)
+            commit(self, wait=True)  # the previous save first: its commit info, its copies in the pool
         return save_checkpoint(self, *args, **kwargs)
 
     ds_engine.DeepSpeedEngine.save_checkpoint = save_checkpoint_noted
+    # at each optimizer step: commit the pending save once every rank's writer has finished, never wait
+    ds_engine.DeepSpeedEngine._commit_decoupled_checkpoint = lambda self: commit(self, wait=False)  # noqa: SLF001
     atexit.register(stop_writers)
 
 
@@ -164,12 +195,60 @@ def pending() -> list[Any]:
 
 
 def commit_pending() -> int:
-    """Commit every pending save (DeepSpeed's ``_commit_decoupled_checkpoint``: wait for the writer,
-    ``latest`` on rank 0, a barrier: call it on every rank); the number committed."""
-    engines = pending()
-    for engine in engines:
-        engine._commit_decoupled_checkpoint()  # noqa: SLF001 - what DeepSpeedEngine.step calls
-    return len(engines)
+    """Commit every pending save, waiting for the writers (call it on every rank); the number committed."""
+    return sum(commit(engine, wait=True) for engine in pending())
+
+
+def commit(engine: Any, wait: bool) -> bool:
+    """Commit ``engine``'s pending save: DeepSpeed 0.19.8's ``_commit_decoupled_checkpoint`` and
+    ``DecoupledCheckpointEngine.commit`` (the commit info cleared, the size noted once, ``latest``
+    on rank 0, a barrier), with the wait made optional. The writer is asked once per save (a commit
+    event behind the save in its queue; it sets ``save_event`` when it gets there). ``wait=False``
+    (each optimizer step): one all-reduce of "my writer has finished" over the ranks, and the commit
+    only if every rank's has; otherwise training goes on and a later step asks again. Call it on
+    every rank at the same point. Whether it committed."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine import DecoupledEvent
+    from deepspeed.runtime.utils import get_checkpoint_folder_size
+
+    ce = engine.checkpoint_engine
+    info = ce.get_commit_info()
+    if info is None:
+        return False
+    proc = ce.ckpt_process
+    if proc is not None and not ce.__dict__.get("_hfscale_asked"):
+        if not ce._check_process_alive():  # noqa: SLF001 - DeepSpeed's own check, its own message
+            raise RuntimeError(f"[{ce.name}] Cannot commit checkpoint: checkpoint process is not running.")
+        ce.save_queue.put((None, DecoupledEvent.COMMIT_EVENT))
+        ce._hfscale_asked = True
+    if wait:
+        if proc is not None:
+            ce._wait_for_event_with_timeout()  # noqa: SLF001 - DeepSpeed's wait, with its health checks
+    elif not _everywhere(proc is None or ce.save_event.is_set()):
+        return False
+    if proc is not None:
+        ce.save_event.clear()
+    ce._hfscale_asked = False
+    ce.commit_info = None
+    if ce.checkpoint_size.gb_size() is None:
+        dist.barrier()
+        ce.checkpoint_size.set_post_size(get_checkpoint_folder_size(info.save_dir, info.tag, ce.local_rank))
+    if engine.global_rank == 0 and info.save_latest:
+        with open(os.path.join(info.save_dir, "latest"), "w") as fd:
+            fd.write(info.tag)
+    dist.barrier()
+    return True
+
+
+def _everywhere(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank (a one-element MIN all-reduce on the accelerator)."""
+    import torch
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=get_accelerator().current_device_name())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def stop_writers() -> None:

@@ -41,11 +41,12 @@ class CheckpointCompleteCallback(TrainerCallback):
 
     Asynchronous saves (``training.async_save``, DeepSpeed's decoupled checkpoint writer,
     hfscale.training.async_save). When the save returns with DeepSpeed's writes still pending, the
-    marker waits: DeepSpeed commits them at the next optimizer step (every rank waits for its writer,
-    rank 0 writes ``latest``, a barrier), and at that step's end the ranks meet at the barrier and the
-    saving process checks the folder by its own files (every rank's shards and RNG state whole,
-    ``latest`` naming them) and writes the marker. The last save of a run is committed at
-    ``on_train_end``. Rotation waits for the marker too, so the previous complete checkpoint is never
+    marker waits: they are committed at the first optimizer step at which every rank's writer has
+    finished (rank 0 writes ``latest``, a barrier; training does not wait for the writers), and at
+    that step's end the ranks meet at the barrier and the saving process checks the folder by its own
+    files (every rank's shards and RNG state whole, ``latest`` naming them) and writes the marker. A
+    save that begins before then waits for the commit, and the previous save is marked first. The
+    last save of a run is committed at ``on_train_end``. Rotation waits for the marker too, so the previous complete checkpoint is never
     deleted while the next one is being written. The callback notices pending writes on its own;
     ``async_save=True`` is needed only to set the process up before the Trainer builds the engine.
 
@@ -108,6 +109,8 @@ class CheckpointCompleteCallback(TrainerCallback):
         if world > 1:
             dist.barrier()  # every rank has written (and closed) its part of the checkpoint, or handed it on
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self.pending is not None:  # committed when this save began (a save waits for the one before)
+            self._mark_pending(args, state)
         if async_saves.pending():  # the same on every rank: each engine commits at the same step
             self.pending = (ckpt, state.global_step)
             return

@@ -126,13 +126,27 @@ def restore(output_dir: str, template: str, durable: str | None) -> str | None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
+    failed = None
     if nodes.first:
-        tier.copy_files(choice.by_node.get(nodes.node, {}), staging)
-    _barrier()
+        try:
+            tier.copy_files(choice.by_node.get(nodes.node, {}), staging)
+        except OSError as e:  # a disk that filled, a file that went away: told, and the durable tier instead
+            failed = f"{host()}: {e.strerror or e} ({e.filename or staging})"
+    problems = [p for p in _all_gather(failed) if p]  # every rank learns it: none waits on one that gave up
+    if not problems:
+        got = tier.listing(staging) if rank == 0 else {}
+        short = [rel for rel, size in choice.files.items() if got.get(rel) != size] if rank == 0 else []
+        problems = [p for p in _all_gather(f"{len(short)} file(s) missing or short, e.g. {short[0]}" if short else None)
+                    if p]
+    if problems:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            print(f"hfscale: warning: the restore of local step {choice.step} into {staging} is not whole "
+                  f"({'; '.join(problems[:4])}); resuming from the durable tier's {durable or 'nothing'} instead",
+                  flush=True)
+        _barrier()
+        return None
     if rank == 0:
-        got = tier.listing(staging)
-        if any(got.get(rel) != size for rel, size in choice.files.items()):
-            raise RuntimeError(f"local checkpoints: the restore of step {choice.step} into {staging} is not whole")
         if dest.exists():  # a durable save of that step cut short: never complete, else it would be the newest
             shutil.rmtree(dest)
         os.replace(staging, dest)
