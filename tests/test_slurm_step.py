@@ -59,7 +59,7 @@ export HFSCALE_SLURM_HOSTS
 echo "hfscale: job $SLURM_JOB_ID on $HFSCALE_SLURM_HOSTS, restart ${{SLURM_RESTART_COUNT:-0}}; supervised on $(hostname)"
 # each other node watches the supervisor's heartbeat, in a step of its own (Slurm ends a step with a
 # node it lost: the training step dies with the batch host); stale: the batch host is lost, requeue
-watch='last=; same=0; while sleep 10; do c=$(head -c 64 /work/runs/sl-20261122-120000-abcdef/launcher.beat 2>/dev/null); if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; elif [ -n "$last" ]; then same=$((same + 10)); fi; if [ $same -ge 120 ]; then echo "hfscale: $(date '"'"'+%F %T'"'"') $SLURMD_NODENAME: the supervisor'"'"'s heartbeat has not changed for 120 s: its batch host is lost; requeueing job $SLURM_JOB_ID" >> /work/runs/sl-20261122-120000-abcdef/requeue.log; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi; done'
+watch='last=; same=0; while sleep 10; do c=$(head -c 64 /work/runs/sl-20261122-120000-abcdef/launcher.beat 2>/dev/null); if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; elif [ -n "$last" ]; then same=$((same + 10)); fi; if [ $same -ge 50 ]; then echo "hfscale: $(date '"'"'+%F %T'"'"') $SLURMD_NODENAME: the supervisor'"'"'s heartbeat has not changed for 50 s: its batch host is lost; requeueing job $SLURM_JOB_ID" >> /work/runs/sl-20261122-120000-abcdef/requeue.log; scontrol requeue "$SLURM_JOB_ID"; exit 0; fi; done'
 for h in $(echo "$HFSCALE_SLURM_HOSTS" | tr , " "); do [ "$h" = "${{SLURMD_NODENAME:-}}" ] || srun --overlap --job-name=hfscale-watch --nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c "$watch" </dev/null >/dev/null 2>&1 & done
 /opt/py/bin/python -m hfscale launch /work/sl.yaml --job-id {JOB_ID} -- --seed 'it'"'"'s 5'
 rc=$?
