@@ -46,9 +46,10 @@ class CheckpointCompleteCallback(TrainerCallback):
     that step's end the ranks meet at the barrier and the saving process checks the folder by its own
     files (every rank's shards and RNG state whole, ``latest`` naming them) and writes the marker. A
     save that begins before then waits for the commit, and the previous save is marked first. The
-    last save of a run is committed at ``on_train_end``. Rotation waits for the marker too, so the previous complete checkpoint is never
-    deleted while the next one is being written. The callback notices pending writes on its own;
-    ``async_save=True`` is needed only to set the process up before the Trainer builds the engine.
+    last save of a run is committed at ``on_train_end``. Rotation waits for the marker too, so the
+    previous complete checkpoint is never deleted while the next one is being written. The callback
+    notices pending writes on its own; ``async_save=True`` is needed only to set the process up
+    before the Trainer builds the engine.
 
     Args:
         save_total_limit: checkpoints to keep; default: ``args.save_total_limit``.
