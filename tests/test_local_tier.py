@@ -1,5 +1,5 @@
 """The local tier's files and choices (hfscale.checkpoints.local_tier) and the buddy copy's byte stream
-(hfscale.training.callbacks.local_tier): pure, on tmp folders; no process, no process group."""
+(hfscale.training.callbacks.buddy_stream): pure, on tmp folders; no process, no process group."""
 
 from __future__ import annotations
 
@@ -107,17 +107,17 @@ def test_node_dir_is_per_host_and_per_output_dir():
 
 
 def test_the_buddy_stream_rebuilds_every_file_byte_for_byte(tmp_path: Path, monkeypatch):
-    from hfscale.training.callbacks import local_tier as ranks
+    from hfscale.training.callbacks import buddy_stream as stream
 
-    monkeypatch.setattr(ranks, "CHUNK", 7)  # files cross chunk boundaries
+    monkeypatch.setattr(stream, "CHUNK", 7)  # files cross chunk boundaries
     src, dst = tmp_path / "src", tmp_path / "dst"
     files = {"a.bin": 10, "empty": 0, "d/b.bin": 3, "d/z.bin": 0, "e.bin": 14}
     for rel, size in files.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(bytes(range(size)))
-    writer = ranks._Writer(dst, files)
+    writer = stream.Writer(dst, files)
     failed: list[str] = []
-    for chunk in ranks._chunks(src, files, failed):
+    for chunk in stream.chunks(src, files, failed, "node0"):
         assert writer.next_size() == chunk.numel()
         writer.write(chunk.clone())
     assert writer.next_size() == 0
@@ -174,18 +174,19 @@ def test_restart_moves_the_lineage_aside_with_the_checkpoints(tmp_path: Path):
 def test_a_file_that_cannot_be_read_or_written_fails_the_copy_without_a_hang(tmp_path: Path, monkeypatch):
     """A sender whose file vanished sends zeros of its recorded size; a receiver that cannot write (a full
     disk) reads the stream to its end: both say so, neither blocks the other."""
-    from hfscale.training.callbacks import local_tier as ranks
+    from hfscale.training.callbacks import buddy_stream as stream
 
-    monkeypatch.setattr(ranks, "CHUNK", 4)
+    monkeypatch.setattr(stream, "CHUNK", 4)
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     (src / "a.bin").write_bytes(b"abcdef")
     files = {"a.bin": 6, "gone.bin": 5}
     failed: list[str] = []
-    chunks = list(ranks._chunks(src, files, failed))
+    chunks = list(stream.chunks(src, files, failed, "node0"))
     assert sum(c.numel() for c in chunks) == 11 and len(failed) == 1 and "gone.bin" in failed[0]
+    assert failed[0].startswith("node0: ")
     (dst / "a.bin").mkdir(parents=True)  # cannot be opened for writing
-    writer = ranks._Writer(dst, files)
+    writer = stream.Writer(dst, files)
     for c in chunks:
         writer.write(c)
     writer.finish()

@@ -1,6 +1,8 @@
 """SIGKILLs at random moments while the local tier saves and copies (issue 30), on the pdsh namespace
-cluster: 3 nodes, one rank each, ZeRO-2, a local checkpoint every 2 steps (so that a kill often
-lands inside a save or a buddy copy), durable ones every 50, recovery on.
+cluster: 3 nodes, one rank each, ZeRO-2, ``training.async_save`` (DeepSpeed's writer processes write
+the shards behind training; the listing and the buddy copy follow their commit), a local checkpoint
+every 2 steps (so that a kill often lands inside an asynchronous write or a buddy copy), durable
+ones every 50, recovery on.
 
 After each relaunch trains, one node's processes (a random node, at a random moment 0-2 s later)
 are SIGKILLed. Each relaunch must resume from a checkpoint that is complete (the restore checks
@@ -41,7 +43,7 @@ def test_kills_at_random_moments_never_resume_from_an_incomplete_checkpoint(make
     config = train_config(tmp_path, "chaos", out, 29939, cluster.nodes,
                           {"max_restarts": kills + 2, "strikes": kills + 2}, max_steps=max_steps)
     doc = yaml.safe_load(config.read_text())
-    doc["training"].update(save_steps=50, local_checkpoints={"every": EVERY, "dir": str(tmp_path / "local" / "{host}"),
+    doc["training"].update(save_steps=50, async_save=True, local_checkpoints={"every": EVERY, "dir": str(tmp_path / "local" / "{host}"),
                                                              "keep": 2})
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     t0 = time.time()

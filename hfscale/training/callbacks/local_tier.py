@@ -8,9 +8,11 @@ that call): DeepSpeed's shards, the optimizer, the
 scheduler, the RNG states, the trainer state, each written by the rank that writes it in a
 durable save. Then the nodes exchange their listings (one ``all_gather_object``), each node's
 first rank sends its node's part to the next node's first rank over a gloo group of its own
-(chunks of ``CHUNK`` bytes; NCCL carries only GPU tensors), and each node writes its holding. A rank
-killed during any of this leaves no holding for that step: the previous local step stays the
-newest.
+(hfscale.training.callbacks.buddy_stream; NCCL carries only GPU tensors), and each node writes
+its holding. A rank killed during any of this leaves no holding for that step: the previous local
+step stays the newest. With ``training.async_save`` the save returns while DeepSpeed's writers
+write the shards; the listing, the buddy copy and the holding follow at the end of the first
+step after the commit (hfscale.training.async_save), or before the next local save.
 
 ``restore`` runs on every rank before ``trainer.train``: the nodes exchange what they hold, choose
 the newest step complete between them (own and buddy copies) that is newer than the durable
@@ -38,9 +40,8 @@ from hfscale.checkpoints import local_tier as tier
 from hfscale.checkpoints.resume import saved_state, write_marker
 from hfscale.core.untrusted import Unreadable, read_json
 from hfscale.training import async_save as async_saves
+from hfscale.training.callbacks.buddy_stream import Writer, chunks
 from hfscale.training.callbacks.collectives import logger, rank_world
-
-CHUNK = 64 << 20  # bytes per message of the buddy copy
 
 
 def host() -> str:
@@ -179,6 +180,7 @@ class LocalCheckpointCallback(TrainerCallback):
         self.lineage = lineage
         self.group = None
         self.pending: int | None = None
+        self.writing: tuple[int, float] | None = None  # (step, pause so far) of a save DeepSpeed's writers still hold
         self._wrapped = False
         self.pauses: list[float] = []  # seconds each local save held training
 
@@ -189,10 +191,29 @@ class LocalCheckpointCallback(TrainerCallback):
             self._wrap()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.writing is not None and not async_saves.pending():  # committed in this step, on every rank
+            self._finish_writing(args)
         step = state.global_step
         if step % self.every or control.should_save or step >= state.max_steps:
             return  # the durable tier saves this step
         self.pending = step  # saved once the Trainer has logged this step (its log_history is saved)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writing is not None:  # the last local save's writes, waited for
+            async_saves.commit_pending()
+            self._finish_writing(args)
+
+    def _finish_writing(self, args: Any) -> None:
+        assert self.writing is not None
+        (step, held), self.writing = self.writing, None
+        t0 = time.perf_counter()
+        size = self.finish(step, args, None)
+        self._said(step, held + time.perf_counter() - t0, size)
+
+    def _said(self, step: int, seconds: float, size: int) -> None:
+        self.pauses.append(seconds)
+        if rank_world()[0] == 0:  # the node log's record (HFSCALE_ lines stay off the terminal)
+            print(f"HFSCALE_LOCAL_SAVE step={step} seconds={seconds:.3f} bytes={size}", flush=True)
 
     def _wrap(self) -> None:
         """Save after the Trainer's own log-and-save of the step (``_maybe_log_save_evaluate``, right
@@ -204,40 +225,54 @@ class LocalCheckpointCallback(TrainerCallback):
             out = original(*a, **kw)
             if self.pending is not None:
                 step, self.pending = self.pending, None
+                args = self.trainer.args
+                if self.writing is not None:  # the previous local save is still being written: finish it first
+                    async_saves.commit_pending()
+                    self._finish_writing(args)
                 t0 = time.perf_counter()
-                size = self.save(step, self.trainer.args)
-                self.pauses.append(time.perf_counter() - t0)
-                if rank_world()[0] == 0:  # the node log's record (HFSCALE_ lines stay off the terminal)
-                    print(f"HFSCALE_LOCAL_SAVE step={step} seconds={self.pauses[-1]:.3f} bytes={size}", flush=True)
+                error = self.save(step, args)
+                # training.async_save: DeepSpeed's writers hold the shards. The listing and the buddy copy need
+                # them on disk: they wait for the commit (at a later step's end), and training goes on meanwhile
+                states = _all_gather((error is None, bool(async_saves.pending())))
+                if all(ok and writing for ok, writing in states):
+                    self.writing = (step, time.perf_counter() - t0)
+                    return out
+                if all(writing for _, writing in states):
+                    async_saves.commit_pending()  # a barrier inside: all ranks or none
+                size = self.finish(step, args, error)
+                self._said(step, time.perf_counter() - t0, size)
             return out
 
         self.trainer._maybe_log_save_evaluate = log_save_evaluate
         self._wrapped = True
 
-    def save(self, step: int, args: Any) -> int:
-        """Save ``step`` locally (every rank); the checkpoint's bytes, every node's part."""
-        _, world = rank_world()
+    def save(self, step: int, args: Any) -> str | None:
+        """Save ``step`` locally with the Trainer's own save (every rank): what failed on this rank, or None."""
         nodes = _nodes()
-        first = nodes.first
         root = tier.node_dir(self.template, host(), args.output_dir)
         own = tier.part(root, tier.OWN, step)
-        if first:
+        if nodes.first:
             shutil.rmtree(own, ignore_errors=True)
             own.parent.mkdir(parents=True, exist_ok=True)
         _barrier()
         output_dir = args.output_dir
         args.output_dir = str(own.parent)  # the Trainer saves into <root>/own/checkpoint-<step>
-        error = None
         try:
             self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)
         except OSError as e:  # a full or failed local disk costs this local step, not the training
-            error = f"{host()}: {e}"
+            return f"{host()}: {e}"
         finally:
             args.output_dir = output_dir
-        # training.async_save: DeepSpeed's writers may still hold the shards; the listing and the buddy copy
-        # need them on disk, so a local save waits for its writes (a barrier inside: all ranks or none)
-        if all(_all_gather(bool(async_saves.pending()))):
-            async_saves.commit_pending()
+        return None
+
+    def finish(self, step: int, args: Any, error: str | None) -> int:
+        """Once every rank's files of ``step`` are on the local disks (every rank): list them, copy each
+        node's part to its buddy and write the holdings; the checkpoint's bytes, every node's part."""
+        _, world = rank_world()
+        nodes = _nodes()
+        first = nodes.first
+        root = tier.node_dir(self.template, host(), args.output_dir)
+        own = tier.part(root, tier.OWN, step)
         _barrier()  # every rank of every node has written its files (or failed to)
         listed = None
         if first:
@@ -285,8 +320,8 @@ class LocalCheckpointCallback(TrainerCallback):
             into.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             failed.append(f"{host()}: {e}")
-        outgoing = _chunks(own, out_files, failed)
-        incoming = _Writer(into, in_files)
+        outgoing = chunks(own, out_files, failed, host())
+        incoming = Writer(into, in_files)
         while True:
             chunk = next(outgoing, None)
             req = dist.isend(chunk, dst=send_to, group=self.group) if chunk is not None else None
@@ -303,87 +338,3 @@ class LocalCheckpointCallback(TrainerCallback):
         if incoming.error:
             failed.append(f"{host()}: {incoming.error}")
         return sorted(in_files), (failed[0] if failed else None)
-
-
-def _chunks(folder: Path, files: dict[str, int], failed: list[str]):
-    """The bytes of ``files`` (sorted by path) in CHUNK-sized uint8 tensors; a file that cannot be
-    read is sent as zeros of its recorded size (the receiver expects that many bytes), and said in
-    ``failed``."""
-    pending = bytearray()
-
-    def blocks(rel: str, size: int):
-        sent = 0
-        try:
-            with open(folder / rel, "rb") as f:
-                while sent < size and (block := f.read(min(CHUNK, size - sent))):
-                    sent += len(block)
-                    yield block
-        except OSError as e:
-            failed.append(f"{host()}: {e}")
-        if sent < size:
-            if not failed:
-                failed.append(f"{host()}: {folder / rel} shrank while it was copied")
-            while sent < size:
-                n = min(CHUNK, size - sent)
-                sent += n
-                yield bytes(n)
-
-    for rel in sorted(files):
-        for block in blocks(rel, files[rel]):
-            while block:
-                take = CHUNK - len(pending)
-                pending += block[:take]
-                block = block[take:]
-                if len(pending) == CHUNK:
-                    yield torch.frombuffer(pending, dtype=torch.uint8).clone()
-                    pending = bytearray()
-    if pending:
-        yield torch.frombuffer(pending, dtype=torch.uint8).clone()
-
-
-class _Writer:
-    """Writes the received stream into the files it is made of (sizes known from the listings); a
-    write that fails (a full disk) is kept in ``error`` and the rest of the stream is read all the same."""
-
-    def __init__(self, folder: Path, files: dict[str, int]) -> None:
-        self.folder, self.order = folder, sorted(files)
-        self.sizes = files
-        self.total = sum(files.values())
-        self.done = 0
-        self.index, self.offset = 0, 0
-        self.handle: Any = None
-        self.error: str | None = None
-
-    def next_size(self) -> int:
-        return min(CHUNK, self.total - self.done)
-
-    def finish(self) -> None:
-        """The empty files after the last byte."""
-        self.write(torch.empty(0, dtype=torch.uint8))
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-
-    def write(self, buf: torch.Tensor) -> None:
-        data = buf.numpy().tobytes()
-        self.done += len(data)
-        while data or (self.index < len(self.order) and self.sizes[self.order[self.index]] == 0):
-            rel = self.order[self.index]
-            take = min(len(data), self.sizes[rel] - self.offset)
-            if self.error is None:
-                try:
-                    if self.handle is None:
-                        target = self.folder / rel
-                        target.parent.mkdir(parents=True, exist_ok=True)
-                        self.handle = open(target, "wb")
-                    self.handle.write(data[:take])
-                except OSError as e:
-                    self.error = str(e)
-            data, self.offset = data[take:], self.offset + take
-            if self.offset == self.sizes[rel]:
-                if self.handle is not None:
-                    try:
-                        self.handle.close()
-                    except OSError as e:
-                        self.error = self.error or str(e)
-                self.handle, self.index, self.offset = None, self.index + 1, 0
