@@ -26,7 +26,10 @@ ALL_PAIRS_MAX = 16
 # Gbit/s), so a fast fabric measures flat and the spread between healthy pairs reaches 2x on a busy
 # host; what this finds is a link far below the rest (a fallback path, a mis-set NIC), not 2x
 SLOW = 0.25
-SLOW_RTT = 3.0  # a round trip over three times the median (and 50 us more) is slow
+SLOW_RTT = 3.0  # a round trip over three times the median, and SLOW_RTT_US more, is slow
+# a busy host delays every one of 30 pings by tens of microseconds (61 us against a median of 9 us,
+# seen on a loaded 2-core machine, on a healthy veth pair); a bad path costs hundreds of microseconds
+SLOW_RTT_US = 200
 SECONDS = 0.5  # of data each way per meeting
 
 
@@ -132,7 +135,7 @@ def slow_links(meetings: list[Meeting], hosts: list[str]) -> list[str]:
         out.append(f"link {a} -> {b}: {r[(a, b)]:.3g} Gbit/s (median {median:.3g} Gbit/s)")
     rtt = statistics.median(m.rtt_us for m in meetings)
     for m in meetings:
-        if m.rtt_us > SLOW_RTT * rtt and m.rtt_us > rtt + 50:
+        if m.rtt_us > SLOW_RTT * rtt and m.rtt_us > rtt + SLOW_RTT_US:
             out.append(f"link {m.a} <-> {m.b}: round trip {m.rtt_us:.0f} us (median {rtt:.0f} us)")
     return out
 
