@@ -333,3 +333,24 @@ def test_timeline_lines():
         "+70.0 s  attempt 3  gave_up  gave up after 2 restarts: the last attempt ended: x",
         "(1 bad timeline line skipped)",
     ]
+
+
+def test_the_step_the_ranks_resumed_from_counts_over_the_planned_one():
+    """A relaunch planned from the durable checkpoint of step 10; its ranks restored the local tier's
+    step 25 (rank 0 said so, the training event's resume_step): the failure at step 27 recomputed 2
+    steps, not 17, and the relaunch line says where the ranks resumed."""
+    events = (TimelineEvent(kind="launch", attempt=0, at=T0, resume_step=None),
+              TimelineEvent(kind="training", attempt=0, at=T0 + 5, step=1, resume_step=0),
+              TimelineEvent(kind="failure", attempt=0, at=T0 + 40, step=27, step_time=1.0, host="node1",
+                            cause="rank_failed"),
+              TimelineEvent(kind="stopped", attempt=0, at=T0 + 41),
+              TimelineEvent(kind="relaunch", attempt=1, at=T0 + 42, resume_step=10),
+              TimelineEvent(kind="training", attempt=1, at=T0 + 50, step=26, resume_step=25),
+              TimelineEvent(kind="finished", attempt=1, at=T0 + 80, step=60, step_time=1.0))
+    g = goodput(Timeline(events))
+    assert g.lost["recompute"] == 2.0
+    planned = goodput(Timeline(tuple(e.model_copy(update={"resume_step": None}) if e.kind == "training" else e
+                                     for e in events)))
+    assert planned.lost["recompute"] == 17.0  # what the relaunch's plan alone says
+    assert timeline_lines(Timeline(events))[1].endswith(
+        "relaunch  on the same hosts, resuming from step 10 (the ranks resumed from step 25)")

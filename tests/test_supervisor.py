@@ -5,6 +5,7 @@ supervisor itself runs in tests/test_recovery_cluster.py."""
 from __future__ import annotations
 
 
+import time
 from pathlib import Path
 
 import yaml
@@ -60,3 +61,35 @@ def test_a_relaunchs_metrics_are_the_runs_own_in_the_report():
     assert not _other_launch({"job": f"{JOB_ID}-r2"}, JOB_ID, None, None)
     assert not _other_launch({"job": JOB_ID}, f"{JOB_ID}-r1", None, None)
     assert _other_launch({"job": "20261126-000000-fedcba"}, JOB_ID, None, None)
+
+
+def test_the_step_watch_counts_from_the_step_rank_0_resumed_from(tmp_path: Path):
+    """The attempt was launched to resume from step 10; its ranks restored a local checkpoint of step
+    25 and rank 0 wrote 25 at train begin (``resumed`` in metrics.json first): the first step done is
+    26, not the 25 written at train begin, and it is told with the step resumed from."""
+    import json
+    import threading
+
+    from hfscale.launch import supervisor
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "progress").mkdir()
+    started: list[tuple[int, int | None]] = []
+    steps, done = supervisor.Steps(), threading.Event()
+    (run / "progress" / "metrics.json").write_text(json.dumps({"step": 25, "resumed": 25, "time": time.time()}))
+    (run / "progress" / "rank-0").write_text("25 4242 node0 1\n")
+    watch = threading.Thread(target=supervisor._watch_attempt,
+                             args=(str(run), 0, 10, steps, done, lambda: None, lambda s, t, r: started.append((s, r))))
+    watch.start()
+    try:
+        time.sleep(3 * supervisor.WATCH_STEPS_S)
+        assert started == []  # step 25 is where it resumed, not a step done
+        (run / "progress" / "rank-0").write_text("26 4242 node0 2\n")
+        deadline = time.monotonic() + 10
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        done.set()
+        watch.join(5)
+    assert started == [(26, 25)]

@@ -121,6 +121,9 @@ class Rank0Metrics(Record):
     # rank 0's start within its launch (torchrun's TORCHELASTIC_RESTART_COUNT): the progress line's
     # rate and ETA start again with each
     restart: Count | None = None
+    # the step rank 0 resumed from at its start (the Trainer's global_step at train begin): a local
+    # checkpoint restored by the ranks may be newer than the one the launch planned
+    resumed: Count | None = None
 
 
 class CleanupRecord(Record):
@@ -245,7 +248,8 @@ class TimelineEvent(Record):
     replaced: Annotated[list[Replaced], Field(max_length=10_000)] | None = None  # relaunch: spares put in place
     spares: Hosts | None = None  # relaunch: the spares still free (a job with spares)
     step: Count | None = None  # failure: the last step reported; training: the first step done after a (re)launch
-    resume_step: Count | None = None  # relaunch: the checkpoint step it resumes from
+    # relaunch: the checkpoint step it resumes from; training: the step the ranks resumed from, as rank 0 said
+    resume_step: Count | None = None
     world_size: Count | None = None
     accumulation: Count | None = None
     step_time: Annotated[float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)] | None = None  # s/step

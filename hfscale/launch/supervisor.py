@@ -32,7 +32,7 @@ from hfscale.launch.preflight import evaluate, probes
 from hfscale.launch.recovery import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
 from hfscale.launch.output_lock import Refused
-from hfscale.launch.run_dir import ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_state, record_state
+from hfscale.launch.run_dir import ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, record_state
 from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.launch.timeline import append_event
 from hfscale.rules.relaunch import job_on
@@ -66,24 +66,36 @@ def _ready(run_dir: str, attempt: int) -> bool:
 
 
 def _watch_attempt(run_dir: str, attempt: int, after: int, steps: Steps, done: threading.Event,
-                   ready: Callable[[], None], started: Callable[[int, float], None]) -> None:
+                   ready: Callable[[], None], started: Callable[[int, float, int | None], None]) -> None:
     """Until the attempt ends: ``ready`` once its run directory is in place, then rank 0's step
     (progress/rank-0, written at every step), read every WATCH_STEPS_S and timed on this host's
-    clock when seen; ``started`` at the first step done after ``after`` (the step it resumed from:
-    the rank writes that one when training begins)."""
+    clock when seen; ``started`` at the first step done after the step the ranks resumed from:
+    ``after`` (the checkpoint this attempt was launched to resume from), or the newer one rank 0
+    says it resumed from (``resumed`` in progress/metrics.json, written before its progress file
+    at train begin: a local checkpoint restored by the ranks, hfscale.training.callbacks.local_tier)."""
     while not _ready(run_dir, attempt):
         if done.wait(WATCH_STEPS_S):
             return
     ready()
     rank0 = Path(run_dir) / PROGRESS_DIR / "rank-0"
+    resumed: int | None = None
     while not done.wait(WATCH_STEPS_S):
         p = read_progress(rank0, Path(run_dir))
         if p is None or p.step <= after or (steps.last is not None and p.step <= steps.last[0]):
             continue
+        if steps.first is None and resumed is None:
+            try:
+                resumed = read_metrics(run_dir).resumed
+            except Unreadable:
+                resumed = None
+            if resumed is not None and resumed > after:
+                after = resumed
+                if p.step <= after:
+                    continue
         now = time.time()
         if steps.first is None:
             steps.first = (p.step, now)
-            started(p.step, now)
+            started(p.step, now, resumed)
         steps.last = (p.step, now)
 
 
@@ -225,7 +237,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
 
         watcher = threading.Thread(target=_watch_attempt, daemon=True, args=(
             run_dir, attempt, resume or 0, steps, done, ready,
-            lambda s, t: _event(run_dir, kind="training", attempt=n, at=t, step=s)))
+            lambda s, t, r: _event(run_dir, kind="training", attempt=n, at=t, step=s, resume_step=r)))
         watcher.start()
         _end_gap(gap)
         try:

@@ -16,11 +16,14 @@ From the events of ``timeline.jsonl`` (hfscale.core.records.TimelineEvent):
   - **stop**: ``stopped`` - ``failure``;
   - **restart**: ``stopped`` to the next attempt's first step (probes, resharding, relaunch, model
     loading), or to that attempt's failure when it did no step; 0 when no relaunch followed;
-  - **recompute**: (failure step - the next ``relaunch``'s ``resume_step``) x step time, at least 0
-    (a relaunch without ``resume_step`` starts from step 0); 0 when no relaunch followed.
+  - **recompute**: (failure step - the step the next attempt resumed from) x step time, at least
+    0; 0 when no relaunch followed. The step resumed from is what rank 0 said at its start (the
+    next attempt's ``training`` event's ``resume_step``: a local checkpoint the ranks restored may
+    be newer than the durable one the relaunch planned), else the ``relaunch``'s ``resume_step``
+    (none: step 0).
 
 - **productive**: the steps this run made (the step of the last ``finished`` or ``failure`` event,
-  less the first launch's ``resume_step``) x the median of the attempts' step times, at most wall.
+  less the step the first launch resumed from, as above) x the median of the attempts' step times, at most wall.
 - **other**: wall - productive - the time lost above, at least 0 (steps not otherwise counted,
   the supervisor's own time, what could not be estimated).
 """
@@ -73,6 +76,14 @@ def _detection(failure: "TimelineEvent", training: "TimelineEvent | None") -> fl
     return failure.at - min(max(last, training.at), failure.at)
 
 
+def _resumed(launch: "TimelineEvent", trainings: dict[int, "TimelineEvent"]) -> int:
+    """The step an attempt resumed from: rank 0's word at its first step, else the (re)launch's plan."""
+    first = trainings.get(launch.attempt)
+    if first is not None and first.resume_step is not None:
+        return first.resume_step
+    return launch.resume_step or 0
+
+
 def goodput(timeline: "Timeline", now: float | None = None, last: tuple[float, int] | None = None) -> Goodput | None:
     """The goodput of a run's timeline (definitions: the module's docstring); None without a launch
     event. ``last``: (when, step) of rank 0's last step, for a run whose launcher died and whose
@@ -109,7 +120,7 @@ def goodput(timeline: "Timeline", now: float | None = None, last: tuple[float, i
             since = stopped.at if stopped is not None else e.at
             lost["restart"] += max(0.0, first_step_or_failure(relaunch.attempt) - since)
             if e.step is not None and e.step_time is not None:
-                lost["recompute"] += max(0, e.step - (relaunch.resume_step or 0)) * e.step_time
+                lost["recompute"] += max(0, e.step - _resumed(relaunch, trainings)) * e.step_time
     step_times = [e.step_time for e in events if e.kind in ("failure", "finished") and e.step_time is not None]
     started = [e for e in events if e.kind == "training" and e.step is not None]
     if not ends and last is not None and started and last[1] > started[-1].step and last[0] > started[-1].at:
@@ -117,7 +128,7 @@ def goodput(timeline: "Timeline", now: float | None = None, last: tuple[float, i
     final = next((e.step for e in reversed(events) if e.kind in ("finished", "failure") and e.step is not None), 0)
     if not ends and last is not None:  # the steps it trained after the timeline's last event
         final = max(final, last[1])
-    done = max(0, final - (launch.resume_step or 0))  # the run may have started from an earlier run's checkpoint
+    done = max(0, final - _resumed(launch, trainings))  # the run may have started from an earlier run's checkpoint
     productive = min(wall, done * statistics.median(step_times)) if step_times else 0.0
     lost["other"] = max(0.0, wall - productive - sum(lost.values()))
     relaunches = [e for e in events if e.kind == "relaunch"]
@@ -142,7 +153,7 @@ def lines(g: Goodput) -> list[str]:
             f"restarts {g.restarts}, {excluded}"]
 
 
-def _event_line(e: "TimelineEvent", t0: float) -> str:
+def _event_line(e: "TimelineEvent", t0: float, resumed: int | None = None) -> str:
     head = f"+{e.at - t0:.1f} s  attempt {e.attempt}  {e.kind}"
     if e.kind == "failure":
         parts = [head] + ([e.host] if e.host else [])
@@ -159,6 +170,8 @@ def _event_line(e: "TimelineEvent", t0: float) -> str:
         notes += [f"spares left: {_names(e.spares) if e.spares else 'none'}"] if e.spares is not None else []
         text += f" ({'; '.join(notes)})" if notes else ""
         text += f", resuming from step {e.resume_step}" if e.resume_step is not None else ", from the start"
+        if resumed is not None and resumed != (e.resume_step or 0):  # rank 0's word: a newer local checkpoint
+            text += f" (the ranks resumed from step {resumed})"
         text += f", world {e.world_size}" if e.world_size is not None else ""
         text += f", accumulation {e.accumulation}" if e.accumulation is not None else ""
         return f"{head}  {text}"
@@ -196,7 +209,9 @@ def timeline_lines(t: "Timeline") -> list[str]:
     if not t.events and not t.skipped:
         return []
     t0 = _t0(t)
-    out = [_event_line(e, t0) for e in t.events if e.kind in ("failure", "relaunch", "gave_up")]
+    trainings = _firsts(t.events, "training")
+    out = [_event_line(e, t0, getattr(trainings.get(e.attempt), "resume_step", None))
+           for e in t.events if e.kind in ("failure", "relaunch", "gave_up")]
     if t.skipped:
         out.append(f"({t.skipped} bad timeline line{'s' * (t.skipped != 1)} skipped)")
     if t.cut:

@@ -43,10 +43,12 @@ class ProgressCallback(TrainerCallback):
     ``hfscale.training.heartbeat.alive()``. No collective, no device sync."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        progress.step(state.global_step)  # a resumed run starts where its checkpoint left off
         # rank 0's numbers start again with this start: the progress line counts its rate from here,
-        # and the previous start's tokens/s and ETA are gone (hfscale.launch.console.AttemptRate)
-        progress.report(step=state.global_step, max_steps=state.max_steps, restart=restart_count())
+        # and the previous start's tokens/s and ETA are gone (hfscale.launch.console.AttemptRate);
+        # ``resumed``, before the progress file: the supervisor's step watch reads it when that moves
+        progress.report(step=state.global_step, max_steps=state.max_steps, restart=restart_count(),
+                        resumed=state.global_step)
+        progress.step(state.global_step)  # a resumed run starts where its checkpoint left off
         if state.is_world_process_zero and (kind := dropped_engine()) is not None:
             # what check reported (fsdp) is not what runs: say so where the launch shows it
             print(f"hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as {kind} "
