@@ -36,6 +36,11 @@ writer (a copy into shared memory, into buffers reused from save to save).
     python bench/bench_checkpoint.py --ranks 1 --precision bf16    # a core left to the writer, as on a GPU node
     python bench/bench_checkpoint.py --stage 3 --ranks 1
     python bench/bench_checkpoint.py --layers 12 --width 768 --repeat 3
+    python bench/bench_checkpoint.py --tier local --ranks 1 --precision bf16   # the local tier's saves
+
+With ``--tier local`` the saves are the local tier's (``training.local_checkpoints`` every
+``--save-steps``, hfscale.training.callbacks.local_tier; no durable save): the Trainer's save
+without the whole model file, and with ``--rank-per-node`` the buddy copy, in its thread.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ training:
   learning_rate: 1.0e-4
   seed: 1234
   logging_steps: 1000
-  save_steps: {a.save_steps if asynchronous is not None else a.steps + 1}
+  save_steps: {a.save_steps if asynchronous is not None and a.tier == "durable" else a.steps + 1}
   save_total_limit: 2
   async_save: {json.dumps(bool(asynchronous))}
 """
@@ -89,10 +94,13 @@ def worker(a: argparse.Namespace) -> None:
     from hfscale.rules.trainer_args import training_arguments
     from hfscale.training import async_save
     from hfscale.training.callbacks import CheckpointCompleteCallback
+    from hfscale.training.callbacks.local_tier import LocalCheckpointCallback
     from hfscale.training.train import stdlib_bytes
 
     torch.set_num_threads(a.threads)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if a.rank_per_node:  # the local tier's nodes: each rank one, so that each part goes to a buddy
+        os.environ["HFSCALE_HOST"] = f"node{rank}"
     block = 128
     n = 512
     data = torch.tensor(list(stdlib_bytes(n * block)), dtype=torch.long).view(n, block)
@@ -152,10 +160,17 @@ def worker(a: argparse.Namespace) -> None:
             trainer = Trainer(model=model, args=args, train_dataset=Blocks())
             trainer.add_callback(before)  # before the marker's on_step_end, timer after it
             trainer.add_callback(CheckpointCompleteCallback(async_save=bool(variant)))
+            if a.tier == "local" and variant is not None:  # the local tier instead of the durable saves
+                trainer.add_callback(LocalCheckpointCallback(trainer, a.save_steps, str(base / "local" / "{host}"),
+                                                             keep=2, buddy=True, lineage="0123456789abcdef"))
             trainer.add_callback(timer)
             trainer.train()
-            ckpts = sorted(Path(out).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+            where = Path(out) if a.tier == "durable" else base / "local"
+            ckpts = sorted((p for p in where.rglob("checkpoint-*") if p.is_dir() and "buddy" not in p.parts),
+                           key=lambda p: int(p.name.split("-")[1]))
             size = sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()) if ckpts else 0
+            if rank == 0:
+                shutil.rmtree(base / "local", ignore_errors=True)
             async_save.stop_writers()
             if rank == 0:
                 print(RESULT + json.dumps({"run": i, "async": variant, "t": timer.t, "b": timer.b, "a": before.t,
@@ -215,6 +230,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved pairs after the first pair")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tier", choices=["durable", "local"], default="durable",
+                    help="durable: the Trainer's saves every --save-steps; local: training.local_checkpoints "
+                         "every --save-steps instead (no durable save)")
+    ap.add_argument("--rank-per-node", action="store_true",
+                    help="with --tier local: each rank a node of its own (HFSCALE_HOST), so parts go to buddies")
     ap.add_argument("--scratch", default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -252,7 +272,7 @@ def main() -> int:
     print(f"model: GPT-2 {a.layers} layers x {a.width}, {lines[0]['params'] / 1e6:.1f} M parameters, precision "
           f"{a.precision}; ZeRO-{a.stage} on {a.ranks} CPU rank(s), {a.threads} thread(s) each; one checkpoint "
           f"{size / 1e6:.0f} MB on disk")
-    print(f"{a.steps} steps, a save every {a.save_steps}; {len(lost[True])} timed round(s) of no saves, sync and async "
+    print(f"{a.steps} steps, a {a.tier} save every {a.save_steps}; {len(lost[True])} timed round(s) of no saves, sync and async "
           f"after the first; {time.monotonic() - t0:.0f} s in all\n")
     print("pause per checkpoint, s (medians; lost = the time a stretch of steps with saves took over the same steps "
           "without saves, per save; gap = the interval holding the save over its neighbours; direct = save + commit "

@@ -238,3 +238,21 @@ def test_a_restore_cut_short_or_missing_a_file_falls_back_to_the_durable_tier(tm
     node(root, 5, list(WHOLE), [], world=1)
     assert ranks.restore(str(out), template, durable=None) == str(out / "checkpoint-5")
     assert (out / "checkpoint-5" / "hfscale_complete.json").is_file()
+
+
+def test_a_buddy_copy_that_raises_keeps_the_own_part_and_says_why():
+    """A peer that dies mid-copy makes gloo raise in the copy's thread: the result says the copy is
+    not whole, and that this node's own part (listed whole before the copy) stays held."""
+    from hfscale.training.callbacks.buddy_stream import Behind
+
+    got = []
+
+    def work():
+        raise RuntimeError("Connection reset by peer")
+
+    behind = Behind()
+    behind.start(work, got.append)
+    behind.join()
+    (copied,) = got
+    assert copied.read and not copied.received and "RuntimeError: Connection reset by peer" in copied.errors[0]
+    assert not behind.running()

@@ -63,6 +63,9 @@ def test_kills_at_random_moments_never_resume_from_an_incomplete_checkpoint(make
           f"({len(restored)} from the local tier); {time.time() - t0:.0f} s")
     assert len(failures) == kills and len(resumed) == kills, output[-6000:]
     assert "is not whole" not in output  # no restore found a file missing or of the wrong size
+    # a copy cut by a peer's death leaves the own parts held (the step stays restorable while every node answers)
+    logs = [f for f in run_dir_of(tmp_path).rglob("*.log") if f.is_file()]
+    assert not [ln for f in logs for ln in f.read_text(errors="replace").splitlines() if "dropped on" in ln]
     for f, step in zip(failures, resumed):  # each from the newest complete step: at most two local saves back
         if f.step is not None:
             assert 0 <= f.step - step <= 2 * EVERY + 1, (f.step, step)

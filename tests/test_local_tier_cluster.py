@@ -65,6 +65,10 @@ def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_bu
     restored = [int(m) for m in re.findall(r"hfscale: restored step (\d+) from the nodes' local checkpoints", output)]
     print(f"restored local steps {restored} after failures at steps {[f.step for f in failures]}")
     assert len(restored) == 2, output[-6000:]
+    # the timeline has the step the ranks resumed from (rank 0's word), not the durable tier's planned one:
+    # the recompute counted by status and report is the local tier's
+    assert [e.resume_step for e in events if e.kind == "training" and e.attempt > 0] == restored
+    assert [e.resume_step for e in events if e.kind == "relaunch"] == [None, None]  # planned: the durable tier had nothing
     for f, step in zip(failures, restored):
         assert f.step is not None and 0 <= f.step - step <= EVERY, (f.step, step)  # at most 5 steps back
         assert step % EVERY == 0 and step < 50  # a local step: the durable tier had nothing yet

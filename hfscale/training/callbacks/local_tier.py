@@ -4,14 +4,17 @@ choices: hfscale.checkpoints.local_tier).
 ``LocalCheckpointCallback`` saves a checkpoint every ``every`` optimizer steps (not on the durable
 tier's steps) into each node's own disk, right after the Trainer logged the step, with the
 Trainer's own save (``Trainer._save_checkpoint``, the output_dir pointed at the node's folder for
-that call): DeepSpeed's shards, the optimizer, the
-scheduler, the RNG states, the trainer state, each written by the rank that writes it in a
-durable save. Then the nodes exchange their listings (one ``all_gather_object``), each node's
-first rank sends its node's part to the next node's first rank over a gloo group of its own
-(hfscale.training.callbacks.buddy_stream; NCCL carries only GPU tensors), and each node writes
-its holding. A rank killed during any of this leaves no holding for that step: the previous local
-step stays the newest. With ``training.async_save`` the save returns while DeepSpeed's writers
-write the shards; the listing, the buddy copy and the holding follow at the end of the first
+that call): DeepSpeed's shards, the optimizer, the scheduler, the RNG states, the trainer state,
+each written by the rank that writes it in a durable save (the whole model file left out: the
+resume reads DeepSpeed's). Then the nodes exchange their listings (one ``all_gather_object``)
+and each node writes its holding of its own part: the step is restorable while every node
+answers. The buddy copy follows behind training (hfscale.training.callbacks.buddy_stream: each
+node's first rank, in a thread, sends its node's part to the next node's and receives the
+previous node's, over a gloo group of its own), and adds the copy to the holding when it is
+whole; the next local save waits for it. A rank killed during any of this leaves the step
+without a holding, or held without its copy: the previous local step, complete with its copies,
+stays on the nodes until the copy is whole. With ``training.async_save`` the save returns while
+DeepSpeed's writers write the shards; the listing and the holding follow at the end of the first
 step after the commit (hfscale.training.async_save), or before the next local save.
 
 ``restore`` runs on every rank before ``trainer.train``: the nodes exchange what they hold, choose
@@ -32,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
@@ -40,7 +42,7 @@ from hfscale.checkpoints import local_tier as tier
 from hfscale.checkpoints.resume import saved_state, write_marker
 from hfscale.core.untrusted import Unreadable, read_json
 from hfscale.training import async_save as async_saves
-from hfscale.training.callbacks.buddy_stream import Writer, chunks
+from hfscale.training.callbacks.buddy_stream import Behind, Copied, Exchange, exchange
 from hfscale.training.callbacks.collectives import logger, rank_world
 
 
@@ -158,6 +160,19 @@ def restore(output_dir: str, template: str, durable: str | None) -> str | None:
     return str(dest)
 
 
+def _describe_model(trainer: Any, output_dir: str | None) -> None:
+    """What a local save keeps of ``save_model``: the small files that say what the model is."""
+    if not output_dir or not trainer.args.should_save:
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    os.makedirs(output_dir, exist_ok=True)
+    generates = callable(getattr(model, "can_generate", None)) and model.can_generate()
+    for part in (getattr(model, "config", None), getattr(model, "generation_config", None) if generates else None,
+                 getattr(trainer, "processing_class", None)):
+        if part is not None and hasattr(part, "save_pretrained"):
+            part.save_pretrained(output_dir)
+
+
 def _step_of(ckpt: str | None) -> int:
     if ckpt is None:
         return -1
@@ -183,6 +198,14 @@ class LocalCheckpointCallback(TrainerCallback):
         self.writing: tuple[int, float] | None = None  # (step, pause so far) of a save DeepSpeed's writers still hold
         self._wrapped = False
         self.pauses: list[float] = []  # seconds each local save held training
+        self.behind = Behind()  # the buddy copy of the newest local step, in its thread
+        self._nodes: Nodes | None = None
+
+    def nodes(self) -> Nodes:
+        """Which node this rank is on (one collective, the first time: the ranks stay where they are)."""
+        if self._nodes is None:
+            self._nodes = _nodes()
+        return self._nodes
 
     def on_train_begin(self, args, state, control, **kwargs):
         if rank_world()[1] > 1 and self.buddy and self.group is None:
@@ -202,6 +225,7 @@ class LocalCheckpointCallback(TrainerCallback):
         if self.writing is not None:  # the last local save's writes, waited for
             async_saves.commit_pending()
             self._finish_writing(args)
+        self.behind.join()  # and its buddy copy
 
     def _finish_writing(self, args: Any) -> None:
         assert self.writing is not None
@@ -247,29 +271,42 @@ class LocalCheckpointCallback(TrainerCallback):
         self._wrapped = True
 
     def save(self, step: int, args: Any) -> str | None:
-        """Save ``step`` locally with the Trainer's own save (every rank): what failed on this rank, or None."""
-        nodes = _nodes()
+        """Save ``step`` locally with the Trainer's own save (every rank): what failed on this rank, or None.
+
+        Left out of a local save: the Trainer's model file (``save_model`` writes only the model's
+        config, generation config and processing class here: under DeepSpeed the resume reads the
+        weights from DeepSpeed's own files, and the whole model, gathered and written by rank 0
+        before the save returns, would be the largest part of the pause), its rotation of the
+        folder (``save_total_limit``: the tier keeps ``keep``) and ``push_to_hub``."""
+        nodes = self.nodes()
+        self.behind.join()  # the previous step's buddy copy (its rotation included) has ended
         root = tier.node_dir(self.template, host(), args.output_dir)
         own = tier.part(root, tier.OWN, step)
         if nodes.first:
             shutil.rmtree(own, ignore_errors=True)
             own.parent.mkdir(parents=True, exist_ok=True)
         _barrier()
-        output_dir = args.output_dir
+        trainer = self.trainer
+        kept = args.output_dir, args.save_total_limit, args.push_to_hub
         args.output_dir = str(own.parent)  # the Trainer saves into <root>/own/checkpoint-<step>
+        args.save_total_limit, args.push_to_hub = None, False
+        trainer.save_model = lambda output_dir=None, _internal_call=False: _describe_model(trainer, output_dir)
         try:
-            self.trainer._save_checkpoint(self.trainer.model_wrapped, trial=None)
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
         except OSError as e:  # a full or failed local disk costs this local step, not the training
             return f"{host()}: {e}"
         finally:
-            args.output_dir = output_dir
+            args.output_dir, args.save_total_limit, args.push_to_hub = kept
+            del trainer.save_model
         return None
 
     def finish(self, step: int, args: Any, error: str | None) -> int:
-        """Once every rank's files of ``step`` are on the local disks (every rank): list them, copy each
-        node's part to its buddy and write the holdings; the checkpoint's bytes, every node's part."""
+        """Once every rank's files of ``step`` are on the local disks (every rank): list them and write
+        each node's holding of its own part; then the buddy copy, behind training (a thread on each
+        node's first rank), which adds the copy to the holding when it is whole. The checkpoint's
+        bytes, every node's part."""
         _, world = rank_world()
-        nodes = _nodes()
+        nodes = self.nodes()
         first = nodes.first
         root = tier.node_dir(self.template, host(), args.output_dir)
         own = tier.part(root, tier.OWN, step)
@@ -284,57 +321,60 @@ class LocalCheckpointCallback(TrainerCallback):
         errors = [e for e, _ in gathered if e]
         parts = [p for _, p in gathered if p is not None]  # node order
         files = {rel: size for p in parts for rel, size in p.items()}
-        received: list[str] = []
-        if not errors and self.buddy and len(parts) > 1:
-            failed = None
-            if first:
-                received, failed = self._exchange(parts, nodes, tier.part(root, tier.BUDDY, step), own)
-            errors = [e for e in _all_gather(failed) if e]
+        if first and not errors:
+            holding = tier.Holding(step=step, world_size=world, lineage=self.lineage, files=files,
+                                   own=sorted(parts[nodes.node]), buddy=[])
+            try:  # the step is there on this node from here: restorable while every node answers
+                tier.write_holding(root, holding)
+            except OSError as e:
+                errors.append(f"{host()}: {e}")
+        errors = [e for e in _all_gather(errors[0] if errors else None) if e]  # every rank: kept everywhere or nowhere
         if errors:
             if first:
                 for kind in (tier.OWN, tier.BUDDY):
                     shutil.rmtree(tier.part(root, kind, step), ignore_errors=True)
+                try:
+                    os.remove(root / f"checkpoint-{step}.json")
+                except OSError:
+                    pass
             if rank_world()[0] == 0:
                 print(f"hfscale: warning: local checkpoint of step {step} not kept: {errors[0][:500]}"
                       + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
                       + "; training goes on, the previous local step and the durable tier stay", flush=True)
             return 0
-        if first:
-            tier.write_holding(root, tier.Holding(step=step, world_size=world, lineage=self.lineage, files=files,
-                                                  own=sorted(parts[nodes.node]), buddy=received))
-            for gone in tier.rotate(root, self.keep):
-                logger.info("local checkpoints: removed step %s", gone)
+        if first and self.buddy and len(parts) > 1:
+            n, node = len(parts), nodes.node
+            x = Exchange(step, nodes.leaders[tier.buddy_of(node, n)], nodes.leaders[(node - 1) % n], own,
+                         parts[node], tier.part(root, tier.BUDDY, step), parts[(node - 1) % n])
+            self.behind.start(lambda: exchange(x, self.group, host()),
+                              lambda copied: self._copied(root, holding, x, copied))
+        elif first:
+            self._rotate(root)
         return sum(files.values())
 
-    def _exchange(self, parts: list[dict[str, int]], nodes: Nodes, into: Path, own: Path
-                  ) -> tuple[list[str], str | None]:
-        """Send this node's part to the next node, receive the previous node's (the first ranks of
-        the nodes only: point to point, no collective): the paths received, and what failed (a file
-        that could not be read or written: the stream goes on to its end, so neither side hangs)."""
-        n, node = len(parts), nodes.node
-        send_to, recv_from = nodes.leaders[tier.buddy_of(node, n)], nodes.leaders[(node - 1) % n]
-        out_files, in_files = parts[node], parts[(node - 1) % n]
-        shutil.rmtree(into, ignore_errors=True)
-        failed: list[str] = []
+    def _copied(self, root: Path, holding: tier.Holding, x: Exchange, copied: Copied) -> None:
+        """In the buddy copy's thread, once it ended: the copy received into the holding (the step is
+        then complete without this node's own part too), or, when this node's own part could not be
+        read, the step dropped here; then the rotation, and the record."""
         try:
-            into.mkdir(parents=True, exist_ok=True)
+            if not copied.read:
+                os.remove(root / f"checkpoint-{holding.step}.json")
+            elif copied.received:
+                tier.write_holding(root, holding.model_copy(update={"buddy": sorted(x.in_files)}))
         except OSError as e:
-            failed.append(f"{host()}: {e}")
-        outgoing = chunks(own, out_files, failed, host())
-        incoming = Writer(into, in_files)
-        while True:
-            chunk = next(outgoing, None)
-            req = dist.isend(chunk, dst=send_to, group=self.group) if chunk is not None else None
-            size = incoming.next_size()
-            if size:
-                buf = torch.empty(size, dtype=torch.uint8)
-                dist.recv(buf, src=recv_from, group=self.group)
-                incoming.write(buf)
-            if req is not None:
-                req.wait()
-            if chunk is None and not size:
-                break
-        incoming.finish()
-        if incoming.error:
-            failed.append(f"{host()}: {incoming.error}")
-        return sorted(in_files), (failed[0] if failed else None)
+            copied = Copied(copied.read, False, copied.errors + (f"{host()}: {e}",), copied.seconds)
+        if not copied.received:
+            shutil.rmtree(x.into, ignore_errors=True)
+        if not copied.read:
+            print(f"hfscale: warning: local step {x.step} dropped on {host()}: {copied.errors[0][:500]}; "
+                  "the previous local step and the durable tier stay", flush=True)
+        elif copied.errors:
+            print(f"hfscale: warning: the buddy copy of local step {x.step} was not kept on {host()}: "
+                  f"{copied.errors[0][:500]}; the step is held by its own nodes only", flush=True)
+        self._rotate(root)
+        print(f"HFSCALE_BUDDY_COPY step={x.step} seconds={copied.seconds:.3f} "
+              f"bytes={sum(x.out_files.values())} whole={int(copied.received)}", flush=True)
+
+    def _rotate(self, root: Path) -> None:
+        for gone in tier.rotate(root, self.keep):
+            logger.info("local checkpoints: removed step %s", gone)
