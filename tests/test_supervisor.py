@@ -1,6 +1,6 @@
 """The supervisor's pieces that need no process (issue 23): an attempt's job id and run directory,
 what a relaunch moves aside, and a report counting a relaunch's metrics as the run's own. The
-supervisor itself runs in tests/test_recovery_cluster.py."""
+supervisor itself runs in tests/test_recovery_cluster.py; here only with its attempts replaced."""
 
 from __future__ import annotations
 
@@ -93,3 +93,53 @@ def test_the_step_watch_counts_from_the_step_rank_0_resumed_from(tmp_path: Path)
         done.set()
         watch.join(5)
     assert started == [(26, 25)]
+
+
+def test_the_supervisor_beats_while_it_probes_and_decides_between_attempts(tmp_path: Path, monkeypatch):
+    """Between two attempts the supervisor rewrites the launcher beat the nodes watch (a supervised
+    Slurm job's nodes requeue it when the beat has not changed for 50 s): here node1 is lost, and
+    the supervisor's probe of it (ssh and preflight, seconds to minutes) sees the beat move. The
+    attempts themselves are replaced (no node runs here), the beat's interval shortened to 0.1 s."""
+    import functools
+
+    from hfscale.core import exitcodes
+    from hfscale.launch import beats, supervisor
+    from hfscale.launch.run_dir import LAUNCHER_BEAT
+    from hfscale.launch.spec import Outcome
+
+    doc = {"name": "gap", "cluster": {"hosts": [{"host": "node0", "slots": 1}, {"host": "node1", "slots": 1}]},
+           "runner": {"type": "pdsh", "run_dir": str(tmp_path / "runs"), "python": PYTHON},
+           "distributed": {"backend": "ddp"}, "precision": "no", "batch": {"micro_batch_size": 1},
+           "training": {"output_dir": str(tmp_path / "out"), "max_steps": 4},
+           "recovery": {"max_restarts": 1, "strikes": 2}}
+    (tmp_path / "gap.yaml").write_text(yaml.safe_dump(doc))
+    job = load_job(tmp_path / "gap.yaml")
+    monkeypatch.setattr(supervisor, "LauncherBeat", functools.partial(beats.LauncherBeat, every=0.1))
+    beat: list[str] = []
+
+    def execute(plan, text, echo, attempt):
+        write_run_dir(plan, text, attempt)
+        if attempt == 0:
+            return Outcome(exitcodes.UNREACHABLE, "node1", "node1 cannot be reached", failed_at=time.time())
+        return Outcome(0)
+
+    def probe(job, hosts, python):  # the probe of the lost host, while the beat thread runs
+        path = Path(runs[0]) / LAUNCHER_BEAT
+        beat.append(path.read_text())
+        time.sleep(1.0)
+        beat.append(path.read_text())
+        return frozenset(hosts)
+
+    runs: list[str] = []
+
+    def context(j, n):
+        ctx = LaunchContext.of(str(tmp_path), PYTHON, JOB_ID, {}, attempt=n)
+        runs[:] = [build_plan(j, ctx).run_dir]
+        return ctx
+
+    monkeypatch.setattr(supervisor, "execute_attempt", execute)
+    monkeypatch.setattr(supervisor, "healthy_again", probe)
+    said: list[str] = []
+    assert supervisor.supervise(job, context, lambda plan: said.append, said.append) == 0, said
+    assert len(beat) == 2 and int(beat[1]) >= int(beat[0]) + 5, beat  # ~10 writes in the second it probed
+    assert any("restart 1" in line for line in said), said
