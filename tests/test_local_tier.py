@@ -254,5 +254,6 @@ def test_a_buddy_copy_that_raises_keeps_the_own_part_and_says_why():
     behind.start(work, got.append)
     behind.join()
     (copied,) = got
-    assert copied.read and not copied.received and "RuntimeError: Connection reset by peer" in copied.errors[0]
+    assert copied.read and copied.cut and not copied.received
+    assert "RuntimeError: Connection reset by peer" in copied.errors[0]
     assert not behind.running()

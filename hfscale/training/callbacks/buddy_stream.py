@@ -136,6 +136,7 @@ class Copied:
     received: bool
     errors: tuple[str, ...]
     seconds: float
+    cut: bool = False  # the transfer itself failed: a peer that died (its job is being stopped), gloo's error
 
 
 def exchange(x: Exchange, group: Any, who: str) -> Copied:
@@ -192,7 +193,7 @@ class Behind:
                 result = work()
             except Exception as e:  # said, never lost in the thread: a peer that died mid-copy (the job is
                 # stopping), the transport's error. This node's own part was listed whole: it stays
-                result = Copied(True, False, (f"{type(e).__name__}: {e}",), 0.0)
+                result = Copied(True, False, (f"{type(e).__name__}: {e}",), 0.0, cut=True)
             then(result)
 
         self.thread = threading.Thread(target=run, name="hfscale-buddy-copy", daemon=True)

@@ -362,18 +362,21 @@ class LocalCheckpointCallback(TrainerCallback):
             elif copied.received:
                 tier.write_holding(root, holding.model_copy(update={"buddy": sorted(x.in_files)}))
         except OSError as e:
-            copied = Copied(copied.read, False, copied.errors + (f"{host()}: {e}",), copied.seconds)
+            copied = Copied(copied.read, False, copied.errors + (f"{host()}: {e}",), copied.seconds, copied.cut)
         if not copied.received:
             shutil.rmtree(x.into, ignore_errors=True)
         if not copied.read:
             print(f"hfscale: warning: local step {x.step} dropped on {host()}: {copied.errors[0][:500]}; "
                   "the previous local step and the durable tier stay", flush=True)
+        elif copied.cut:  # a peer died mid-copy: its failure is what the launch tells; this goes to the log
+            logger.warning("local checkpoints: the buddy copy of step %s was cut short on %s: %s", x.step, host(),
+                           copied.errors[0][:500])
         elif copied.errors:
             print(f"hfscale: warning: the buddy copy of local step {x.step} was not kept on {host()}: "
                   f"{copied.errors[0][:500]}; the step is held by its own nodes only", flush=True)
         self._rotate(root)
         print(f"HFSCALE_BUDDY_COPY step={x.step} seconds={copied.seconds:.3f} "
-              f"bytes={sum(x.out_files.values())} whole={int(copied.received)}", flush=True)
+              f"bytes={sum(x.out_files.values())} whole={int(copied.received)} cut={int(copied.cut)}", flush=True)
 
     def _rotate(self, root: Path) -> None:
         for gone in tier.rotate(root, self.keep):
