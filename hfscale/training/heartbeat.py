@@ -64,7 +64,8 @@ def alive() -> None:
 
 
 def report(**values: object) -> None:
-    """Rank 0's latest numbers (step, max_steps, loss, learning_rate, tokens_per_s, eta_s, ...) for
+    """Rank 0's latest numbers (step, max_steps, loss, learning_rate, tokens_per_s, eta_s, ...; resumed:
+    the step this start resumed from, said once before the first ``step``) for
     ``hfscale launch``'s progress line and ``hfscale runs``: merged into ``progress/metrics.json``
     (replaced atomically). Other ranks, and runs outside ``hfscale launch``, write nothing. In a
     plain loop: ``hfscale.report(step=step, max_steps=total, loss=loss.item())``."""
