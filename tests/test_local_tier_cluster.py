@@ -73,6 +73,11 @@ def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_bu
     for f, step in zip(failures, restored):
         assert f.step is not None and 0 <= f.step - step <= EVERY, (f.step, step)  # at most 5 steps back
         assert step % EVERY == 0 and step < 50  # a local step: the durable tier had nothing yet
+    # a local save leaves out the Trainer's whole model file (the resume reads DeepSpeed's), not the model's config
+    parts = {h: sorted(node_dir(str(local), h, str(out)).glob("own/checkpoint-*")) for h in cluster.nodes}
+    assert all(parts.values()), parts
+    assert not [p for ps in parts.values() for p in ps if (p / "model.safetensors").exists()]
+    assert all((p / "config.json").is_file() for p in parts["node0"])  # rank 0's
     worst = largest_loss_difference(out, MAX_STEPS, uninterrupted_losses)  # every step logged, against the reference
     print(f"largest loss difference over {MAX_STEPS} steps: {worst:.2e}")
     assert worst < 1e-3

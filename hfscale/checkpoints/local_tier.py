@@ -75,9 +75,13 @@ def listing(folder: Path) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def holding_path(root: Path, step: int) -> Path:
+    return root / f"checkpoint-{step}.json"
+
+
 def write_holding(root: Path, h: Holding) -> Path:
     """Write ``h`` by rename: the step is there on this node from this moment."""
-    path = root / f"checkpoint-{h.step}.json"
+    path = holding_path(root, h.step)
     tmp = root / f".checkpoint-{h.step}.json.tmp{os.getpid()}"
     tmp.write_text(h.model_dump_json())
     os.replace(tmp, path)
@@ -196,13 +200,18 @@ def rotate(root: Path, keep: int) -> list[int]:
             if m and int(m.group(1)) not in steps and newest_kept is not None and int(m.group(1)) < newest_kept:
                 drop.append(int(m.group(1)))
     for step in sorted(set(drop)):
-        try:
-            os.remove(root / f"checkpoint-{step}.json")
-        except OSError:
-            pass
-        for kind in (OWN, BUDDY):
-            shutil.rmtree(part(root, kind, step), ignore_errors=True)
+        remove(root, step)
     return sorted(set(drop))
+
+
+def remove(root: Path, step: int) -> None:
+    """Remove this node's ``step``: its holding first (the step is gone from this moment), then its parts."""
+    try:
+        os.remove(holding_path(root, step))
+    except OSError:
+        pass
+    for kind in (OWN, BUDDY):
+        shutil.rmtree(part(root, kind, step), ignore_errors=True)
 
 
 def buddy_of(node: int, nodes: int) -> int:

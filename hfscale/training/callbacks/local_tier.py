@@ -197,7 +197,6 @@ class LocalCheckpointCallback(TrainerCallback):
         self.pending: int | None = None
         self.writing: tuple[int, float] | None = None  # (step, pause so far) of a save DeepSpeed's writers still hold
         self._wrapped = False
-        self.pauses: list[float] = []  # seconds each local save held training
         self.behind = Behind()  # the buddy copy of the newest local step, in its thread
         self._nodes: Nodes | None = None
 
@@ -223,19 +222,21 @@ class LocalCheckpointCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.writing is not None:  # the last local save's writes, waited for
-            async_saves.commit_pending()
-            self._finish_writing(args)
+            self._finish_writing(args, wait=True)
         self.behind.join()  # and its buddy copy
 
-    def _finish_writing(self, args: Any) -> None:
+    def _finish_writing(self, args: Any, wait: bool = False) -> None:
+        """The listing and the holding of the local save DeepSpeed's writers held (``wait``: commit
+        its writes first, waiting for them: every rank calls it at the same point)."""
         assert self.writing is not None
+        if wait:
+            async_saves.commit_pending()
         (step, held), self.writing = self.writing, None
         t0 = time.perf_counter()
         size = self.finish(step, args, None)
         self._said(step, held + time.perf_counter() - t0, size)
 
     def _said(self, step: int, seconds: float, size: int) -> None:
-        self.pauses.append(seconds)
         if rank_world()[0] == 0:  # the node log's record (HFSCALE_ lines stay off the terminal)
             print(f"HFSCALE_LOCAL_SAVE step={step} seconds={seconds:.3f} bytes={size}", flush=True)
 
@@ -251,8 +252,7 @@ class LocalCheckpointCallback(TrainerCallback):
                 step, self.pending = self.pending, None
                 args = self.trainer.args
                 if self.writing is not None:  # the previous local save is still being written: finish it first
-                    async_saves.commit_pending()
-                    self._finish_writing(args)
+                    self._finish_writing(args, wait=True)
                 t0 = time.perf_counter()
                 error = self.save(step, args)
                 # training.async_save: DeepSpeed's writers hold the shards. The listing and the buddy copy need
@@ -331,12 +331,7 @@ class LocalCheckpointCallback(TrainerCallback):
         errors = [e for e in _all_gather(errors[0] if errors else None) if e]  # every rank: kept everywhere or nowhere
         if errors:
             if first:
-                for kind in (tier.OWN, tier.BUDDY):
-                    shutil.rmtree(tier.part(root, kind, step), ignore_errors=True)
-                try:
-                    os.remove(root / f"checkpoint-{step}.json")
-                except OSError:
-                    pass
+                tier.remove(root, step)
             if rank_world()[0] == 0:
                 print(f"hfscale: warning: local checkpoint of step {step} not kept: {errors[0][:500]}"
                       + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
@@ -356,13 +351,13 @@ class LocalCheckpointCallback(TrainerCallback):
         """In the buddy copy's thread, once it ended: the copy received into the holding (the step is
         then complete without this node's own part too), or, when this node's own part could not be
         read, the step dropped here; then the rotation, and the record."""
-        try:
-            if not copied.read:
-                os.remove(root / f"checkpoint-{holding.step}.json")
-            elif copied.received:
+        if not copied.read:  # this node's own part is not whole: the step is not here
+            tier.remove(root, x.step)
+        elif copied.received:
+            try:
                 tier.write_holding(root, holding.model_copy(update={"buddy": sorted(x.in_files)}))
-        except OSError as e:
-            copied = Copied(copied.read, False, copied.errors + (f"{host()}: {e}",), copied.seconds, copied.cut)
+            except OSError as e:
+                copied = Copied(True, False, copied.errors + (f"{host()}: {e}",), copied.seconds, copied.cut)
         if not copied.received:
             shutil.rmtree(x.into, ignore_errors=True)
         if not copied.read:
