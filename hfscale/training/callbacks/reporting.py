@@ -244,7 +244,8 @@ class StragglerCallback(_Reporter):
     by itself: this callback times the model's forward passes on each rank (CUDA events on a GPU,
     no synchronisation; a clock on CPU) and, every ``every`` optimizer steps, gathers those times and
     the wall step times in one ``all_gather``. When the slowest rank's forward time per step exceeds
-    ``threshold`` x the median, rank 0 warns with the rank and its host name.
+    ``threshold`` x the median in two reports running, rank 0 warns with the rank and its host name
+    (one slow window, a pause of the machine or the first window's warm-up, is in the record only).
 
     Forward passes that contain collectives themselves (ZeRO-3, FSDP) make the spread smaller than
     the real one.
@@ -273,6 +274,7 @@ class StragglerCallback(_Reporter):
         self._events: list[tuple[Any, Any]] = []
         self._open_event: Any = None
         self._cuda = False
+        self._flagged: int | None = None  # the rank over the threshold in the previous report
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
@@ -363,11 +365,13 @@ class StragglerCallback(_Reporter):
             **_launch(),
         }
         self.last = record
-        if record["straggler"] and state.is_world_process_zero:
+        running = record["straggler"] and self._flagged == slowest
+        self._flagged = slowest if record["straggler"] else None
+        if running and state.is_world_process_zero:
             logger.warning(
                 "straggler at step %d: rank %d on host %s takes %.3f s of forward per step, %.2fx the other "
-                "ranks' median %.3f s (threshold %.2f)", state.global_step, slowest, host, fwd[slowest], ratio, median,
-                self.threshold,
+                "ranks' median %.3f s (threshold %.2f, over it in two reports running)", state.global_step, slowest,
+                host, fwd[slowest], ratio, median, self.threshold,
             )
         self._write(args, state, record)
         self._pending[LOG_PREFIX + "straggler_ratio"] = float(ratio)
