@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -256,15 +257,16 @@ def pids_in_node(cluster: Cluster, node: str, *, include_infra: bool = False) ->
     return out
 
 
-def leftover_processes(cluster: Cluster, *, timeout: float = 0, contains: str = "") -> dict[str, dict[int, str]]:
-    """Non-infrastructure processes on any node whose command line contains ``contains``.
+def leftover_processes(cluster: Cluster, *, timeout: float = 0, contains: str = "",
+                       but: Iterable[str] = ()) -> dict[str, dict[int, str]]:
+    """Non-infrastructure processes on any node but ``but`` whose command line contains ``contains``.
 
     Polls up to ``timeout`` seconds for them to go; returns {node: {pid: cmdline}} ({} when clean).
     """
     deadline = time.monotonic() + timeout
     while True:
         found = {}
-        for node in cluster.nodes:
+        for node in (n for n in cluster.nodes if n not in but):
             procs = {p: c for p, c in pids_in_node(cluster, node).items() if contains in c}
             if procs:
                 found[node] = procs
@@ -367,13 +369,13 @@ class Slurm:
                                    f"{info.get('JobState')} ({info.get('Reason')})\n{self.log_tail()}")
             time.sleep(poll)
 
-    def job_processes(self, *, timeout: float = 0) -> dict[str, dict[int, str]]:
-        """Processes of Slurm jobs still on the nodes (slurmstepd, or SLURM_JOB_ID in the environment),
-        as {node: {pid: cmdline}}; polls up to ``timeout`` seconds for them to go ({} when none)."""
+    def job_processes(self, *, timeout: float = 0, but: Iterable[str] = ()) -> dict[str, dict[int, str]]:
+        """Processes of Slurm jobs still on the nodes but ``but`` (slurmstepd, or SLURM_JOB_ID in the
+        environment), as {node: {pid: cmdline}}; polls up to ``timeout`` seconds for them to go ({} when none)."""
         deadline = time.monotonic() + timeout
         while True:
             found: dict[str, dict[int, str]] = {}
-            for node in self.nodes:
+            for node in (n for n in self.nodes if n not in but):
                 for pid, cmd in pids_in_node(self.cluster, node).items():
                     try:
                         environ = Path(f"/proc/{pid}/environ").read_bytes()
