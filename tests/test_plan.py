@@ -56,6 +56,9 @@ def test_local_accelerate_plan_exact():
         "TORCH_FR_DUMP_TEMP_FILE": f"{RUN}/flight/nccl_rank_",
     }
     assert plan.cleanup.real_argv() == ["bash", "-c", stop_script("20261122-120000-abcdef")]
+    # after a hang, the same stop with no grace: ranks stuck in a collective cannot save
+    assert plan.kill.real_argv() == ["bash", "-c", stop_script("20261122-120000-abcdef", grace_s=0)]
+    assert "while [ $n -lt 0 ]" in stop_script("x", grace_s=0) and "while [ $n -lt 10 ]" in stop_script("x")
     assert plan.dump.real_argv() == ["bash", "-c", dump_script("20261122-120000-abcdef", f"{RUN}/stacks",
                                                                "/opt/py/bin/python")]
     assert plan.watch == Watch(f"{RUN}/progress", f"{RUN}/stacks", f"{RUN}/hang-report.txt", 600, None, 2)
@@ -146,6 +149,8 @@ def test_pdsh_plan_exact():
     assert render(plan.nodes[1].command) == launcher.replace('"$HFSCALE_NODE_RANK"', "1")
     assert plan.cleanup.argv[:-1] == plan.main.argv[:-1]
     assert plan.cleanup.real_argv()[-1] == stop_script("20261122-120000-abcdef")
+    assert plan.kill.argv[:-1] == plan.cleanup.argv[:-1]  # the same fan-out
+    assert plan.kill.real_argv()[-1] == stop_script("20261122-120000-abcdef", grace_s=0)
     assert plan.keeper == Keeper(f"{RUN}/launcher.beat", f"{RUN}/alive", f"{RUN}/orphaned", f"{RUN}/logs", 5, 10, 5, 30,
                                  50)
     assert (f"launcher heartbeat: {RUN}/launcher.beat, every 5 s\n  each node: heartbeat every 10 s into {RUN}/alive/"

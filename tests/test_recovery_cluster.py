@@ -32,6 +32,7 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from conftest import ROOT
+from hfscale.launch.runners.stopping import STOP_GRACE_S
 from hfscale.launch.timeline import read_timeline
 
 pytestmark = pytest.mark.slow
@@ -192,6 +193,13 @@ def test_a_job_heals_around_a_killed_a_frozen_and_a_cut_off_node(make_cluster, t
     assert len(failures) >= 3 and len(relaunches) == len(failures), output[-6000:]
     assert (failures[0].cause, failures[0].host) == ("rank_failed", "node2")  # its rank's death, named on node2
     assert any(f.cause == "hang" for f in failures)  # the frozen node: the watchdog
+    # after a hang the job is stopped with no grace (stuck ranks cannot save): the stop took under the 10 s
+    # grace that TERM-ignoring stuck ranks made every stop after a hang wait (10.4 s after a frozen node's
+    # verdict, 13.2 s after a cut link's, before LaunchPlan.kill)
+    stops = [next(e.at for e in timeline.events if e.kind == "stopped" and e.attempt == f.attempt) - f.at
+             for f in failures if f.cause == "hang"]
+    print("stopped after each hang verdict in " + ", ".join(f"{s:.1f} s" for s in stops))
+    assert all(s < STOP_GRACE_S for s in stops), stops
     assert (failures[-1].cause, failures[-1].host) == ("host_lost", "node2")  # ssh cannot reach it: excluded
     assert relaunches[-1].hosts == ["node0", "node1"] and relaunches[-1].excluded == ["node2"]
     assert relaunches[-1].world_size == 2 and relaunches[-1].accumulation == 3

@@ -63,6 +63,23 @@ def test_stop_script_terms_then_kills_only_this_job():
             p.wait()
 
 
+def test_the_stop_after_a_hang_kills_at_once():
+    """``grace_s=0`` (LaunchPlan.kill, run after a hang): a process that cannot act on TERM (a rank
+    whose handler waits for a collective that never returns) is killed at once, not 10 s later."""
+    stubborn, other = _start("job-4", "ignore"), _start("job-45", "ignore")
+    try:
+        time.sleep(0.5)
+        subprocess.run(["bash", "-c", stop_script("job-4", grace_s=0)], timeout=5, check=True)
+        took = _ended_within(stubborn, STOP_GRACE_S)
+        assert took is not None and stubborn.returncode == -signal.SIGKILL
+        assert took < 2, f"killed {took:.1f} s after the stop"
+        assert other.poll() is None
+    finally:
+        for p in (stubborn, other):
+            p.kill()
+            p.wait()
+
+
 def test_stop_script_kill_pass_ends_early_when_everything_obeyed():
     polite = _start("job-2", "obey")
     try:

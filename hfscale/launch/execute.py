@@ -126,12 +126,13 @@ class _Run:
         cleanup on every node, and, for plans whose node lines start remotely (they have a stop
         marker), run it again while ``main`` still waits for a node: a line that started meanwhile
         (a slow ssh, a loaded host) is stopped too. Then end what is left of main."""
-        c, marker = self.plan.cleanup, self.plan.stop_marker
+        hung = self.hung and self.plan.kill is not None  # stuck ranks cannot save: no grace
+        c, marker, grace = self.plan.kill if hung else self.plan.cleanup, self.plan.stop_marker, 0 if hung else STOP_GRACE_S
         why = mark_stopping(marker) if marker is not None else None
         if why:
             self.echo(f"hfscale: cannot write the stop marker {marker}: {why}")
-        proc, deadline = self.proc, time.monotonic() + STOP_GRACE_S + 2
-        again = CLEANUP_AGAIN_S if marker is not None else STOP_GRACE_S + 2  # remote lines can start late
+        proc, deadline = self.proc, time.monotonic() + grace + 2
+        again = CLEANUP_AGAIN_S if marker is not None else grace + 2  # remote lines can start late
         if c is None and proc is not None and not self.following:
             _signal_group(proc, signal.SIGTERM)
         while True:

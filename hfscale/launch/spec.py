@@ -111,6 +111,8 @@ class LaunchPlan:
     follow: Follow | None = None
     watch: Watch | None = None
     dump: Command | None = None  # writes every rank's stack into watch.stacks_dir, on every node
+    # the cleanup after a hang: the same stop with no grace (stuck ranks cannot save); None: ``cleanup``
+    kill: Command | None = None
     prepare: tuple[Command, ...] = ()  # run here, in order, after the run directory is made and before main
     # training.output_dir as this host sees it (None: not visible here); a streamed launch holds its
     # lock (hfscale.launch.output_lock) from before anything starts to its end
@@ -183,6 +185,8 @@ class LaunchPlan:
                     f"{w.stacks_dir}, the report into {w.report}, then the job stops (exit 4)"]
             if self.dump is not None:
                 out.append(f"  {self.dump.shell()}")
+            if self.kill is not None:
+                out.append(f"  then, no grace (stuck ranks cannot save): {self.kill.shell()}")
         if self.cleanup is not None:
             out.append("on failure or Ctrl-C:")
             if self.stop_marker is not None:

@@ -26,9 +26,10 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     main = Command(("bash", "-c", line), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
     cleanup = here(stop_script(ctx.job_id))
     dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+    kill = here(stop_script(ctx.job_id, grace_s=0)) if c.watch else None
     return LaunchPlan(ctx.job_id, "local", c.run_dir, c.files, (NodeLaunch(host, 0, words(argv)),), (host,), main,
                       cleanup, c.mode, c.notes, moves=c.moves, watch=c.watch, dump=dump,  # type: ignore[arg-type]
-                      keeper=keeper_of(c.run_dir))
+                      keeper=keeper_of(c.run_dir), kill=kill)
 
 
 def here(script: str) -> Command:

@@ -32,7 +32,7 @@ from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Se
                      render, words)
 from hfscale.launch.runners.keeper import HOST_VAR, NODE_BEAT_S, keeper_line, keeper_of
 from hfscale.launch.runners.shared import Common
-from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
+from hfscale.launch.runners.stopping import JOB_ID_VAR, STOP_GRACE_S, dump_script, stop_script
 from hfscale.launch.ssh import pdsh_argv
 
 RANK_VAR = "HFSCALE_NODE_RANK"
@@ -140,9 +140,9 @@ def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Lin
     return Fanout(Command((*argv, detached(job_id, before, launcher, c.run_dir, keeper)), env), (), follow)
 
 
-def kill_line(job_id: str) -> Line:
+def kill_line(job_id: str, grace_s: int = STOP_GRACE_S) -> Line:
     """The stop every host runs: this job's processes only (hfscale.launch.runners.stopping)."""
-    return Line((Sh(stop_script(job_id)),), pdsh=True)
+    return Line((Sh(stop_script(job_id, grace_s)),), pdsh=True)
 
 
 def hosts_file(hosts: tuple[str, ...]) -> tuple[str, str]:
@@ -158,13 +158,14 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     cleanup = Command((*stop, kill_line(ctx.job_id)), stop_env)
     dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
                    stop_env) if c.watch else None
+    kill = Command((*stop, kill_line(ctx.job_id, grace_s=0)), stop_env) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main, cleanup,
                       c.mode, c.notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
                       follow=follow, watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
-                      keeper=keeper_of(c.run_dir))
+                      keeper=keeper_of(c.run_dir), kill=kill)
 
 
 class PdshRunner:

@@ -83,11 +83,14 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     cleanup = Command((*stop, Line(remove.items, pdsh=True)), stop_env)
     dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
                    stop_env) if c.watch else None
+    # after a hang: the containers go at once (docker rm -f kills), then what is left of the job on the host
+    kill = Command((*stop, Line((*remove.items[:-1], Sh(stop_script(ctx.job_id, grace_s=0))), pdsh=True)),
+                   stop_env) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
     return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
                       cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
                       private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump,
-                      stop_marker=posixpath.join(c.run_dir, STOP_MARKER), keeper=keeper_of(c.run_dir))
+                      stop_marker=posixpath.join(c.run_dir, STOP_MARKER), keeper=keeper_of(c.run_dir), kill=kill)
 
 
 class PdshDockerRunner:

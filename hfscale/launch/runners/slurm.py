@@ -40,18 +40,19 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     script = posixpath.join(c.run_dir, SCRIPT)
     inside = dict(ctx.shell_env).get("SLURM_JOB_ID")
     notes = c.notes
-    cleanup = dump = watch = None
+    cleanup = dump = watch = kill = None
     if inside:
         main, mode = Command(("bash", script), secret), "stream"  # the script changes to the workdir itself
         notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
         cleanup = on_every_node(job.num_nodes, stop_script(ctx.job_id))
         watch = c.watch
         dump = on_every_node(job.num_nodes, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+        kill = on_every_node(job.num_nodes, stop_script(ctx.job_id, grace_s=0)) if c.watch else None
     else:
         main, mode = Command(("sbatch", "--parsable", script), secret), "submit"  # the workdir is the nodes\' one
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
                       main, cleanup, "done" if c.done else mode, notes, show=(SCRIPT,),  # type: ignore[arg-type]
-                      moves=c.moves, watch=watch, dump=dump)
+                      moves=c.moves, watch=watch, dump=dump, kill=kill)
 
 
 def _submit_supervised(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:

@@ -139,6 +139,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     main = Command(("bash", "-c", Line.of(Sh(still_allocated(hosts)), Sh("exec"), words(srun_argv(hosts)),
                                           Sh("bash -c"), Script(node_line(job, c, ctx.job_id, launcher)))))
     dump = on_each_node(hosts, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+    kill = on_each_node(hosts, stop_script(ctx.job_id, grace_s=0)) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
@@ -148,4 +149,4 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, c.files, nodes, hosts, main, on_each_node(hosts, stop_script(ctx.job_id)),
                       c.mode, notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
                       watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
-                      keeper=keeper_of(c.run_dir))
+                      keeper=keeper_of(c.run_dir), kill=kill)

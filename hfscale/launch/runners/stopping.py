@@ -19,16 +19,19 @@ JOB_ID_VAR = "HFSCALE_JOB_ID"
 STOP_GRACE_S = 10
 
 
-def stop_script(job_id: str) -> str:
+def stop_script(job_id: str, grace_s: int = STOP_GRACE_S) -> str:
     """Shell text: TERM this job's processes now; in the background, KILL those of them that are
-    left once they all ended or ``STOP_GRACE_S`` seconds passed. It returns at once (so a bounded
+    left once they all ended or ``grace_s`` seconds passed. It returns at once (so a bounded
     fan-out reaches thousands of hosts within the grace period) and exits 0. The KILL pass takes
     only the processes it TERMed (still carrying the job id): what starts under the same id in the
-    meantime (a Slurm requeue of the job, a relaunch) is not this stop's."""
+    meantime (a Slurm requeue of the job, a relaunch) is not this stop's.
+
+    ``grace_s`` 0 is the stop after a hang (``LaunchPlan.kill``): ranks stuck in a collective run no
+    signal handler and cannot save, so the grace would only be time lost before the relaunch."""
     # job ids are validated ([a-z0-9-]): safe inside single quotes
     find = f"grep -lsxzF '{JOB_ID_VAR}={job_id}' /proc/[0-9]*/environ | cut -d/ -f3"
     # the waiting pass outlives the ssh session or the terminal: no HUP/INT, nothing held open
-    wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {STOP_GRACE_S} ] && [ -n \"$(l)\" ]; do sleep 1; "
+    wait_kill = (f"( trap '' HUP INT; n=0; while [ $n -lt {int(grace_s)} ] && [ -n \"$(l)\" ]; do sleep 1; "
                  "n=$((n+1)); done; s=$(l); [ -n \"$s\" ] && kill -KILL $s ) </dev/null >/dev/null 2>&1 &")
     return (f"f() {{ {find}; }}; t=\" $(f | tr '\\n' ' ')\"; "
             "l() { for q in $(f); do case \"$t\" in *\" $q \"*) echo $q ;; esac; done; }; "
