@@ -224,13 +224,17 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
         batch_host = slurm.job(job)["BatchHost"]
         wait_for("a checkpoint", lambda: _step(run) >= 12, slurm, job, run=run)
         killed_at = _step(run)
-        # the batch host dies: its slurmd, the batch script, the supervisor, its ranks
+        # the batch host dies: its slurmd, the batch script, the supervisor, its ranks. All of them frozen
+        # first, then killed: a host that dies takes everything at once, while processes killed one by one
+        # see each other die (in one CI run the batch host's sruns cancelled the other nodes' watch steps
+        # between two kills, and nothing requeued the job)
         slurm.stop_slurmd(batch_host)
-        for pid in pids_in_node(cluster, batch_host):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids_in_node(cluster, batch_host):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
         t_kill = time.time()
         # the watches notice within BATCH_HOST_LOST_S + 10 s; Slurm starts the job again after its credential
         # lifetime (10 s here) once it has set the batch host DOWN (SlurmdTimeout 10 s)
