@@ -351,6 +351,9 @@ def test_pdsh_docker_plan_exact():
     assert plan.cleanup.real_argv()[-1] == (
         "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f; "
         + stop_script("20261122-120000-abcdef"))
+    assert plan.kill.real_argv()[-1] == (  # after a hang: the same, with no grace
+        "docker ps -q --filter label=hfscale.job=20261122-120000-abcdef | xargs -r docker rm -f; "
+        + stop_script("20261122-120000-abcdef", grace_s=0))
 
 
 def test_local_docker_runs_without_pdsh():
