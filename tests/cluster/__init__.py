@@ -263,10 +263,10 @@ def leftover_processes(cluster: Cluster, *, timeout: float = 0, contains: str = 
 
     Polls up to ``timeout`` seconds for them to go; returns {node: {pid: cmdline}} ({} when clean).
     """
-    deadline = time.monotonic() + timeout
+    deadline, skip = time.monotonic() + timeout, frozenset(but)  # read once: ``but`` may be an iterator
     while True:
         found = {}
-        for node in (n for n in cluster.nodes if n not in but):
+        for node in (n for n in cluster.nodes if n not in skip):
             procs = {p: c for p, c in pids_in_node(cluster, node).items() if contains in c}
             if procs:
                 found[node] = procs
@@ -372,10 +372,10 @@ class Slurm:
     def job_processes(self, *, timeout: float = 0, but: Iterable[str] = ()) -> dict[str, dict[int, str]]:
         """Processes of Slurm jobs still on the nodes but ``but`` (slurmstepd, or SLURM_JOB_ID in the
         environment), as {node: {pid: cmdline}}; polls up to ``timeout`` seconds for them to go ({} when none)."""
-        deadline = time.monotonic() + timeout
+        deadline, skip = time.monotonic() + timeout, frozenset(but)  # read once: ``but`` may be an iterator
         while True:
             found: dict[str, dict[int, str]] = {}
-            for node in (n for n in self.nodes if n not in but):
+            for node in (n for n in self.nodes if n not in skip):
                 for pid, cmd in pids_in_node(self.cluster, node).items():
                     try:
                         environ = Path(f"/proc/{pid}/environ").read_bytes()
