@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import time
 
 import pytest
 
-from cluster import DOWN, UP, Cluster, _try_lock, leftover_processes, pids_in_node, run_on, start_cluster, stop_cluster
+from cluster import DOWN, UP, Cluster, _try_lock, kill_node_at_once, leftover_processes, pids_in_node, run_on, start_cluster, stop_cluster
 
 pytest_plugins = ["cluster.fixtures"]
 
@@ -127,6 +128,26 @@ def test_pids_in_node_sees_what_commands_leave_behind(cluster2):
     for pid in found["node1"]:
         os.kill(pid, signal.SIGKILL)
     assert leftover_processes(cluster2, timeout=5) == {}
+
+
+def test_kill_node_at_once_leaves_no_process_a_moment_to_react(cluster2, tmp_path):
+    """A host that dies takes every process at once: none may run a handler as another one dies (SIGSTOP
+    then SIGKILL one by one would wake a stopped process group orphaned by its parent's death with
+    SIGHUP and SIGCONT). Here a job-control child traps HUP, TERM and CONT and would write a file."""
+    said = tmp_path / "reacted"
+    child = f"trap 'echo $$ >> {said}' HUP TERM CONT; while sleep 0.1; do :; done"
+    parent = f"set -m; bash -c {shlex.quote(child)} & bash -c {shlex.quote(child)} & wait"
+    r = run_on(cluster2, "node1", f"nohup bash -c {shlex.quote(parent)} >/dev/null 2>&1 &")
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 5
+    while len(leftover_processes(cluster2, contains="while sleep").get("node1", {})) < 3:  # parent, 2 children
+        assert time.monotonic() < deadline, leftover_processes(cluster2)
+        time.sleep(0.05)
+    assert kill_node_at_once(cluster2, "node1") >= 3
+    assert leftover_processes(cluster2) == {}
+    time.sleep(0.5)
+    assert not said.exists(), said.read_text()
+    assert run_on(cluster2, "node1", "hostname").stdout.strip() == "node1"  # its ssh machinery is untouched
 
 
 # ---------------------------------------------------------------- pdsh facts the launcher relies on

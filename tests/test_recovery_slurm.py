@@ -25,7 +25,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import leftover_processes, pids_in_node, run_on
+from cluster import kill_node_at_once, leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.runners.slurm_script import BATCH_HOST_LOST_S, REQUEUE_LOG
 from hfscale.launch.timeline import read_timeline
@@ -117,7 +116,12 @@ def wait_for(what: str, cond, slurm, job: str, timeout: float = 400, run: Path |
 def _diagnosis(slurm, job: str, run: Path | None) -> str:
     """What Slurm and the run directory say, for a test that timed out."""
     parts = [slurm.run("scontrol", "show", "job", job, check=False).stdout[-3000:],
-             slurm.run("sinfo", "-N", "-o", "%N %T %E", check=False).stdout[-2000:]]
+             slurm.run("sinfo", "-N", "-o", "%N %T %E", check=False).stdout[-2000:],
+             "steps:\n" + slurm.run("squeue", "-s", "-j", job, "-o", "%i %j %T %N", check=False).stdout[-2000:]]
+    for log in sorted((slurm.dir / "log").glob("slurm*.log")):  # what the daemons said about this job's steps
+        said = [line for line in log.read_text(errors="replace").splitlines()
+                if f"JobId={job}" in line or f"StepId={job}." in line or f"job {job}" in line.lower()]
+        parts.append(f"--- {log.name} ({len(said)} lines on job {job}, the last 25)\n" + "\n".join(said[-25:]))
     if run is not None:
         requeue = run / REQUEUE_LOG
         parts += [f"{REQUEUE_LOG}: " + (requeue.read_text(errors="replace")[-2000:] if requeue.exists() else "(none)"),
@@ -224,17 +228,11 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
         batch_host = slurm.job(job)["BatchHost"]
         wait_for("a checkpoint", lambda: _step(run) >= 12, slurm, job, run=run)
         killed_at = _step(run)
-        # the batch host dies: its slurmd, the batch script, the supervisor, its ranks. All of them frozen
-        # first, then killed: a host that dies takes everything at once, while processes killed one by one
-        # see each other die (in one CI run the batch host's sruns cancelled the other nodes' watch steps
-        # between two kills, and nothing requeued the job)
-        slurm.stop_slurmd(batch_host)
-        for sig in (signal.SIGSTOP, signal.SIGKILL):
-            for pid in pids_in_node(cluster, batch_host):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        # the batch host dies: its slurmd, the batch script, the supervisor, its ranks, all at one instant
+        # (kill_node_at_once says why neither one by one nor SIGSTOP first: in two CI runs the batch host's
+        # dying sruns cancelled the other nodes' watch steps, and nothing requeued the job)
+        assert slurm.run("squeue", "-s", "-j", job, "-h", "-o", "%j").stdout.split().count("hfscale-watch") == 2
+        killed = kill_node_at_once(cluster, batch_host)
         t_kill = time.time()
         # the watches notice within BATCH_HOST_LOST_S + 10 s; Slurm starts the job again after its credential
         # lifetime (10 s here) once it has set the batch host DOWN (SlurmdTimeout 10 s)
@@ -246,7 +244,7 @@ def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, 
     finally:
         slurm.run("scancel", job, check=False)
     text = output(run, job)
-    print(f"batch host {batch_host} killed at step {killed_at}, +{t_kill - t0:.0f} s; requeued job started "
+    print(f"batch host {batch_host} killed ({killed} processes) at step {killed_at}, +{t_kill - t0:.0f} s; requeued job started "
           f"{t_requeued - t_kill:.0f} s later; finished +{time.time() - t0:.0f} s")
     assert info["JobState"] == "COMPLETED", text[-6000:]
     assert int(info.get("Restarts", "0")) == 1

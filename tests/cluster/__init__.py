@@ -257,6 +257,76 @@ def pids_in_node(cluster: Cluster, node: str, *, include_infra: bool = False) ->
     return out
 
 
+FREEZERS = (Path("/sys/fs/cgroup/freezer"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+
+
+def _freezer() -> tuple[Path, str] | None:
+    """A cgroup hierarchy that can freeze processes: v1's freezer, else v2 (``cgroup.freeze``)."""
+    for root in FREEZERS:
+        if root.name == "freezer" and (root / "cgroup.procs").exists():
+            return root, "v1"
+        if (root / "cgroup.subtree_control").exists():
+            return root, "v2"
+    return None
+
+
+def kill_node_at_once(cluster: Cluster, node: str, *, timeout: float = 20) -> int:
+    """Kill every process of ``node`` but its ssh machinery (``pids_in_node``) at one instant, as a host that
+    dies takes them all at once: they are moved into a cgroup, frozen there together, sent SIGKILL while
+    frozen and thawed, so none of them runs again. Processes killed one by one see each other die, and
+    SIGSTOP is job control: once their parent died, the kernel sends stopped process groups SIGHUP and
+    SIGCONT, and an srun woken so cancels its step (a CI run lost the other nodes' watch steps to that).
+    Returns how many processes were killed."""
+    found = _freezer()
+    if found is None:
+        raise RuntimeError("kill_node_at_once needs a cgroup freezer (v1 freezer or cgroup v2); none is mounted")
+    root, version = found
+    group = root / f"hfscale-test-kill-{os.getpid()}-{node}"
+    group.mkdir(exist_ok=True)
+    procs = group / "cgroup.procs"
+
+    def members() -> set[int]:
+        return {int(t) for t in procs.read_text().split()}
+
+    def freeze() -> None:
+        if version == "v1":
+            (group / "freezer.state").write_text("FROZEN")
+        else:
+            (group / "cgroup.freeze").write_text("1")
+
+    deadline = time.monotonic() + timeout
+    try:
+        freeze()  # an empty frozen group: each process moved in stops there at once
+        while True:
+            outside = [pid for pid in pids_in_node(cluster, node) if pid not in members()]
+            if not outside:
+                break  # a child forked before its parent moved in is found by the next listing
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{node}: processes {outside} did not move into {group}")
+            for pid in outside:
+                try:
+                    procs.write_text(str(pid))
+                except OSError:  # gone meanwhile
+                    pass
+        killed = members()
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)  # pending while frozen: nothing runs between two kills
+        if version == "v1":
+            (group / "freezer.state").write_text("THAWED")
+        else:
+            (group / "cgroup.freeze").write_text("0")
+        while members():
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{node}: processes {sorted(members())} outlived SIGKILL")
+            time.sleep(0.05)
+        return len(killed)
+    finally:
+        try:
+            group.rmdir()
+        except OSError:
+            pass
+
+
 def leftover_processes(cluster: Cluster, *, timeout: float = 0, contains: str = "",
                        but: Iterable[str] = ()) -> dict[str, dict[int, str]]:
     """Non-infrastructure processes on any node but ``but`` whose command line contains ``contains``.
