@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from hfscale.core.records import TimelineEvent
-from hfscale.core.untrusted import Unreadable
+from hfscale.core.untrusted import Unreadable, read_text
 from hfscale.launch.run_dir import ATTEMPTS_DIR, LAUNCHER_BEAT, read_state
-from hfscale.launch.runners.slurm_step import ALLOCATION_VAR, HOSTS_VAR, allocation_hosts, in_allocation
+from hfscale.launch.runners.slurm_step import (ALLOCATION_VAR, HOSTS_FILE_VAR, HOSTS_TEXT_CAP, allocation_hosts,
+                                              host_names, in_allocation, in_supervised_script)
 from hfscale.launch.timeline import append_event
 from hfscale.rules.resolved import Job
 
@@ -29,7 +30,7 @@ REQUEUED = "Slurm requeued job"  # in the failure event's 'what' (hfscale.runs.g
 def restart_count(env: Mapping[str, str]) -> int:
     """Slurm's requeue count of the job this runs in (0: first run, or not in a supervised batch script)."""
     text = env.get(RESTART_VAR, "0").strip()
-    if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env or not text.isdigit() or len(text) > 6:
+    if not in_supervised_script(env) or not text.isdigit() or len(text) > 6:
         return 0
     return int(text)
 
@@ -89,7 +90,13 @@ def in_allocation_of(job: Job, env: Mapping[str, str] | None = None) -> Job:
     """``job`` on the hosts of its Slurm allocation when the batch script of a supervised job runs
     this launch (hfscale.launch.runners.slurm_step), else ``job``; ConfigError when the allocation
     is smaller than the job."""
-    names = allocation_hosts(os.environ if env is None else env) if job.config.runner.type == "slurm" else None
-    if names is None or not job.config.recovery.max_restarts:
+    env = os.environ if env is None else env
+    if job.config.runner.type != "slurm" or not job.config.recovery.max_restarts or not in_supervised_script(env):
         return job
-    return in_allocation(job, names)
+    path = env.get(HOSTS_FILE_VAR)
+    try:
+        names = host_names(read_text(path, HOSTS_TEXT_CAP)) if path else allocation_hosts(env)
+    except Unreadable as e:  # a ValueError: exit 2, naming the file
+        raise Unreadable(e.path, f"{e.reason} (the allocation's hosts, which the batch script writes; "
+                                 f"{HOSTS_FILE_VAR} names it)") from None
+    return in_allocation(job, names or ())

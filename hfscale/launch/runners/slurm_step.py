@@ -4,12 +4,14 @@ supervises the job there (hfscale.launch.supervisor), and each attempt is one ``
 that attempt's nodes (pure: the plan of one attempt, and the job on the allocation's hosts).
 
 - The allocation's hosts (``scontrol show hostnames "$SLURM_JOB_NODELIST"``, which the batch script
-  puts in ``HFSCALE_SLURM_HOSTS``) become the job's hosts: the first ``cluster.num_nodes`` train, the
-  next ``recovery.spares`` are its spares, so that the supervisor's decisions (strikes, probes,
-  leaving a host out, a spare in place of a failed host) work on host names as they do for pdsh.
-- An attempt is ``srun --nodelist=<its hosts> --nodes=N --ntasks=N --ntasks-per-node=1
-  --kill-on-bad-exit=1``: a failure ends the step, not the allocation (the batch script asks for
-  ``--no-kill``, so a node Slurm loses leaves the allocation and the job goes on without it).
+  writes to a file in the run directory named by ``HFSCALE_SLURM_HOSTS_FILE``) become the job's
+  hosts: the first ``cluster.num_nodes`` train, the next ``recovery.spares`` are its spares, so
+  that the supervisor's decisions (strikes, probes, leaving a host out, a spare in place of a
+  failed host) work on host names as they do for pdsh.
+- An attempt is ``srun --nodelist=<run dir>/step_hosts --nodes=N --ntasks=N --ntasks-per-node=1
+  --kill-on-bad-exit=1`` (a path: Slurm reads the hosts from the file, so no host list rides on a
+  command line at 10,000 nodes): a failure ends the step, not the allocation (the batch script
+  asks for ``--no-kill``, so a node Slurm loses leaves the allocation and the job goes on without it).
 - Each node runs pdsh's line (hfscale.launch.runners.pdsh): the stop marker, its rank by its own name
   (``$SLURMD_NODENAME``) from ``nodes.sh``, the environment from ``env.sh``, the keeper, the launcher
   and the exit line; its output goes through ``sed`` to get the ``<host>: `` prefix pdsh would
@@ -18,7 +20,8 @@ that attempt's nodes (pure: the plan of one attempt, and the job on the allocati
   runs on without its batch script under ``--no-kill``), the nodes requeue the job
   (``scontrol requeue``), which resumes from the newest complete checkpoint.
 - The stop (cleanup) and the stack dump reach each node by a step of their own (``--overlap``),
-  one per node, so that a node Slurm lost does not keep the stop from the others.
+  one per node, so that a node Slurm lost does not keep the stop from the others; at most
+  ``runner.fanout`` of them at once.
 - A probe of a host (hfscale.launch.preflight) is ``srun --nodelist=<host> --nodes=1`` instead of ssh.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import shlex
 from dataclasses import replace
 from typing import Mapping
 
@@ -41,7 +45,11 @@ from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 
-HOSTS_VAR = "HFSCALE_SLURM_HOSTS"  # the allocation's hosts, comma-separated (the batch script sets it)
+HOSTS_FILE_VAR = "HFSCALE_SLURM_HOSTS_FILE"  # the file the batch script wrote the allocation's hosts to, a line each
+HOSTS_VAR = "HFSCALE_SLURM_HOSTS"  # the same, comma-separated, as batch scripts written before the file set it
+ALLOCATION_HOSTS_FILE = "allocation_hosts"  # in the run directory (hfscale.launch.runners.slurm_script)
+STEP_HOSTS_FILE = "step_hosts"  # an attempt's hosts, a line each, in the run directory: srun --nodelist=<it>
+HOSTS_TEXT_CAP = 8 << 20  # 10,000 host names of up to 253 characters are 2.5 MB
 ALLOCATION_VAR = "SLURM_JOB_ID"
 NODE_NAME_VAR = "SLURMD_NODENAME"  # Slurm's name of the node a task runs on
 PREVIOUS_STEP_S = 60  # an attempt's step waits at most this long for the previous one to end
@@ -49,14 +57,25 @@ STEP_STOP_S = 20  # the stop's step on one node; a node Slurm cannot reach is gi
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}$")
 
 
-def allocation_hosts(env: Mapping[str, str]) -> tuple[str, ...] | None:
-    """The allocation's hosts the batch script recorded in ``HFSCALE_SLURM_HOSTS`` (None: not inside
-    a supervised batch script). Names that are not host names are left out (the variable is read
-    like a file: it could hold anything)."""
-    if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env:
-        return None
-    names = [n.strip() for n in env[HOSTS_VAR][:1_000_000].split(",")]
+def in_supervised_script(env: Mapping[str, str]) -> bool:
+    """Whether this runs in the batch script of a supervised job (it set the hosts' file or variable)."""
+    return bool(env.get(ALLOCATION_VAR)) and (HOSTS_FILE_VAR in env or HOSTS_VAR in env)
+
+
+def host_names(text: str) -> tuple[str, ...]:
+    """The host names in ``text`` (a line or a comma between two), in order, each once. What is not a
+    host name is left out: the text is read like any file (it could hold anything)."""
+    names = (n.strip() for n in re.split(r"[,\n]", text[:HOSTS_TEXT_CAP]))
     return tuple(dict.fromkeys(n for n in names if _NAME.match(n)))
+
+
+def allocation_hosts(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The allocation's hosts a batch script written before ``HFSCALE_SLURM_HOSTS_FILE`` put in
+    ``HFSCALE_SLURM_HOSTS`` (None: not inside a supervised batch script, or one that wrote the file:
+    hfscale.launch.requeue reads it)."""
+    if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env or HOSTS_FILE_VAR in env:
+        return None
+    return host_names(env[HOSTS_VAR].replace("\n", ""))
 
 
 def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
@@ -67,7 +86,8 @@ def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
     want = job.num_nodes + spares
     if len(names) < want:
         raise ConfigError(job.source, [Problem("cluster.num_nodes", f"the Slurm allocation has {len(names)} node(s) "
-                                               f"({', '.join(names) or 'none'}), the job needs {job.num_nodes}"
+                                               f"({', '.join(names[:8]) or 'none'}{' ...' if len(names) > 8 else ''}), "
+                                               f"the job needs {job.num_nodes}"
                                                + (f" and {spares} spare(s)" if spares else ""),
                                                job.line_of(("cluster", "num_nodes")))])
     slots = job.procs_per_node
@@ -76,25 +96,26 @@ def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
     return replace(job, hosts=hosts, spares=spare, master_addr=job.config.cluster.master_addr or hosts[0].host)
 
 
-def srun_argv(hosts: tuple[str, ...]) -> list[str]:
-    """The step of one attempt: one task on each of ``hosts``; a task that fails ends the step."""
-    n = len(hosts)
-    return ["srun", f"--nodelist={','.join(hosts)}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+def srun_argv(hosts_file: str, n: int) -> list[str]:
+    """The step of one attempt: one task on each of the ``n`` hosts listed in ``hosts_file`` (a path
+    with a '/', which srun reads as a file of host names); a task that fails ends the step."""
+    return ["srun", f"--nodelist={hosts_file}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", "--unbuffered"]
 
 
-def still_allocated(hosts: tuple[str, ...]) -> str:
-    """Shell text run before an attempt's step: a host Slurm took out of the allocation (set DOWN
-    under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3, instead of srun's
-    "Requested node configuration is not available", which names none. Host names are validated."""
+def still_allocated(hosts_file: str) -> str:
+    """Shell text run before an attempt's step: a host of ``hosts_file`` Slurm took out of the
+    allocation (set DOWN under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3,
+    instead of srun's "Requested node configuration is not available", which names none. One grep
+    over both lists (fixed strings, whole lines): no per-host loop, no host list on a command line."""
     # the previous attempt's step still ending on a node (Slurm kills it when it loses a node): wait,
     # at most PREVIOUS_STEP_S: a step started meanwhile had its srun SIGKILLed on the test Slurm
     wait = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | '
             "grep -vE '[.](batch|extern) |hfscale-watch$')\" ] && break; sleep 1; done; ")
-    return (wait + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); if [ -n "$now" ]; then '
-            'have=" $(scontrol show hostnames "$now" | tr \'\\n\' \' \')"; for h in ' + " ".join(hosts) + '; do '
-            'case "$have" in *" $h "*) ;; *) echo "hfscale: Slurm took $h out of the allocation (set DOWN: its '
-            'slurmd stopped answering)"; exit 3 ;; esac; done; fi;')
+    return (wait + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); have=$(scontrol show hostnames "$now" '
+            '2>/dev/null); if [ -n "$now" ] && [ -n "$have" ]; then h=$(printf \'%s\\n\' "$have" | grep -vxF -f - '
+            + shlex.quote(hosts_file) + ' | head -n 1); if [ -n "$h" ]; then echo "hfscale: Slurm took $h out of the '
+            'allocation (set DOWN: its slurmd stopped answering)"; exit 3; fi; fi;')
 
 
 def probe_argv(host: str) -> list[str]:
@@ -102,12 +123,14 @@ def probe_argv(host: str) -> list[str]:
     return ["srun", "--overlap", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", "bash", "-c"]
 
 
-def on_each_node(hosts: tuple[str, ...], script: str) -> Command:
-    """``script`` on each of ``hosts`` at once, a step of its own on each (``--overlap``: beside the
-    job's step), each given up on after STEP_STOP_S: the stop, the stack dump."""
+def on_each_node(hosts_file: str, script: str, fanout: int) -> Command:
+    """``script`` on each host of ``hosts_file``, a step of its own on each (``--overlap``: beside the
+    job's step), at most ``fanout`` at once, each given up on after STEP_STOP_S: the stop, the stack dump."""
     each = Line.of(Sh(f'timeout {STEP_STOP_S} srun --overlap --nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c'),
                    Script(Line((Sh(script),))), Sh("</dev/null >/dev/null 2>&1 &"))
-    line = Line.of(Sh("for h in"), words(hosts), Sh("; do", glue=True), each, Sh("done; wait; true"))
+    line = Line.of(Sh('n=0; while read -r h; do [ -n "$h" ] || continue;'), each,
+                   Sh(f'n=$((n + 1)); [ "$n" -lt {int(fanout)} ] || {{ wait -n; n=$((n - 1)); }}; done <'), hosts_file,
+                   Sh("; wait; true", glue=True))
     return Command(("bash", "-c", line))
 
 
@@ -135,18 +158,22 @@ def node_line(job: Job, c: Common, job_id: str, launcher: list[Word]) -> Line:
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     """One attempt inside the allocation: an srun step over ``job.hosts``."""
     hosts = tuple(h.host for h in job.hosts)
+    listing, fanout = posixpath.join(c.run_dir, STEP_HOSTS_FILE), job.config.runner.fanout
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
-    main = Command(("bash", "-c", Line.of(Sh(still_allocated(hosts)), Sh("exec"), words(srun_argv(hosts)),
-                                          Sh("bash -c"), Script(node_line(job, c, ctx.job_id, launcher)))))
-    dump = on_each_node(hosts, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
-    kill = on_each_node(hosts, stop_script(ctx.job_id, grace_s=0)) if c.watch else None
+    step = srun_argv(listing, len(hosts))
+    main = Command(("bash", "-c", Line.of(Sh(still_allocated(listing)), Sh("exec"), words(step), Sh("bash -c"),
+                                          Script(node_line(job, c, ctx.job_id, launcher)))))
+    dump = on_each_node(listing, dump_script(ctx.job_id, c.watch.stacks_dir, c.python), fanout) if c.watch else None
+    kill = on_each_node(listing, stop_script(ctx.job_id, grace_s=0), fanout) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
     notes = c.notes + (f"inside Slurm allocation {dict(ctx.shell_env).get(ALLOCATION_VAR, '?')}: supervised here, "
                        f"each attempt one srun step over its nodes" + (f"; spares {', '.join(s.host for s in job.spares)}"
                                                                        if job.spares else ""),)
-    return LaunchPlan(ctx.job_id, "slurm", c.run_dir, c.files, nodes, hosts, main, on_each_node(hosts, stop_script(ctx.job_id)),
+    files = (*c.files, (STEP_HOSTS_FILE, "".join(h + "\n" for h in hosts)))
+    return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, nodes, hosts, main,
+                      on_each_node(listing, stop_script(ctx.job_id), fanout),
                       c.mode, notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
                       watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
                       keeper=keeper_of(c.run_dir), kill=kill)
