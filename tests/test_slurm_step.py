@@ -4,7 +4,9 @@ probes; srun's own lines read as failures; a requeued job's first attempt. Pure:
 
 from __future__ import annotations
 
+import os
 import shlex
+import time
 
 import pytest
 
@@ -17,8 +19,8 @@ from hfscale.launch.node_lines import Nodes, SrunSaid, parse
 from hfscale.launch.preflight import probes
 from hfscale.launch.requeue import attempts_made, first_attempt, in_allocation_of
 from hfscale.launch.runners.slurm_step import allocation_hosts
-from hfscale.launch.timeline import read_timeline
-from hfscale.runs.goodput import requeue_lines
+from hfscale.launch.timeline import append_event, read_timeline
+from hfscale.runs.goodput import goodput, requeue_lines
 
 JOB_ID = "20261122-120000-abcdef"
 RUN = f"/work/runs/sl-{JOB_ID}"
@@ -193,3 +195,36 @@ def test_a_requeued_job_goes_on_from_its_attempts(tmp_path):
     assert requeue_lines(read_timeline(tmp_path)) == [  # what hfscale status shows
         "requeued     its batch host node0 was lost; Slurm requeued job 7 (restart 1), at +0.0 s; attempt 3 resumed"]
     assert first_attempt(job, str(tmp_path), said.append, {**requeued, "SLURM_RESTART_COUNT": "9" * 40}) == 0
+
+
+def test_a_requeue_counts_the_wait_to_notice_as_detection_and_the_lost_steps_as_recompute(tmp_path):
+    """The lost batch host's failure is dated when a watch requeued (requeue.log's time), with rank 0's
+    last step (its progress file) and the attempt's step time (its first step in the timeline to that
+    one): goodput counts the watch's wait as detection, the steps since the checkpoint the next attempt
+    resumed from as recompute, and only Slurm's requeue and start as the stop."""
+    job, _ = plan_of(INSIDE)
+    t0 = time.time() - 300
+    for e in (TimelineEvent(kind="launch", attempt=0, at=t0), TimelineEvent(kind="training", attempt=0, at=t0 + 20, step=1)):
+        append_event(tmp_path, e)
+    (tmp_path / "progress").mkdir()
+    files = {"progress/rank-0": ("41 1234 node0\n", t0 + 60),  # steps 1..41 in 40 s: 1 s a step
+             "launcher.beat": ("000000000031\n", t0 + 62), "requeue.log": ("hfscale: ... requeueing job 7\n", t0 + 115)}
+    for name, (text, at) in files.items():
+        (tmp_path / name).write_text(text)
+        os.utime(tmp_path / name, (at, at))
+    assert first_attempt(job, str(tmp_path), [].append, {**INSIDE, "SLURM_RESTART_COUNT": "1"}) == 1
+    now = time.time()
+    append_event(tmp_path, TimelineEvent(kind="training", attempt=1, at=now + 30, step=37, resume_step=36))
+    failure = next(e for e in read_timeline(tmp_path).events if e.kind == "failure")
+    assert (failure.at, failure.step, failure.cause) == (t0 + 115, 41, "host_lost")
+    assert failure.step_time == pytest.approx(1.0)
+    lost = goodput(read_timeline(tmp_path), now=now + 60).lost
+    assert lost["detection"] == pytest.approx(55.0)  # its last step at +60 s, the watch requeued at +115 s
+    assert lost["stop"] == pytest.approx(now - t0 - 115, abs=1)  # Slurm's requeue and the script's start
+    assert lost["restart"] == pytest.approx(30.0, abs=1)
+    assert lost["recompute"] == pytest.approx(5.0)  # steps 37..41 again
+    # a requeue.log older than the last beat is an earlier requeue's: the failure is dated at the beat
+    os.utime(tmp_path / "requeue.log", (t0 + 10, t0 + 10))
+    (tmp_path / "attempts" / "0").mkdir(parents=True)
+    assert first_attempt(job, str(tmp_path), [].append, {**INSIDE, "SLURM_RESTART_COUNT": "2"}) == 2
+    assert [e.at for e in read_timeline(tmp_path).events if e.kind == "failure"][-1] == t0 + 62

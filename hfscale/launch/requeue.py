@@ -3,13 +3,15 @@ it, hfscale.launch.runners.slurm_step): the batch script runs ``hfscale launch``
 run directory, and the supervisor goes on from the attempts already made there, resuming from the
 newest complete checkpoint. This module finds the number of its first attempt and writes what
 happened to the run's timeline (a failure of the previous attempt, ``host_lost`` on the batch host,
-and the relaunch), which ``hfscale status`` and ``report`` show. Files only, no processes; the
-files read back (state.json, the attempts folder) are treated as untrusted.
+dated when a watch requeued, with rank 0's last step; and the relaunch), which ``hfscale status``
+and ``report`` show. Files only, no processes; the files read back (state.json, the attempts
+folder, rank 0's progress, the timeline) are treated as untrusted.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Mapping
@@ -19,8 +21,10 @@ from hfscale.core.untrusted import Unreadable, read_text
 from hfscale.launch.run_dir import ATTEMPTS_DIR, LAUNCHER_BEAT, read_state
 from hfscale.launch.runners.slurm_step import (ALLOCATION_VAR, HOSTS_FILE_VAR, HOSTS_TEXT_CAP, allocation_hosts,
                                               host_names, in_allocation, in_supervised_script)
-from hfscale.launch.timeline import append_event
+from hfscale.launch.runners.slurm_script import REQUEUE_LOG
+from hfscale.launch.timeline import append_event, read_timeline
 from hfscale.rules.resolved import Job
+from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
 
 RESTART_VAR = "SLURM_RESTART_COUNT"  # how often Slurm requeued the job (unset or 0: the first run)
 MAX_ATTEMPTS = 100_000
@@ -57,6 +61,38 @@ def _last_beat(run_dir: str, now: float) -> float:
     return at if 0 < now - at < 86_400 else now
 
 
+def _requeued_at(run_dir: str, lost_at: float, now: float) -> float:
+    """When a watch requeued the job (it appends its line to requeue.log, then requeues: the file's
+    modification time), if that is after the supervisor's last beat; else that beat (the keepers
+    requeued it, or the log is one of an earlier requeue)."""
+    try:
+        st = os.lstat(Path(run_dir) / REQUEUE_LOG)
+    except OSError:
+        return lost_at
+    return st.st_mtime if stat.S_ISREG(st.st_mode) and lost_at <= st.st_mtime <= now else lost_at
+
+
+def _last_step(run_dir: str, attempt: int, now: float) -> tuple[int, float | None] | None:
+    """Rank 0's last step of ``attempt`` (its progress file, still in place) and the attempt's time
+    per step, from its first step in the timeline to that one (None when it cannot be told)."""
+    path = Path(run_dir) / PROGRESS_DIR / "rank-0"
+    p = read_progress(path, Path(run_dir))
+    try:
+        when = os.lstat(path).st_mtime
+    except OSError:
+        return None
+    if p is None or not 0 < now - when < 86_400:
+        return None
+    try:
+        first = next((e for e in read_timeline(run_dir).events
+                      if e.kind == "training" and e.attempt == attempt and e.step is not None), None)
+    except Unreadable:
+        first = None
+    if first is None or first.step is None or p.step <= first.step or when <= first.at:
+        return p.step, None
+    return p.step, (when - first.at) / (p.step - first.step)
+
+
 def first_attempt(job: Job, run_dir: str, say: Callable[[str], None], env: Mapping[str, str] | None = None) -> int:
     """The number of the supervisor's first attempt: 0, or after a requeue the attempt after the
     last one made (whose files are still in place: the next attempt moves them aside). A requeue is
@@ -74,8 +110,13 @@ def first_attempt(job: Job, run_dir: str, say: Callable[[str], None], env: Mappi
     what = f"{where} was lost; {REQUEUED} {env.get(ALLOCATION_VAR)} (restart {restart})"
     say(f"hfscale: {what}; attempt {first} resumes from the newest complete checkpoint")
     now = time.time()
-    lost_at = _last_beat(run_dir, now)
-    for event in (dict(kind="failure", attempt=first - 1, at=lost_at, cause="host_lost", host=host, what=what),
+    # the failure is dated when a watch noticed it and requeued, with rank 0's last step and the step
+    # time, so that status and report count the time to notice as detection, the steps since the
+    # checkpoint as recompute, and only Slurm's own requeue and start as the stop
+    lost_at = _requeued_at(run_dir, _last_beat(run_dir, now), now)
+    step, step_time = _last_step(run_dir, first - 1, now) or (None, None)
+    for event in (dict(kind="failure", attempt=first - 1, at=lost_at, cause="host_lost", host=host, what=what,
+                       step=step, step_time=step_time),
                   dict(kind="stopped", attempt=first - 1, at=now),
                   dict(kind="relaunch", attempt=first, at=now, hosts=[h.host for h in job.hosts],
                        world_size=job.world_size, accumulation=job.gradient_accumulation_steps)):
