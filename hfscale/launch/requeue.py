@@ -24,7 +24,7 @@ from hfscale.launch.runners.slurm_step import (ALLOCATION_VAR, HOSTS_FILE_VAR, H
 from hfscale.launch.runners.slurm_script import REQUEUE_LOG
 from hfscale.launch.timeline import append_event, read_timeline
 from hfscale.rules.resolved import Job
-from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
+from hfscale.training.heartbeat import rank0_last_step
 
 RESTART_VAR = "SLURM_RESTART_COUNT"  # how often Slurm requeued the job (unset or 0: the first run)
 MAX_ATTEMPTS = 100_000
@@ -75,22 +75,18 @@ def _requeued_at(run_dir: str, lost_at: float, now: float) -> float:
 def _last_step(run_dir: str, attempt: int, now: float) -> tuple[int, float | None] | None:
     """Rank 0's last step of ``attempt`` (its progress file, still in place) and the attempt's time
     per step, from its first step in the timeline to that one (None when it cannot be told)."""
-    path = Path(run_dir) / PROGRESS_DIR / "rank-0"
-    p = read_progress(path, Path(run_dir))
-    try:
-        when = os.lstat(path).st_mtime
-    except OSError:
+    last = rank0_last_step(Path(run_dir))
+    if last is None or not 0 < now - last[0] < 86_400:
         return None
-    if p is None or not 0 < now - when < 86_400:
-        return None
+    when, step = last
     try:
         first = next((e for e in read_timeline(run_dir).events
                       if e.kind == "training" and e.attempt == attempt and e.step is not None), None)
     except Unreadable:
         first = None
-    if first is None or first.step is None or p.step <= first.step or when <= first.at:
-        return p.step, None
-    return p.step, (when - first.at) / (p.step - first.step)
+    if first is None or first.step is None or step <= first.step or when <= first.at:
+        return step, None
+    return step, (when - first.at) / (step - first.step)
 
 
 def first_attempt(job: Job, run_dir: str, say: Callable[[str], None], env: Mapping[str, str] | None = None) -> int:

@@ -6,7 +6,6 @@ file; the commands run through hfscale.launch.execute)."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from hfscale.launch.runners.keeper import LAUNCHER_LOST_S
 from hfscale.launch.runners.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol
 from hfscale.runs.goodput import status_lines
 from hfscale.runs.registry import RunError, RunInfo, _steps, _when, log_files, rank_progress
-from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
+from hfscale.training.heartbeat import rank0_last_step
 
 
 def _tail(path: Path, lines: int) -> list[str]:
@@ -60,7 +59,7 @@ def status_text(i: RunInfo, scheduler: SlurmJob | str | None = None) -> str:
     if (i.path / HANG_REPORT).is_file():
         lines.append(f"hang report  {printable(str(i.path / HANG_REPORT))}")
     lines += status_lines(i.path, time.time() if i.state == "running" else None,  # a job that recovers
-                          last_step(i.path) if i.state == "died" else None)
+                          rank0_last_step(i.path) if i.state == "died" else None)
     lines += [f"skipped      {printable(n, 500)}" for n in i.notes]
     for log in log_files(i.path):
         lines += ["", f"--- {printable(str(log))} (last lines)", *_tail(log, 5)]
@@ -84,16 +83,6 @@ def _orphan_said(i: RunInfo) -> str:
         return (f": stopped after its launcher died ({last}); {len(o.stopped)} node(s) stopped the job themselves at "
                 f"{_when(o.stopped_at)} ({', '.join(o.stopped[:8])})")
     return f": launcher gone ({last}); no node of its job beats"
-
-
-def last_step(run: Path) -> tuple[float, int] | None:
-    """(when, step) of rank 0's last progress (its progress file's time on this host's clock)."""
-    path = run / PROGRESS_DIR / "rank-0"
-    p = read_progress(path, run)
-    try:
-        return (os.lstat(path).st_mtime, p.step) if p is not None else None
-    except OSError:
-        return None
 
 
 def _slurm_state(i: RunInfo, j: SlurmJob) -> str:

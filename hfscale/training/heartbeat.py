@@ -213,3 +213,14 @@ def read_progress(path: Path, root: Path | None = None) -> Progress | None:
     if m is None:
         return None
     return Progress(int(name.group(1)), int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4) or 0))
+
+
+def rank0_last_step(run_dir: Path) -> tuple[float, int] | None:
+    """(when, step) of rank 0's last progress in ``run_dir`` (its progress file's modification time,
+    on this host's clock), or None when there is none to read."""
+    path = Path(run_dir) / PROGRESS_DIR / "rank-0"
+    p = read_progress(path, Path(run_dir))
+    try:
+        return (os.lstat(path).st_mtime, p.step) if p is not None else None
+    except OSError:
+        return None
