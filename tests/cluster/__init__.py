@@ -298,7 +298,8 @@ def kill_node_at_once(cluster: Cluster, node: str, *, timeout: float = 20) -> in
     try:
         freeze()  # an empty frozen group: each process moved in stops there at once
         while True:
-            outside = [pid for pid in pids_in_node(cluster, node) if pid not in members()]
+            inside = members()
+            outside = [pid for pid in pids_in_node(cluster, node) if pid not in inside]
             if not outside:
                 break  # a child forked before its parent moved in is found by the next listing
             if time.monotonic() >= deadline:

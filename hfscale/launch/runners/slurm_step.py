@@ -75,7 +75,7 @@ def allocation_hosts(env: Mapping[str, str]) -> tuple[str, ...] | None:
     hfscale.launch.requeue reads it)."""
     if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env or HOSTS_FILE_VAR in env:
         return None
-    return host_names(env[HOSTS_VAR].replace("\n", ""))
+    return host_names(env[HOSTS_VAR])
 
 
 def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
