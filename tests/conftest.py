@@ -32,7 +32,7 @@ UNIT_MODULES = frozenset({
     "test_network", "test_node_lines", "test_public_face", "test_render", "test_recovery_config", "test_recovery_policy",
     "test_progress_line", "test_slurm_state",
     "test_supervisor", "test_schedule", "test_slurm_step",
-    "test_tiers", "test_validation", "test_spares", "test_local_tier", "test_async_save_unit",
+    "test_tiers", "test_validation", "test_spares", "test_local_tier", "test_async_save_unit", "test_healing_trips",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
 # The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,

@@ -46,7 +46,7 @@ SLURMD_TIMEOUT = 10
 
 
 def slurm_config(tmp: Path, out: Path, port: int, *, nodes: int = 3, spares: int = 0, extra: list[str] | None = None,
-                 max_steps: int = MAX_STEPS) -> Path:
+                 max_steps: int = MAX_STEPS, watchdog: int = 120) -> Path:
     site = tmp / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SLOW)
@@ -58,7 +58,7 @@ def slurm_config(tmp: Path, out: Path, port: int, *, nodes: int = 3, spares: int
            "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2}}, "precision": "no",
            "batch": {"micro_batch_size": 2, "global_batch_size": 12},
            "env": {"vars": {**node_env(), "PYTHONPATH": str(site), "SLOW_WHILE": str(slow)}},
-           "watchdog": {"timeout": 120, "first_step": 400},  # Slurm's Node failure (~30 s) comes first
+           "watchdog": {"timeout": watchdog, "first_step": 400},  # 120: Slurm's Node failure (~30 s) comes first
            "training": {"output_dir": str(out), "max_steps": max_steps, "save_steps": 3, "logging_steps": 1,
                         "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "seed": 3,
                         "model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32,
@@ -213,6 +213,50 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
     # the node whose slurmd was stopped keeps its slurmstepd (what an administrator's stop leaves): not waited for
     assert leftover_processes(cluster, timeout=60, contains=str(tmp_path), but=[victim]) == {}
     assert slurm.job_processes(timeout=60, but=[victim]) == {}
+
+
+def test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts(make_slurm, tmp_path, uninterrupted_losses):
+    """Issue 35: Slurm's own SlurmdTimeout (300 s, the default many sites keep) does not notice a node
+    whose link is cut for minutes. The watchdog calls it a hang with no culprit ("every rank waits in
+    all_reduce"); hfscale then probes every node of the attempt itself (an srun step each, within its
+    own bound), finds node1 silent and puts the spare in its place: training again within 90 s of the
+    cut, every loss equal to the uninterrupted run's."""
+    slurm = make_slurm(4, slurmd_timeout=300)
+    cluster = slurm.cluster
+    out = tmp_path / "out"
+    max_steps = 90
+    config = slurm_config(tmp_path, out, 29821, spares=1, max_steps=max_steps, watchdog=20)
+    t0 = time.time()
+    job, run = submit(slurm, config)
+    link = f"hfs{cluster.id}v1"  # node1's veth end on the bridge
+    try:
+        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600, run=run)
+        at = _step(run) + 5
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        t_cut, cut_step = time.time(), _step(run)
+        wait_for("training again", lambda: _training_after(run, 0), slurm, job, timeout=240, run=run)
+        t_back = next(e.at for e in _events(run, "training") if e.attempt > 0)
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)  # back; it stays out of the job
+        (tmp_path / "slow").unlink()  # no fault left to make
+        info = slurm.wait(job, timeout=900)
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        slurm.run("scancel", job, check=False)
+    text = output(run, job)
+    events = read_timeline(run).events
+    for e in events:
+        print(e.model_dump(exclude_none=True))
+    print(f"node1's link cut at step {cut_step}, +{t_cut - t0:.1f} s; training again {t_back - t_cut:.1f} s later")
+    assert info["JobState"] == "COMPLETED", text[-6000:]
+    failures = [e for e in events if e.kind == "failure"]
+    relaunches = [e for e in events if e.kind == "relaunch"]
+    assert [(f.cause, f.host) for f in failures] == [("host_lost", "node1")], text[-6000:]
+    assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
+    assert t_back - t_cut <= 90, text[-6000:]
+    worst = largest_loss_difference(out, max_steps, uninterrupted_losses)  # every step logged, against the reference
+    print(f"largest loss difference over {max_steps} steps: {worst:.2e}")
+    assert worst < 1e-3
 
 
 def test_a_lost_batch_host_requeues_the_job_which_resumes(make_slurm, tmp_path, uninterrupted_losses):

@@ -208,4 +208,41 @@ def test_the_host_slurm_took_out_of_a_10000_node_allocation_is_named(tmp_path):
             assert not (out / "srun.calls").exists()
         else:
             assert r.stdout == "" and (out / "srun.calls").read_text().startswith(
-                f"--nodelist={plan.run_dir}/step_hosts --nodes=10000 --ntasks=10000 ")
+                f"--overlap --nodelist={plan.run_dir}/step_hosts --nodes=10000 --ntasks=10000 ")
+
+
+def test_a_node_srun_cannot_reach_is_written_down_once_and_skipped_by_the_next_pass(tmp_path):
+    """Issue 35: srun to a node whose link is cut fails only after Slurm's MessageTimeout (12 s on the test
+    Slurm), once per pass: the stack dump after a hang names it in the attempt's ``unreached`` file, and the
+    kill that follows (and the supervisor's settle) skip it. A step that only timed out is not written down."""
+    names = [f"gpu-node-{i:05d}" for i in range(50)]
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(), out.mkdir()
+    # node 7: srun's launch failure (the test Slurm's exit code 233); node 9: killed by the pass's timeout (124)
+    stand_in(bin_dir, "srun", 'case "$*" in *=gpu-node-00007\\ *) exit 233 ;; esac; exit 0')
+    stand_in(bin_dir, "timeout", 'case "$*" in *=gpu-node-00009\\ *) exit 124 ;; esac; shift; exec "$@"')
+    doc = {"name": "cut", "cluster": {"num_nodes": len(names), "nproc_per_node": 8},
+           "runner": {"type": "slurm", "run_dir": str(tmp_path / "runs")}, "batch": {"micro_batch_size": 1},
+           "watchdog": {"timeout": 60},
+           "training": {"script": "train.py", "pass_args": "none"}, "recovery": {"max_restarts": 3}}
+    config = tmp_path / "cut.yaml"
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (out / "seen").write_text("\n".join(names) + "\n")
+    inside = {"SLURM_JOB_ID": "7", "HFSCALE_SLURM_HOSTS_FILE": str(out / "seen")}
+    plan = build_plan(in_allocation_of(load_job(config), inside),
+                      LaunchContext.of(str(tmp_path), sys.executable, "20261128-000000-abcdef", inside))
+    run = Path(plan.run_dir)
+    run.mkdir(parents=True)
+    (run / "step_hosts").write_text(dict(plan.files)["step_hosts"])
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SCALE_OUT": str(out)}
+    assert plan.dump is not None and plan.kill is not None
+    for n, c in enumerate((plan.dump, plan.kill)):
+        r = subprocess.run(c.real_argv(), env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert (run / "unreached").read_text() == "gpu-node-00007\n"
+        called = [line.split("--nodelist=")[1].split()[0] for line in (out / "srun.calls").read_text().splitlines()]
+        assert called.count("gpu-node-00007") == 1 and called.count("gpu-node-00008") == n + 1  # once: then skipped
+    from hfscale.launch.run_dir import read_unreached
+
+    assert read_unreached(run, tuple(names)) == ("gpu-node-00007",)
+    assert read_unreached(run, ("node0",)) == ()  # only the attempt's own hosts

@@ -110,18 +110,19 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
     job, plan = plan_of(INSIDE)
     assert plan.main.shown_argv()[:2] == ["bash", "-c"]
     argv = shlex.split(plan.main.shown_argv()[2].split("; fi; exec ", 1)[1])
-    assert argv[:9] == ["srun", f"--nodelist={RUN}/step_hosts", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1",
-                        "--kill-on-bad-exit=1", "--unbuffered", "bash", "-c"]
+    # --overlap: the previous attempt's step keeps its CPUs while a node of it is cut off (issue 35)
+    assert argv[:10] == ["srun", "--overlap", f"--nodelist={RUN}/step_hosts", "--nodes=2", "--ntasks=2",
+                         "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--unbuffered", "bash", "-c"]
     assert plan.main.shown_argv()[2].startswith(  # the previous attempt's step ends first
         'for i in $(seq 60); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | grep -vE '
-        "'[.](batch|extern) |hfscale-watch$')\" ] && break; sleep 1; done; ")
+        "'[.](batch|extern) |hfscale-(watch|probe|stop)$')\" ] && break; sleep 1; done; ")
     assert plan.main.shown_argv()[2].split("done; ", 1)[1].startswith(  # a node Slurm set DOWN is named
         'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); have=$(scontrol show hostnames "$now" 2>/dev/null); '
         'if [ -n "$now" ] && [ -n "$have" ]; then h=$(printf \'%s\\n\' "$have" | grep -vxF -f - '
         f'{RUN}/step_hosts | head -n 1); if [ -n "$h" ]; then echo "hfscale: Slurm took $h out of the allocation '
         '(set DOWN: its slurmd stopped answering)"; exit 3; fi; fi; ')
     assert dict(plan.files)["step_hosts"] == "node0\nnode1\n"  # the spare node2 is not in the step
-    line = argv[9]
+    line = argv[10]
     assert line.startswith(f"exec env HFSCALE_JOB_ID={JOB_ID} bash -c ")
     inner = shlex.split(line)[-1]
     assert inner.startswith(f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node "
@@ -138,14 +139,17 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
     private = dict((n, t.shown) for n, t in plan.private)
     assert "  node1) export HFSCALE_NODE_RANK=1 ;;" in private["nodes.sh"] and "node2)" not in private["nodes.sh"]
     stop = plan.cleanup.shown_argv()
+    # a host srun could not launch on (a cut link) is written down and skipped by the later passes (issue 35)
     assert stop[:2] == ["bash", "-c"] and stop[2].startswith(
-        'n=0; while read -r h; do [ -n "$h" ] || continue; timeout 20 srun --overlap --nodelist="$h" --nodes=1 '
-        '--ntasks=1 --quiet bash -c ')
-    assert stop[2].endswith(' </dev/null >/dev/null 2>&1 & n=$((n + 1)); [ "$n" -lt 256 ] || { wait -n; '
+        f'declare -A gone; while read -r u; do gone[$u]=1; done 2>/dev/null < {RUN}/unreached; n=0; while read -r h; '
+        'do [ -n "$h" ] && [ -z "${gone[$h]}" ] || continue; { timeout 20 srun --overlap --job-name=hfscale-stop '
+        '--nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c ')
+    assert stop[2].endswith(f' </dev/null >/dev/null 2>&1 || [ $? = 124 ] || echo "$h" >> {RUN}/unreached; }} & '
+                            'n=$((n + 1)); [ "$n" -lt 256 ] || { wait -n; '
                             f'n=$((n - 1)); }}; done < {RUN}/step_hosts; wait; true')
     facts = probes(job, "/opt/py/bin/python")
-    assert facts["node1/shell"].shown_argv() == ["srun", "--overlap", "--nodelist=node1", "--nodes=1", "--ntasks=1",
-                                                 "--quiet", "bash", "-c", "true"]
+    assert facts["node1/shell"].shown_argv() == ["srun", "--overlap", "--job-name=hfscale-probe", "--nodelist=node1",
+                                                 "--nodes=1", "--ntasks=1", "--quiet", "bash", "-c", "true"]
 
 
 @pytest.mark.parametrize("line, event, failure", [
@@ -228,3 +232,16 @@ def test_a_requeue_counts_the_wait_to_notice_as_detection_and_the_lost_steps_as_
     (tmp_path / "attempts" / "0").mkdir(parents=True)
     assert first_attempt(job, str(tmp_path), [].append, {**INSIDE, "SLURM_RESTART_COUNT": "2"}) == 2
     assert [e.at for e in read_timeline(tmp_path).events if e.kind == "failure"][-1] == t0 + 62
+
+
+def test_a_relaunch_after_a_host_did_not_answer_does_not_wait_for_the_previous_step():
+    """Issue 35: the previous attempt's step cannot end while a node of it is cut off (Slurm notices after
+    SlurmdTimeout, 300 s by default): the relaunch that leaves that node out starts its step at once."""
+    import dataclasses
+
+    job, plan = plan_of(INSIDE)
+    ctx = dataclasses.replace(LaunchContext.of("/work", "/opt/py/bin/python", JOB_ID, INSIDE, attempt=1),
+                              unreachable=("node1",))
+    again = build_plan(job, ctx).main.shown_argv()[2]
+    assert "squeue -h -s" in plan.main.shown_argv()[2] and "squeue -h -s" not in again
+    assert again.startswith('now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); ')  # a DOWN node is still named

@@ -4,15 +4,16 @@ supervisor itself runs in tests/test_recovery_cluster.py; here only with its att
 
 from __future__ import annotations
 
-
 import time
 from pathlib import Path
 
 import yaml
 
+from hfscale.core.shell import Ran
 from hfscale.launch.build import build_plan
 from hfscale.launch.node_command import LaunchContext, attempt_id, run_of
 from hfscale.launch.run_dir import write_run_dir
+from hfscale.launch.spec import Outcome
 from hfscale.rules.config_file import load_job
 from hfscale.runs.report import _other_launch
 
@@ -139,7 +140,101 @@ def test_the_supervisor_beats_while_it_probes_and_decides_between_attempts(tmp_p
 
     monkeypatch.setattr(supervisor, "execute_attempt", execute)
     monkeypatch.setattr(supervisor, "healthy_again", probe)
+    settled = Ran(0, "HFSCALE_SETTLE\nleft=0\nport=free\n", "")  # every node stopped, the port free
+    monkeypatch.setattr(supervisor, "run_probes", lambda cmds, *a, **k: dict.fromkeys(cmds, settled))
     said: list[str] = []
     assert supervisor.supervise(job, context, lambda plan: said.append, said.append) == 0, said
     assert len(beat) == 2 and int(beat[1]) >= int(beat[0]) + 5, beat  # ~10 writes in the second it probed
     assert any("restart 1" in line for line in said), said
+
+
+def _three_nodes(tmp_path: Path, spare: bool = False):
+    hosts = [{"host": f"node{i}", "slots": 1} for i in range(3)] + ([{"host": "node3", "slots": 1, "spare": True}]
+                                                                   if spare else [])
+    doc = {"name": "trip", "cluster": {"hosts": hosts}, "runner": {"type": "pdsh", "run_dir": str(tmp_path / "runs"),
+                                                                   "python": PYTHON},
+           "distributed": {"backend": "ddp"}, "precision": "no", "batch": {"micro_batch_size": 1, "global_batch_size": 6},
+           "watchdog": {"timeout": 30}, "training": {"output_dir": str(tmp_path / "out"), "max_steps": 4},
+           "recovery": {"max_restarts": 3, "strikes": 1, "min_nodes": 2, **({"spares": 1} if spare else {})}}
+    (tmp_path / "trip.yaml").write_text(yaml.safe_dump(doc))
+    return load_job(tmp_path / "trip.yaml")
+
+
+def _supervised(tmp_path: Path, monkeypatch, job, first, answer):
+    """``supervise(job)`` with its attempts replaced (attempt 0 ends as ``first(plan)`` says, attempt 1
+    finishes) and every settle probe answered by ``answer(host)``; the relaunch's plan, what was said."""
+    from hfscale.launch import supervisor
+
+    plans = []
+
+    def execute(plan, text, echo, attempt):
+        write_run_dir(plan, text, attempt)
+        plans.append(plan)
+        return first(plan) if attempt == 0 else Outcome(0)
+
+    def context(j, n):
+        return LaunchContext.of(str(tmp_path), PYTHON, JOB_ID, {}, attempt=n)
+
+    monkeypatch.setattr(supervisor, "execute_attempt", execute)
+    monkeypatch.setattr(supervisor, "healthy_again", lambda job, hosts, python: frozenset(hosts))
+    monkeypatch.setattr(supervisor, "run_probes", lambda cmds, *a, **k: {h: answer(h) for h in cmds})
+    monkeypatch.setattr(supervisor, "run_probe", lambda cmd, timeout: answer("new master"))
+    said: list[str] = []
+    assert supervisor.supervise(job, context, lambda plan: said.append, said.append) == 0, said
+    return plans, said
+
+
+FREE = Ran(0, "HFSCALE_SETTLE\nleft=0\nport=free\n", "")
+
+
+def test_a_store_that_could_not_bind_the_port_on_node0_strikes_no_host(tmp_path: Path, monkeypatch):
+    """Issue 35: node 0's new store found the master port still held (EADDRINUSE): not node 0's fault."""
+    from hfscale.launch.timeline import read_timeline
+
+    job = _three_nodes(tmp_path, spare=True)
+
+    def first(plan):
+        (Path(plan.run_dir) / "logs" / "node0.log").write_text(
+            "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+            "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n")
+        return Outcome(1, "node0", "node0 failed (exit code 1)", failed_at=time.time())
+
+    plans, said = _supervised(tmp_path, monkeypatch, job, first, lambda h: FREE)
+    assert [n.host for n in plans[1].nodes] == ["node0", "node1", "node2"]  # strikes 1, a spare free: not used
+    (failure,) = [e for e in read_timeline(plans[0].run_dir).events if e.kind == "failure"]
+    assert (failure.cause, failure.host) == ("port_busy", "node0")
+    assert any("the master port was still held on node0, not node0's fault: no strike" in line for line in said)
+
+
+def test_a_hang_that_named_no_rank_leaves_out_the_node_that_does_not_answer(tmp_path: Path, monkeypatch):
+    """Issue 35: a cut link leaves every rank waiting in a collective; the settle finds node1 silent
+    (its probe timed out), and the relaunch puts the spare in its place instead of waiting on node1."""
+    from hfscale.launch.timeline import read_timeline
+
+    job = _three_nodes(tmp_path, spare=True)
+    hang = "hang: every rank waits in all_reduce at step 6: a lost peer or the network"
+    plans, said = _supervised(tmp_path, monkeypatch, job, lambda plan: Outcome(4, "the job", hang, hung=True),
+                              lambda h: Ran(124, "", "timed out after 12 s") if h == "node1" else FREE)
+    assert [n.host for n in plans[1].nodes] == ["node0", "node3", "node2"]
+    (failure,) = [e for e in read_timeline(plans[0].run_dir).events if e.kind == "failure"]
+    assert (failure.cause, failure.host) == ("host_lost", "node1") and failure.what.endswith(
+        "; node1 did not answer after the stop")
+
+
+def test_a_node_the_stack_dump_could_not_reach_is_not_probed_again(tmp_path: Path, monkeypatch):
+    """Under Slurm, srun to a cut-off node fails after MessageTimeout; the stack dump wrote it down
+    (unreached): the settle does not spend that time on it again, and the relaunch leaves it out."""
+    job = _three_nodes(tmp_path)
+    probed: list[str] = []
+
+    def first(plan):
+        (Path(plan.run_dir) / "unreached").write_text("node2\n")
+        return Outcome(4, "the job", "hang: every rank waits in all_gather", hung=True)
+
+    def answer(h):
+        probed.append(h)
+        return FREE
+
+    plans, said = _supervised(tmp_path, monkeypatch, job, first, answer)
+    assert "node2" not in probed and {"node0", "node1"} <= set(probed)
+    assert [n.host for n in plans[1].nodes] == ["node0", "node1"]  # no spare: left out, 3 -> 2 nodes

@@ -29,10 +29,10 @@ from typing import Annotated
 
 from pydantic import Field
 
+from hfscale.checkpoints.lineage import LINEAGE_FILE  # which run the local checkpoints belong to
 from hfscale.core.records import Count, Record
 from hfscale.core.untrusted import MiB, Unreadable, read_record
 
-LINEAGE_FILE = "_hfscale-lineage.json"  # in the output_dir: which run the local checkpoints belong to
 HOLDING_CAP = 16 * MiB
 MAX_FILES = 1_000_000
 OWN, BUDDY = "own", "buddy"

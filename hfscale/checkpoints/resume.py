@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 from hfscale.checkpoints.files import (INDEXES, TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks,
                                index_shards, read_trainer_state, saved_step)
+from hfscale.checkpoints.lineage import LINEAGE_FILE
 from hfscale.checkpoints.reshard import universal_ready
 from hfscale.core.untrusted import Unreadable, read_record
 
@@ -265,7 +266,9 @@ class OutputScan:
     state: SavedState | None  # of ``resume``
     saved_world: int | None = None  # the processes that wrote ``resume``'s DeepSpeed ZeRO state (None: not one)
     universal: bool = False  # ``resume`` holds a universal conversion of that state (hfscale.checkpoints.reshard)
-    lineage: bool = False  # the local tier's lineage file is there (hfscale.checkpoints.local_tier)
+    # the lineage file is there (hfscale.checkpoints.local_tier.begin_lineage): hfscale started this job here,
+    # so the checkpoints in output_dir are its own
+    lineage: bool = False
 
 
 def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
@@ -295,8 +298,6 @@ def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, resh
     ``reshard``: a DeepSpeed checkpoint of another world size counts (the caller converts it)."""
     from dataclasses import replace
 
-    from hfscale.checkpoints.local_tier import LINEAGE_FILE
-
     return replace(_scan_output(output_dir, world_size, reshard), lineage=os.path.isfile(Path(output_dir) / LINEAGE_FILE))
 
 
@@ -317,27 +318,34 @@ Action = Literal["fresh", "resume", "done", "refuse"]
 
 @dataclass(frozen=True)
 class ResumeDecision:
-    """What a start does with the checkpoints in its output_dir."""
+    """What a start does with the checkpoints in its output_dir. ``set_aside``: the incomplete
+    checkpoints newer than ``checkpoint`` that the job's own saves left (the output_dir holds its
+    lineage): a relaunch moves them aside (hfscale.launch.build) instead of refusing to start."""
 
     action: Action
     checkpoint: str | None = None
     reason: str = ""
+    set_aside: tuple[str, ...] = ()
 
 
 def decide(scan: OutputScan, max_steps: int | None) -> ResumeDecision:
     """Resume from the newest complete checkpoint; nothing to do when it is at ``max_steps`` (the
     Trainer would still take one more step and save it); refuse to start over silently where
-    checkpoints exist but none is complete."""
+    checkpoints exist but none is complete, unless they are the job's own: the output_dir holds the
+    lineage hfscale begins at a fresh start (before any checkpoint is there, so every checkpoint in
+    it was saved since, by this job), and a save cut short by a failure is set aside, never a reason
+    to stop the job."""
+    own = tuple(name for name, _why in scan.skipped) if scan.lineage else ()
     if scan.resume is not None:
         step = scan.state.global_step if scan.state is not None else None
         if max_steps is not None and step is not None and step >= max_steps:
             return ResumeDecision("done", scan.resume, f"{scan.resume} is at step {step}, max_steps is {max_steps}")
-        return ResumeDecision("resume", scan.resume)
-    if scan.found:
+        return ResumeDecision("resume", scan.resume, set_aside=own)
+    if scan.found and not scan.lineage:
         why = "; ".join(f"{name}: {reason}" for name, reason in scan.skipped)
         return ResumeDecision("refuse", None, f"{scan.output_dir} holds {len(scan.found)} checkpoint(s) but none "
                                               f"is complete ({why}); training would start over and overwrite them")
-    return ResumeDecision("fresh")
+    return ResumeDecision("fresh", set_aside=own)
 
 
 def first_start(env: Mapping[str, str]) -> bool:

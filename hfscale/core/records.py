@@ -47,8 +47,9 @@ RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 HOST = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")
 RunState = Literal["running", "finished", "failed", "stopped", "hung", "preempted", "submitted"]
 Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
-# why an attempt of a job failed (hfscale.launch.recovery)
-Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed"]
+# why an attempt of a job failed (hfscale.launch.recovery); port_busy: the master port was still held on
+# node 0 when the attempt started (the job's own earlier attempt, or another process): no host's fault
+Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy"]
 
 
 def _no_bool(v: Any) -> Any:

@@ -12,7 +12,7 @@ import os
 import posixpath
 from dataclasses import dataclass, replace
 
-from hfscale.checkpoints.local_tier import LINEAGE_FILE
+from hfscale.checkpoints.lineage import LINEAGE_FILE
 from hfscale.checkpoints.lr_schedule import schedule_note
 from hfscale.checkpoints.reshard import conversion
 from hfscale.checkpoints.resume import OutputScan, decide
@@ -33,6 +33,8 @@ from hfscale.training.heartbeat import PROGRESS_DIR, STACKS_DIR
 
 
 __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]
+
+INCOMPLETE_DIR = "_hfscale-incomplete"  # in the output_dir: the job's own saves cut short, a folder per launch
 
 
 def resolved_config_yaml(job: Job) -> str:
@@ -65,7 +67,8 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
     """What this launch does with the checkpoints in training.output_dir.
 
     Raises ConfigError where the job would start over silently in an output_dir whose checkpoints
-    are all incomplete."""
+    are all incomplete and not its own (hfscale.checkpoints.lineage); its own saves cut short move
+    to ``<output_dir>/_hfscale-incomplete/<job id>/`` first."""
     scan, t = ctx.output, job.config.training
     chosen = given_flags([*t.script_args, *ctx.extra_args], {"resume_from_checkpoint"}) if t.script else []
     if scan is None or chosen:  # a checkpoint named by hand is the user's choice
@@ -86,6 +89,8 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
     if d.action == "done":
         return _ResumeStep([f"{NOTHING_TO_TRAIN}: {d.reason} (raise training.max_steps to go on, or start over "
                             "with --restart)"], done=True)
+    aside = posixpath.join(scan.output_dir, INCOMPLETE_DIR, ctx.job_id)
+    moves = tuple((posixpath.join(scan.output_dir, n), posixpath.join(aside, n)) for n in d.set_aside)
     notes = []
     if d.action == "resume":
         notes.append(f"resumes from {d.checkpoint} (each rank checks again when it starts, so a restart "
@@ -99,7 +104,7 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
         notes.append(f"the ranks first look at the nodes' local checkpoints ({local.dir}): the newest step complete "
                      "between them, newer than the durable one and saved at this world size, is restored into "
                      f"{t.output_dir} and resumed from")
-    return _ResumeStep(notes, told=_skipped(scan) if d.action == "resume" else ())
+    return _ResumeStep(notes, moves, told=_skipped(scan, aside if moves else None))
 
 
 def reshards(job: Job, ctx: LaunchContext) -> bool:
@@ -164,12 +169,18 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     return replace(plan, prepare=prepare, output_dir=output_dir, told=step.told)
 
 
-def _skipped(scan: OutputScan) -> tuple[str, ...]:
+def _skipped(scan: OutputScan, aside: str | None = None) -> tuple[str, ...]:
     """What resuming skipped, one line per checkpoint, newest first: "checkpoint-40 skipped:
     rng_state_1.pth is missing ...; resuming from checkpoint-35" (shown by --dry-run and on the
-    terminal; only when the launch resumes on its own: not for a checkpoint named by hand)."""
-    if scan.resume is None or not scan.skipped:
+    terminal; only when the launch resumes on its own: not for a checkpoint named by hand).
+    ``aside``: where the job's own incomplete saves move ("set aside in ..."; "starting at step 0"
+    when none is complete)."""
+    if not scan.skipped or (scan.resume is None and aside is None):
         return ()
-    lines = [f"{name} skipped: {why}" for name, why in scan.skipped]
-    lines[-1] += f"; resuming from {posixpath.basename(scan.resume)}"
+    how = "this job's own save, cut short" if aside is not None else "skipped"
+    lines = [f"{name} {how}: {why}" for name, why in scan.skipped]
+    if aside is not None:
+        lines[-1] += f"; set aside in {aside}"
+    lines[-1] += (f"; resuming from {posixpath.basename(scan.resume)}" if scan.resume is not None else
+                  "; no complete checkpoint: starting at step 0")
     return tuple(lines)

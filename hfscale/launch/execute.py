@@ -108,8 +108,7 @@ class _Run:
         with self._stop_lock:
             if self._stopping:
                 return
-            self._stopping = True
-            self._stopper = threading.Thread(target=self._cleanup, daemon=True)
+            self._stopping, self._stopper = True, threading.Thread(target=self._cleanup, daemon=True)
             self._stopper.start()
 
     def finish(self) -> None:
@@ -390,11 +389,12 @@ def run_probe(cmd: Command, timeout: float) -> Ran:
         return Ran(126, "", f"{cmd.real_argv()[0]}: {getattr(e, 'strerror', None) or e}")
 
 
-def run_probes(cmds: dict[str, Command], timeout: float, workers: int = 64) -> dict[str, Ran]:
-    """Run probes in parallel, one per key, at most ``workers`` at a time."""
+def run_probes(cmds: dict[str, Command], timeout: float | dict[str, float], workers: int = 64) -> dict[str, Ran]:
+    """Run probes in parallel, one per key, at most ``workers`` at a time, each within ``timeout`` (or its own)."""
     if not cmds:
         return {}
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cmds)))) as pool:
-        futures = {k: pool.submit(run_probe, c, timeout) for k, c in cmds.items()}
+        futures = {k: pool.submit(run_probe, c, timeout[k] if isinstance(timeout, dict) else timeout)
+                   for k, c in cmds.items()}
         return {k: f.result() for k, f in futures.items()}
 

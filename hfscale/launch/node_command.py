@@ -50,6 +50,9 @@ class LaunchContext:
     output: OutputScan | None = None  # the checkpoints in training.output_dir (output_dir_to_scan)
     restart: bool = False  # --restart: move the checkpoints aside and start at step 0
     run_id: str | None = None  # a relaunch's: the run directory's job id (job_id is the attempt's)
+    # a relaunch's: hosts of the previous attempt that did not answer after its stop (hfscale.launch.settle);
+    # a Slurm step of theirs cannot end before Slurm notices them, so the next step does not wait for it
+    unreachable: tuple[str, ...] = ()
 
     @staticmethod
     def of(cwd: str, python: str, job_id: str, shell_env: Mapping[str, str], extra_args=(),

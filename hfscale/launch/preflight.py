@@ -68,6 +68,12 @@ def refusal(job: Job) -> str | None:
     return None
 
 
+def reach_argv(job: Job, host: str) -> list[str]:
+    """How a probe reaches ``host`` (its shell line follows): ssh, or for the hosts of a Slurm
+    allocation (hfscale.launch.runners.slurm_step) an ``srun`` step on the host."""
+    return probe_argv(host) if job.scheduled else ssh_argv(job, host)
+
+
 def probes(job: Job, python: str) -> dict[str, Command]:
     """Two probes per host: ``host`` (facts) and ``host/shell`` (a bare ``true``, whose output
     must be empty: a chatty login shell breaks pdsh and scp). The hosts of a Slurm allocation
@@ -79,7 +85,7 @@ def probes(job: Job, python: str) -> dict[str, Command]:
         return {"local": Command(("sh", "-c", _script(py, port, interface)))}
     out = {}
     for i, h in enumerate(job.hosts):  # a Slurm allocation's hosts: a step on the host, not ssh
-        ssh = probe_argv(h.host) if job.scheduled else ssh_argv(job, h.host)
+        ssh = reach_argv(job, h.host)
         out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface)]))
         out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
     return out

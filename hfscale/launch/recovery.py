@@ -14,6 +14,12 @@ passed in). hfscale.launch.supervisor stops the job, asks :func:`decide`, and re
 - Readmission: an excluded host that passed a probe since (``healthy_again``) comes back once, its
   strikes cleared; excluded again, it stays out for the rest of the job. It takes back a place the
   job lost (its own first), else it waits as a spare.
+- A busy master port (``port_busy``: the attempt found node 0's master port still held, by its own
+  previous attempt or by another process) is no host's fault: no strike, no replacement, the same
+  hosts again (the supervisor waits for the port first); held at ``BUG_REPEATS`` starts in a row
+  before any step, the job gives up naming the port.
+- Hosts that did not answer after the stop (``lost``: hfscale.launch.settle; after a hang that named
+  no rank, the cut-off node) are replaced by a spare or left out, as a lost host is.
 - Hot spares (``recovery.spares``): a host the rules above would exclude, or one that failed with a
   strike when a spare that passed its probe is free, is replaced by that spare in its place (its node
   rank): the world size, the batch math and the checkpoint stay as they are. Only when no healthy
@@ -253,18 +259,31 @@ def _replace(history: History, host: str, healthy: frozenset[str]) -> Replacemen
     return Replacement(host, spare)
 
 
-def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozenset[str], now: float
-           ) -> Relaunch | GiveUp:
+def _leave_out(history: History, host: str, swaps: list[Replacement]) -> None:
+    """``host`` is excluded from now on; its place is the spare's that took it, else lost (the job shrinks)."""
+    history.excluded.append(host)
+    if host not in {r.host for r in swaps}:
+        history.places[history.places.index(host)] = None
+
+
+def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozenset[str], now: float,
+           lost: tuple[str, ...] = ()) -> Relaunch | GiveUp:
     """Record ``fault`` in ``history`` and say what to do: relaunch (on which hosts, and why) or
-    give up (why). ``healthy_again``: excluded hosts that passed a probe since the last attempt."""
+    give up (why). ``healthy_again``: excluded hosts that passed a probe since the last attempt.
+    ``lost``: other hosts of the attempt that did not answer after the stop (hfscale.launch.settle),
+    each replaced by a spare or left out, as a lost host is (below ``min_nodes``: give up)."""
     history.faults.append(fault)
     if policy.max_restarts <= 0:
         return GiveUp("recovery is off (recovery.max_restarts: 0)")
     repeated = _repeated(history.faults)
     bug_at = min(BUG_REPEATS, policy.max_restarts + 1)
     last = history.faults[-bug_at:]
-    one_host = len({f.host for f in last}) == 1 and last[0].host is not None  # a host failing alike: its strikes decide
+    # a host failing alike: its strikes decide (a busy master port is never a host's: no strikes)
+    one_host = len({f.host for f in last}) == 1 and last[0].host is not None and fault.cause != "port_busy"
     if repeated >= bug_at and not any(f.steps_done for f in last) and not one_host:
+        if all(f.cause == "port_busy" for f in last):
+            return GiveUp(f"the master port was held on {fault.host} at {bug_at} starts in a row, each after "
+                          f"waiting for it: {fault.error}; stop what holds it, or set cluster.master_port to a free one")
         return GiveUp(f"the same error {_times(bug_at)} in a row before any training step: {fault.error}; "
                       "this looks like a bug in the job, not a failed host")
     recent = [t for t in history.restarts_at if policy.window is None or now - t <= policy.window]
@@ -278,15 +297,18 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
     readmitted = _readmit(policy, history, healthy_again)
     active = history.active
     host = fault.host if fault.host in active else None
-    newly: tuple[str, ...] = ()
-    swap: Replacement | None = None
+    newly: list[str] = []
+    swaps: list[Replacement] = []
+    floor = max(1, policy.min_nodes) if policy.min_nodes is not None else None
     if host is None:
         head = fault.what
+    elif fault.cause == "port_busy":
+        head = (f"{fault.what}: the master port was still held on {host}, not {host}'s fault: no strike; "
+                "relaunching once it is free")
     else:
         previous = history.faults[-2] if len(history.faults) > 1 else None
         moved = (previous is not None and fault.error != "" and previous.error == fault.error
                  and previous.host is not None and previous.host != host and not _signalled(fault.error))
-        floor = max(1, policy.min_nodes) if policy.min_nodes is not None else None
         if moved and fault.cause != "host_lost":
             head = (f"{fault.what}; {previous.host} ended with the same error before "  # type: ignore[union-attr]
                     f"(a bug moves between hosts): no strike against {host}")
@@ -294,11 +316,11 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
             n = history.strikes[host] = history.strikes.get(host, 0) + 1
             swap = _replace(history, host, healthy_again)
             if swap is not None:
-                newly = (host,)
+                newly, swaps = [host], [swap]
                 head = (f"{fault.what}: {swap.spare} (a spare that passed its probe) takes its place at the same world "
                         f"size; {host} is left out")
             elif fault.cause == "host_lost" and floor is not None and len(active) - 1 >= floor:
-                newly = (host,)
+                newly = [host]
                 head = f"{fault.what}: {host} was lost (relaunching onto it does not bring it back): excluded"
             elif n < policy.strikes:
                 head = f"{fault.what} (strike {n} of {policy.strikes} against {host})"
@@ -309,18 +331,35 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
                 return GiveUp(f"{host} failed {_times(n)} and excluding it would leave {left} "
                               f"node{'s' * (left != 1)}, below recovery.min_nodes {policy.min_nodes}")
             else:
-                newly = (host,)
+                newly = [host]
                 head = f"{host} failed {_times(n)} (strikes {policy.strikes}): excluded"
-            if swap is None and policy.spares and newly:
+            if not swaps and policy.spares and newly:
                 head += " (no spare left that passed its probe)"
-        if newly:
-            history.excluded.append(host)
-            if swap is None:
-                history.places[history.places.index(host)] = None
-            if host in history.readmitted_once:
-                head += " for good (it failed again after it was readmitted)"
-    hosts = history.active
     parts = [head]
+    for h in newly:
+        _leave_out(history, h, swaps)
+    if host is not None and host in history.readmitted_once and host in newly:
+        parts[0] += " for good (it failed again after it was readmitted)"
+    for h in (h for h in dict.fromkeys(lost) if h in active and h != host):
+        # it did not answer after the stop: a relaunch onto it would wait on it, or fail on it again
+        swap = _replace(history, h, healthy_again)
+        if swap is not None:
+            swaps.append(swap)
+            part = f"{h} did not answer after the stop: {swap.spare} (a spare that passed its probe) takes its place"
+        elif floor is not None and len(history.active) - 1 >= floor:
+            part = f"{h} did not answer after the stop: excluded"
+        elif floor is None:
+            return GiveUp(f"{h} did not answer after the stop, no spare that passed its probe is left, and "
+                          "recovery.min_nodes is not set (the job never shrinks)")
+        else:
+            left = len(history.active) - 1
+            return GiveUp(f"{h} did not answer after the stop and excluding it would leave {left} "
+                          f"node{'s' * (left != 1)}, below recovery.min_nodes {policy.min_nodes}")
+        newly.append(h)
+        _leave_out(history, h, swaps)
+        parts.append(part + (" for good (it failed again after it was readmitted)" if h in history.readmitted_once
+                             else ""))
+    hosts = history.active
     if readmitted:
         probes = "its probe" if len(readmitted) == 1 else "their probes"
         parts.append(f"{_names(readmitted)} passed {probes}: readmitted")
@@ -330,5 +369,5 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
         parts.append(f"{len(history.pool)} spare{'s' * (len(history.pool) != 1)} left")
     history.restarts_at.append(now)
     return Relaunch(hosts=hosts, excluded=tuple(h for h in policy.hosts + policy.spares if h in history.excluded),
-                    newly_excluded=newly, readmitted=readmitted, reason="; ".join(parts), spares=tuple(history.pool),
-                    replaced=(swap,) if swap is not None else ())
+                    newly_excluded=tuple(newly), readmitted=readmitted, reason="; ".join(parts),
+                    spares=tuple(history.pool), replaced=tuple(swaps))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable
 from hfscale.core.atomic_files import write_files
 from hfscale.core.pid_identity import ProcessIdentity, this_process
 from hfscale.core.shell import Command
-from hfscale.core.untrusted import Missing, Unreadable, parse_record, read_record, read_trusted
+from hfscale.core.untrusted import Missing, Unreadable, parse_record, read_bytes, read_record, read_trusted
 from hfscale.launch.spec import LaunchPlan
 from hfscale.training.heartbeat import FLIGHT_DIR, METRICS_FILE, PROGRESS_DIR, STACKS_DIR
 
@@ -30,8 +30,9 @@ ATTEMPTS_DIR = "attempts"  # a relaunch (hfscale.launch.supervisor) moves the pr
 BEATS_DIR = "alive"  # the nodes' heartbeats, one file per host (hfscale.launch.beats)
 ORPHANED_DIR = "orphaned"  # <host>: that node stopped its job because its launcher's beat stopped
 LAUNCHER_BEAT = "launcher.beat"  # the launcher's heartbeat (hfscale.launch.beats.LauncherBeat)
+UNREACHED = "unreached"  # hosts a Slurm stop or stack dump could not launch on, a line each (hfscale.launch.settle)
 _PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, ORPHANED_DIR, STOP_MARKER, HANG_REPORT,
-                PLAN_FILE)
+                UNREACHED, PLAN_FILE)
 
 
 def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
@@ -116,6 +117,18 @@ def read_state(run_dir: str | Path) -> "LauncherState":
         return read_record(Path(run_dir) / STATE_FILE, LauncherState, STATE_CAP, run_dir)
     except Missing:
         return LauncherState()
+
+
+def read_unreached(run_dir: str | Path, hosts: tuple[str, ...]) -> tuple[str, ...]:
+    """The hosts among ``hosts`` that this attempt's Slurm stop or stack dump could not launch on
+    (``UNREACHED``, a line each, written by the steps: read as untrusted, a link or an oversized file
+    is none; names not among ``hosts`` are ignored), in ``hosts``' order."""
+    try:
+        text = read_bytes(Path(run_dir) / UNREACHED, 4 << 20, run_dir).decode("utf-8", "replace")
+    except (Unreadable, OSError):
+        return ()
+    said = set(text.split("\n"))
+    return tuple(h for h in hosts if h in said)
 
 
 def read_metrics(run_dir: str | Path) -> "Rank0Metrics":

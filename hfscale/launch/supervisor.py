@@ -26,13 +26,16 @@ from hfscale.core.records import LOG_TAIL, TimelineEvent
 from hfscale.core.untrusted import Unreadable, read_bytes
 from hfscale.launch.beats import LauncherBeat
 from hfscale.launch.build import build_plan
-from hfscale.launch.execute import execute_attempt, run_probes
+from hfscale.launch import settle
+from hfscale.launch.execute import execute_attempt, run_probe, run_probes
 from hfscale.launch.node_command import LaunchContext
 from hfscale.launch.preflight import evaluate, probes
 from hfscale.launch.recovery import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
 from hfscale.launch.output_lock import Refused
-from hfscale.launch.run_dir import ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, record_state
+from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.launch.run_dir import (ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, read_unreached,
+                                   record_state)
 from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.launch.timeline import append_event
 from hfscale.rules.relaunch import job_on
@@ -216,8 +219,10 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         try:
             plan = build_plan(current, ctx)
         except ConfigError as e:
-            say(f"error: {e.render()}")
-            return exitcodes.BAD_INPUT
+            if not runs:
+                say(f"error: {e.render()}")
+                return exitcodes.BAD_INPUT
+            return _give_up(runs[0], attempt - 1, exitcodes.BAD_INPUT, f"cannot relaunch: {e.render()}", say)
         run_dir = plan.run_dir
         runs[:] = [run_dir]
         if plan.mode == "done":  # a relaunch after the last checkpoint: a rank failed as the job ended
@@ -261,22 +266,31 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         record_state(run_dir, state="running", exit_code=None, ended=None)  # deciding: hfscale stop still applies
         if plan.keeper is not None and os.path.isdir(run_dir):
             gap.append(LauncherBeat(run_dir, say))
-        hosts = {h.host for h in current.hosts}
-        cause = _cause(outcome, hosts)
-        host = outcome.where if outcome.where in hosts else None
+        order = tuple(h.host for h in current.hosts)
+        cause = _cause(outcome, set(order))
+        host = outcome.where if outcome.where in order else None
         log = host or (next(iter(plan.logs)) if len(plan.logs) == 1 else None)  # a local job's one log
-        what = outcome.what
-        if cause == "host_lost" and host is not None and host in healthy_again(job, (host,), python or _python()):
+        what, error = outcome.what, _error_of(run_dir, log)
+        targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
+        grace = 0 if outcome.hung and plan.kill is not None else STOP_GRACE_S  # after a hang: killed, no grace
+        answers, healthy = _after_stop(job, current, plan, grace, targets + ((host,) if host and cause ==
+                                       "host_lost" else ()), python or _python())
+        silent = tuple(h for h in order if answers.get(h) is None)
+        if cause == "host_lost" and host is not None and host in healthy:
             # ssh's session ended (its remote command killed, a dropped connection) but the host answers
             cause, what = "rank_failed", f"{what}; {host} answers ssh and passes preflight: counted as a failure"
-        fault = Fault(cause, host, outcome.rc, what, _error_of(run_dir, log), outcome.failed_at or stopped,
-                      steps.first is not None)
+        elif cause == "hang" and host is None and silent:  # every rank waited on a peer: the one that is cut off
+            host, cause, what = silent[0], "host_lost", f"{what}; {silent[0]} did not answer after the stop"
+        elif order and host == order[0] and port_held(error):
+            cause = "port_busy"
+        fault = Fault(cause, host, outcome.rc, what, error, outcome.failed_at or stopped, steps.first is not None)
         _event(run_dir, kind="failure", attempt=attempt, at=fault.at, cause=cause, host=host, what=what[:1000],
                error=fault.error[:300], step=steps.last[0] if steps.last else None, step_time=steps.step_time)
         _event(run_dir, kind="stopped", attempt=attempt, at=stopped)
-        targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
-        healthy = healthy_again(job, targets, python or _python()) if targets else frozenset()
-        decision = decide(policy, history, fault, healthy, time.time())
+        for line in settle.told(answers, grace):
+            say(f"hfscale: {line}")
+        decision = decide(policy, history, fault, healthy - {host}, time.time(),
+                          lost=tuple(h for h in silent if h != host))
         if isinstance(decision, GiveUp):
             return _give_up(run_dir, attempt, outcome.rc, decision.reason, say)
         try:
@@ -284,17 +298,55 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         except ConfigError as e:
             return _give_up(run_dir, attempt, outcome.rc, f"cannot relaunch on {', '.join(decision.hosts)}: "
                             f"{e.render()}", say)
+        _master_port(current, order, answers, decision.hosts, python or _python(), say)
         attempt += 1
         within = f" within {policy.window} s" if policy.window else ""
         say(f"hfscale: restart {attempt} (at most {policy.max_restarts}{within}): {decision.reason}; attempt "
             f"{attempt - 1}'s logs and reports move to {os.path.join(run_dir, ATTEMPTS_DIR, str(attempt - 1))}")
-        ctx = context(current, attempt)  # the checkpoints as they are now
+        ctx = replace(context(current, attempt), unreachable=silent)  # the checkpoints as they are now
         _event(run_dir, kind="relaunch", attempt=attempt, hosts=list(decision.hosts),
                excluded=list(decision.excluded), readmitted=list(decision.readmitted),
                replaced=[{"host": r.host, "spare": r.spare} for r in decision.replaced] or None,
                spares=list(decision.spares) if job.spares else None,
                resume_step=_resume_step(ctx), world_size=current.world_size,
                accumulation=current.gradient_accumulation_steps)
+
+
+def port_held(error: str) -> bool:
+    """Whether a rank's last error is its store failing to bind the master port (torch's
+    ``DistNetworkError ... name: EADDRINUSE, message: address already in use``)."""
+    return "EADDRINUSE" in error or "address already in use" in error.lower()
+
+
+def _after_stop(job: Job, current: Job, plan: LaunchPlan, grace: int, targets: tuple[str, ...], python: str
+                ) -> tuple[dict[str, settle.Settled | None], frozenset[str]]:
+    """At once: each host of the stopped attempt (``current``'s) settled (hfscale.launch.settle: its
+    processes gone, node 0's master port free; None: it did not answer, or the attempt's stop or stack
+    dump could not reach it already), and ``targets`` (the job's spares, excluded hosts) probed."""
+    order = tuple(h.host for h in current.hosts)
+    gone = read_unreached(plan.run_dir, order)
+    cmds = {k: c for k, c in settle.probes(current, order, plan.job_id, grace, python).items() if k not in gone}
+    bounds = {k: settle.bound_s(grace, k == (order or (settle.LOCAL,))[0]) for k in cmds}
+    healthy: list[frozenset[str]] = []
+    prober = threading.Thread(target=lambda: healthy.append(healthy_again(job, targets, python)), daemon=True)
+    prober.start()
+    ran = run_probes(cmds, bounds, workers=job.config.runner.fanout)
+    prober.join()
+    answers = {k: settle.Settled.read(r) for k, r in ran.items()}
+    return {**answers, **dict.fromkeys(gone)}, healthy[0] if healthy else frozenset()
+
+
+def _master_port(job: Job, before: tuple[str, ...], answers: dict[str, settle.Settled | None],
+                 hosts: tuple[str, ...], python: str, say: Callable[[str], None]) -> None:
+    """Before the relaunch: node 0's master port free (its settle waited for it), or, when node 0 is a
+    new host (a spare in its place), that host waited for it. A port still held is said: the attempt
+    then fails with EADDRINUSE, which counts against no host (``port_busy``)."""
+    master = hosts[0] if hosts else settle.LOCAL
+    was = answers.get(master) if master == (before[0] if before else settle.LOCAL) else settle.Settled.read(
+        run_probe(settle.port_probe(job, master, python), settle.bound_s(0, True)))
+    if was is not None and was.port == "busy":
+        say(f"hfscale: the master port {job.config.cluster.master_port} on {master} is still in use after "
+            f"{settle.PORT_WAIT_S} s; relaunching anyway (a store that cannot bind it counts against no host)")
 
 
 def _specs(job: Job, decision: Relaunch) -> tuple[tuple[HostSpec, ...], tuple[HostSpec, ...]]:

@@ -69,7 +69,8 @@ import runpy
 import sys
 from typing import Mapping, NamedTuple, Sequence
 
-from hfscale.checkpoints.resume import decide, first_start, scan_output
+from hfscale.checkpoints.lineage import begin_lineage
+from hfscale.checkpoints.resume import checkpoints, decide, first_start, scan_output
 from hfscale.rules.script import PLAIN_FLAG
 from hfscale.rules.trainer_args import given_flags
 from hfscale.training.heartbeat import fit_flight_recorder
@@ -222,6 +223,15 @@ def plan_start(args: list[str], env: Mapping[str, str]) -> Start:
     return Start(args + extra, "", 0)
 
 
+def begin_fresh(args: list[str]) -> None:
+    """On rank 0 of a job hfscale launched: an ``--output_dir`` that holds no checkpoint gets the
+    job's lineage before training (hfscale.checkpoints.lineage: a save of this job's cut short is then
+    set aside at the next start, not refused); one that has a lineage keeps it."""
+    output_dir = _value(args, "output_dir")
+    if output_dir and not checkpoints(output_dir):
+        begin_lineage(output_dir, keep=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     plain = argv[:1] == [PLAIN_FLAG]
@@ -237,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         planned, say, code = plan_start(argv[1:], os.environ)
         if say and os.environ.get("RANK", "0") == "0":
             print(say, file=sys.stderr if code else sys.stdout, flush=True)
+        if planned is not None and os.environ.get("RANK", "0") == "0" and os.environ.get("HFSCALE_RUN_DIR"):
+            begin_fresh(planned)
         if planned is None:
             return code
         args = planned

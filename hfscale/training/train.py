@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import Trainer, TrainerCallback
 
+    from hfscale.checkpoints.lineage import begin_lineage
     from hfscale.checkpoints.resume import decide, first_start, scan_output
     from hfscale.training.callbacks import PreemptionCallback
     from hfscale.rules.trainer_args import training_arguments
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.process_index == 0:
             print(f"error: {decision.reason} (start over with hfscale launch --restart)", file=sys.stderr)
         return 2
+    if not scan.found and args.process_index == 0:  # the checkpoints saved from now on are this job's own
+        begin_lineage(t.output_dir, keep=True)
     ds = job.deepspeed
     model, tokenizer = build_model(t.model, t.seed, zero_init=ds is None or ds.zero3_init)
     if ds is not None and ds.stage == 3 and args.process_index == 0:

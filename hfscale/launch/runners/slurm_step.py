@@ -37,7 +37,7 @@ from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.model import HostSpec
 from hfscale.core.shell import Command, Line, Script, Sh, Var, Word, and_then, words
 from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
-from hfscale.launch.run_dir import STOP_MARKER
+from hfscale.launch.run_dir import STOP_MARKER, UNREACHED
 from hfscale.launch.runners.keeper import HOST_VAR, keeper_line, keeper_of
 from hfscale.launch.runners.pdsh import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
 from hfscale.launch.runners.shared import Common
@@ -98,37 +98,54 @@ def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
 
 def srun_argv(hosts_file: str, n: int) -> list[str]:
     """The step of one attempt: one task on each of the ``n`` hosts listed in ``hosts_file`` (a path
-    with a '/', which srun reads as a file of host names); a task that fails ends the step."""
-    return ["srun", f"--nodelist={hosts_file}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+    with a '/', which srun reads as a file of host names); a task that fails ends the step.
+    ``--overlap``: the previous attempt's step keeps its CPUs until every node of it has answered,
+    and a node whose link is cut answers only once Slurm sets it DOWN (``SlurmdTimeout``, 300 s by
+    default): a step that waited for free CPUs would wait that long (the supervisor has made sure
+    that the previous attempt's processes are gone: hfscale.launch.settle)."""
+    return ["srun", "--overlap", f"--nodelist={hosts_file}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", "--unbuffered"]
 
 
-def still_allocated(hosts_file: str) -> str:
+def still_allocated(hosts_file: str, wait: bool = True) -> str:
     """Shell text run before an attempt's step: a host of ``hosts_file`` Slurm took out of the
     allocation (set DOWN under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3,
     instead of srun's "Requested node configuration is not available", which names none. One grep
-    over both lists (fixed strings, whole lines): no per-host loop, no host list on a command line."""
+    over both lists (fixed strings, whole lines): no per-host loop, no host list on a command line.
+    ``wait``: first wait (at most PREVIOUS_STEP_S) for the previous attempt's step to end; not when
+    a host of that step did not answer after the stop (its step cannot end before Slurm notices)."""
     # the previous attempt's step still ending on a node (Slurm kills it when it loses a node): wait,
     # at most PREVIOUS_STEP_S: a step started meanwhile had its srun SIGKILLed on the test Slurm
-    wait = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | '
-            "grep -vE '[.](batch|extern) |hfscale-watch$')\" ] && break; sleep 1; done; ")
-    return (wait + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); have=$(scontrol show hostnames "$now" '
+    wait_text = (f'for i in $(seq {PREVIOUS_STEP_S}); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' '
+                 "2>/dev/null | grep -vE '[.](batch|extern) |hfscale-(watch|probe|stop)$')\" ] && break; sleep 1; done; "
+                 if wait else "")
+    return (wait_text + 'now=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null); have=$(scontrol show hostnames "$now" '
             '2>/dev/null); if [ -n "$now" ] && [ -n "$have" ]; then h=$(printf \'%s\\n\' "$have" | grep -vxF -f - '
             + shlex.quote(hosts_file) + ' | head -n 1); if [ -n "$h" ]; then echo "hfscale: Slurm took $h out of the '
             'allocation (set DOWN: its slurmd stopped answering)"; exit 3; fi; fi;')
 
 
 def probe_argv(host: str) -> list[str]:
-    """The start of a probe of ``host`` (its command follows, as one shell line), instead of ssh."""
-    return ["srun", "--overlap", f"--nodelist={host}", "--nodes=1", "--ntasks=1", "--quiet", "bash", "-c"]
+    """The start of a probe of ``host`` (its command follows, as one shell line), instead of ssh: a step
+    of its own, named so that the next attempt does not wait for one on a node that did not answer."""
+    return ["srun", "--overlap", "--job-name=hfscale-probe", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
+            "--quiet", "bash", "-c"]
 
 
-def on_each_node(hosts_file: str, script: str, fanout: int) -> Command:
+def on_each_node(hosts_file: str, script: str, fanout: int, unreached: str) -> Command:
     """``script`` on each host of ``hosts_file``, a step of its own on each (``--overlap``: beside the
-    job's step), at most ``fanout`` at once, each given up on after STEP_STOP_S: the stop, the stack dump."""
-    each = Line.of(Sh(f'timeout {STEP_STOP_S} srun --overlap --nodelist="$h" --nodes=1 --ntasks=1 --quiet bash -c'),
-                   Script(Line((Sh(script),))), Sh("</dev/null >/dev/null 2>&1 &"))
-    line = Line.of(Sh('n=0; while read -r h; do [ -n "$h" ] || continue;'), each,
+    job's step), at most ``fanout`` at once, each given up on after STEP_STOP_S: the stop, the stack dump.
+    A host srun could not launch on (a cut link: "Communication connection failure" after Slurm's
+    MessageTimeout, 10 s by default; a node Slurm set DOWN) is appended to ``unreached`` (the attempt's
+    file in the run directory) and skipped by the later passes (the kill after the stack dump) and by
+    the supervisor's settle (hfscale.launch.settle): each pass would wait that long on it again."""
+    u = shlex.quote(unreached)
+    skip = Sh(f'declare -A gone; while read -r u; do gone[$u]=1; done 2>/dev/null < {u}; n=0; while read -r h; do '
+              '[ -n "$h" ] && [ -z "${gone[$h]}" ] || continue; {')
+    each = Line.of(Sh(f'timeout {STEP_STOP_S} srun --overlap --job-name=hfscale-stop --nodelist="$h" --nodes=1 '
+                      '--ntasks=1 --quiet bash -c'),
+                   Script(Line((Sh(script),))), Sh(f'</dev/null >/dev/null 2>&1 || [ $? = 124 ] || echo "$h" >> {u}; }} &'))
+    line = Line.of(skip, each,
                    Sh(f'n=$((n + 1)); [ "$n" -lt {int(fanout)} ] || {{ wait -n; n=$((n - 1)); }}; done <'), hosts_file,
                    Sh("; wait; true", glue=True))
     return Command(("bash", "-c", line))
@@ -161,10 +178,13 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     listing, fanout = posixpath.join(c.run_dir, STEP_HOSTS_FILE), job.config.runner.fanout
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
     step = srun_argv(listing, len(hosts))
-    main = Command(("bash", "-c", Line.of(Sh(still_allocated(listing)), Sh("exec"), words(step), Sh("bash -c"),
+    main = Command(("bash", "-c", Line.of(Sh(still_allocated(listing, wait=not ctx.unreachable)), Sh("exec"),
+                                          words(step), Sh("bash -c"),
                                           Script(node_line(job, c, ctx.job_id, launcher)))))
-    dump = on_each_node(listing, dump_script(ctx.job_id, c.watch.stacks_dir, c.python), fanout) if c.watch else None
-    kill = on_each_node(listing, stop_script(ctx.job_id, grace_s=0), fanout) if c.watch else None
+    unreached = posixpath.join(c.run_dir, UNREACHED)
+    dump = on_each_node(listing, dump_script(ctx.job_id, c.watch.stacks_dir, c.python), fanout, unreached) \
+        if c.watch else None
+    kill = on_each_node(listing, stop_script(ctx.job_id, grace_s=0), fanout, unreached) if c.watch else None
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
@@ -173,7 +193,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                                                                        if job.spares else ""),)
     files = (*c.files, (STEP_HOSTS_FILE, "".join(h + "\n" for h in hosts)))
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, nodes, hosts, main,
-                      on_each_node(listing, stop_script(ctx.job_id), fanout),
+                      on_each_node(listing, stop_script(ctx.job_id), fanout, unreached),
                       c.mode, notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
                       watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
                       keeper=keeper_of(c.run_dir), kill=kill)

@@ -27,7 +27,6 @@ resume then reads it from the shared file system as any checkpoint.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 import shutil
 import socket
@@ -39,8 +38,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hfscale.checkpoints import local_tier as tier
+from hfscale.checkpoints.lineage import begin_lineage, read_lineage
 from hfscale.checkpoints.resume import saved_state, write_marker
-from hfscale.core.untrusted import Unreadable, read_json
 from hfscale.training import async_save as async_saves
 from hfscale.training.callbacks.buddy_stream import Behind, Copied, Exchange, exchange
 from hfscale.training.callbacks.collectives import logger, rank_world
@@ -78,28 +77,11 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def read_lineage(output_dir: str) -> str | None:
-    try:
-        doc = read_json(Path(output_dir) / tier.LINEAGE_FILE, 4096, output_dir)
-    except Unreadable:
-        return None
-    value = doc.get("lineage") if isinstance(doc, dict) else None
-    return value if isinstance(value, str) and value.isalnum() and len(value) <= 64 else None
-
-
 def start_lineage(output_dir: str, fresh: bool) -> str:
     """The run's lineage, the same on every rank: rank 0 starts a new one at a fresh start (step 0:
     the local steps of an earlier run are not this one's), else keeps the output_dir's."""
     rank, world = rank_world()
-    value = None
-    if rank == 0:
-        value = None if fresh else read_lineage(output_dir)
-        if value is None:
-            value = secrets.token_hex(8)
-            os.makedirs(output_dir, exist_ok=True)
-            tmp = Path(output_dir) / f".{tier.LINEAGE_FILE}.tmp{os.getpid()}"
-            tmp.write_text(f'{{"lineage": "{value}"}}\n')
-            os.replace(tmp, Path(output_dir) / tier.LINEAGE_FILE)
+    value = begin_lineage(output_dir, keep=not fresh) if rank == 0 else None
     if world > 1:
         box = [value]
         dist.broadcast_object_list(box, src=0)
