@@ -116,24 +116,62 @@ def job_pids(job: str) -> list[int]:
     return found
 
 
+REFERENCE_USERS = "uninterrupted_losses"
+
+
 @pytest.fixture(scope="session")
 def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Each step's loss of the healing tests' job (tests/test_recovery_cluster.py train_config) run
     without a fault on 3 local processes, REFERENCE_STEPS steps (the tests compare their own steps,
-    a prefix: the learning rate is constant). Run once per session."""
+    a prefix: the learning rate is constant). Run once per session: see ``reference_losses``."""
+    return reference_losses(tmp_path_factory)
+
+
+def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The uninterrupted run's losses, computed once for all of a session's workers: under pytest-xdist
+    the first worker to ask runs it (the others wait on a lock in the session's shared temp folder and
+    read its file). Only the cluster lane's tests compare with it, and that lane is the suite's
+    critical path: the local lane computes it first (``_reference_in_the_local_lane``)."""
     from test_recovery_cluster import REFERENCE_STEPS, losses, train_config
+
+    import fcntl
+    import json
 
     import yaml
 
-    tmp = tmp_path_factory.mktemp("uninterrupted-")
-    config = train_config(tmp, "ref", tmp / "out", 29931, None, max_steps=REFERENCE_STEPS)
-    doc = yaml.safe_load(config.read_text())
-    doc["training"]["save_steps"] = REFERENCE_STEPS  # one save, at the end: a save changes no loss, 140 cost ~30 s
-    config.write_text(yaml.safe_dump(doc, sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return losses(tmp / "out" / f"checkpoint-{REFERENCE_STEPS}")
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = shared / "uninterrupted-losses.json"
+    with open(shared / "uninterrupted-losses.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cache.is_file():
+            return {int(k): float(v) for k, v in json.loads(cache.read_text()).items()}
+        tmp = tmp_path_factory.mktemp("uninterrupted-")
+        config = train_config(tmp, "ref", tmp / "out", 29931, None, max_steps=REFERENCE_STEPS)
+        doc = yaml.safe_load(config.read_text())
+        doc["training"]["save_steps"] = REFERENCE_STEPS  # one save, at the end: a save changes no loss, 140 cost ~30 s
+        config.write_text(yaml.safe_dump(doc, sort_keys=False))
+        r = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1200)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        found = losses(tmp / "out" / f"checkpoint-{REFERENCE_STEPS}")
+        cache.write_text(json.dumps(found))
+        return found
+
+
+@pytest.fixture(autouse=True)
+def _reference_in_the_local_lane(request: pytest.FixtureRequest) -> None:
+    """Under pytest-xdist's two lanes, the local lane's first test computes the uninterrupted run when a
+    cluster test of this session will compare with it: the cluster lane, the critical path, then finds
+    it done (about 45 s it no longer spends) instead of running it itself."""
+    group = request.node.get_closest_marker("xdist_group")
+    if not os.environ.get("PYTEST_XDIST_WORKER") or group is None or group.args[:1] != (LANE_LOCAL,):
+        return
+    if getattr(request.session, "_hfscale_reference", False):
+        return
+    request.session._hfscale_reference = True  # type: ignore[attr-defined]
+    if any(REFERENCE_USERS in getattr(item, "fixturenames", ()) for item in request.session.items):
+        reference_losses(request.getfixturevalue("tmp_path_factory"))
 
 
 def read_until(proc: subprocess.Popen, marker: str, count: int, timeout: float = 120) -> list[str]:

@@ -7,6 +7,12 @@ processes are SIGKILLed: the spare takes node1's place at the same world size (n
 conversion, accumulation unchanged). node1, probed healthy, waits as the spare; node2 is then
 killed and node1 takes its place. Every step's loss equals the uninterrupted run's within 1e-3;
 ``status`` names the replacements.
+
+With node2's kill, a process on node0 takes the master port the moment the dying attempt's store
+lets it go and holds it 12 s, as the previous attempt's torchrun still shutting down does under
+Slurm (issue 35): the relaunch waits for the port (hfscale.launch.settle) instead of failing on
+node0 with EADDRINUSE, and node0 stays node 0. Before, node0 was struck and replaced by node2, the
+host just taken out.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import yaml
 from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.timeline import read_timeline
+from test_healing_trips_cluster import GRAB_PORT
 from test_recovery_cluster import MAX_STEPS, _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
@@ -43,6 +50,8 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
                            text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "+ 1 spare (node3)" in check.stdout and "nothing converted" in check.stdout, check.stdout
+    grab = tmp_path / "grab_port.py"
+    grab.write_text(GRAB_PORT)
     t0 = time.time()
     faults: list[tuple[str, float, int]] = []
     with launched(config, cluster.env(), tmp_path) as job:
@@ -52,12 +61,20 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
                 wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), job.proc)
             at = min(_step(run) + rng.randint(3, 8), MAX_STEPS - 6)
             wait_for(f"step {at}", lambda: _step(run) >= at, job.proc)
+            if n:  # node0's master port taken as the dying attempt's store lets it go, held 12 s
+                holder = subprocess.Popen([str(cluster.bin / "ssh"), "node0", f"{sys.executable} {grab} 29936 12"],
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                time.sleep(1.0)  # its interpreter up, trying the port
             run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
             faults.append((f"kill {victim}", time.time(), _step(run)))
+        held, _ = holder.communicate(timeout=180)
     output = job.output()
     for what, when, step in faults:
         print(f"{what} at +{when - t0:.1f} s, step {step}")
+    print(held)
     assert job.proc.returncode == 0, output[-6000:]
+    times = dict(line.split() for line in held.splitlines() if line.split()[:1] in (["held"], ["released"]))
+    assert float(times["held"]) - faults[1][1] < 15, held  # it had the port before a relaunch could have
     run = run_dir_of(tmp_path)
     events = read_timeline(run).events
     for e in events:
@@ -69,6 +86,8 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
     assert [[(r.host, r.spare) for r in e.replaced or ()] for e in relaunches] == [[("node1", "node3")],
                                                                                   [("node2", "node1")]]
     assert [e.hosts for e in relaunches] == [["node0", "node3", "node2"], ["node0", "node3", "node1"]]
+    assert relaunches[1].at >= float(times["released"]) - 1.0, (relaunches[1].at, times)  # it waited for the port
+    assert "EADDRINUSE" not in output and "port_busy" not in output
     assert {(e.world_size, e.accumulation) for e in relaunches} == {(3, 2)}  # the batch math unchanged
     assert "ds_to_universal" not in output  # nothing converted
     assert "node1 passed its probe: readmitted" in output

@@ -122,7 +122,11 @@ def test_torchrun_trains_with_deepspeed_and_restart_moves_incomplete_checkpoints
     assert sorted(p.name for p in shards.glob("zero_pp_rank_*_optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
-    # rank 1's save "never finished": the only checkpoint is incomplete, the launch refuses to start over
+    # rank 1's save "never finished", in an output_dir hfscale did not start (the lineage rank 0 wrote at the
+    # fresh start removed: as another tool's checkpoints): the only checkpoint is incomplete, and the launch
+    # refuses to start over (one the job started itself sets its own save aside: tests/test_healing_trips*.py)
+    assert (tmp_path / "out" / "_hfscale-lineage.json").is_file()
+    (tmp_path / "out" / "_hfscale-lineage.json").unlink()
     (tmp_path / "out" / "checkpoint-10" / "rng_state_1.pth").unlink()
     before = run_dirs(tmp_path)
     r = launch(config)

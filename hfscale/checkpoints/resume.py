@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 from hfscale.checkpoints.files import (INDEXES, TRAINER_STATE, content_problem, deepspeed_problem, deepspeed_ranks,
                                index_shards, read_trainer_state, saved_step)
-from hfscale.checkpoints.lineage import LINEAGE_FILE
+from hfscale.checkpoints.lineage import read_lineage
 from hfscale.checkpoints.reshard import universal_ready
 from hfscale.core.untrusted import Unreadable, read_record
 
@@ -266,8 +266,8 @@ class OutputScan:
     state: SavedState | None  # of ``resume``
     saved_world: int | None = None  # the processes that wrote ``resume``'s DeepSpeed ZeRO state (None: not one)
     universal: bool = False  # ``resume`` holds a universal conversion of that state (hfscale.checkpoints.reshard)
-    # the lineage file is there (hfscale.checkpoints.local_tier.begin_lineage): hfscale started this job here,
-    # so the checkpoints in output_dir are its own
+    # the output_dir holds a lineage (hfscale.checkpoints.lineage): hfscale started this job here, so the
+    # checkpoints in it are its own
     lineage: bool = False
 
 
@@ -298,7 +298,7 @@ def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, resh
     ``reshard``: a DeepSpeed checkpoint of another world size counts (the caller converts it)."""
     from dataclasses import replace
 
-    return replace(_scan_output(output_dir, world_size, reshard), lineage=os.path.isfile(Path(output_dir) / LINEAGE_FILE))
+    return replace(_scan_output(output_dir, world_size, reshard), lineage=read_lineage(output_dir) is not None)
 
 
 def _scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool) -> OutputScan:

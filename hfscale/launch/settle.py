@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from hfscale.core.shell import Command, Ran, render, words
 from hfscale.launch.preflight import reach_argv
-from hfscale.launch.runners.stopping import JOB_ID_VAR, STOP_GRACE_S
+from hfscale.launch.runners.stopping import JOB_ID_VAR
 from hfscale.rules.resolved import Job
 
 MARK = "HFSCALE_SETTLE"
