@@ -4,7 +4,8 @@ pdsh over real sshd, torchrun and DeepSpeed ZeRO-2 on CPU, one rank per node, fa
 - ``test_a_save_cut_short_is_set_aside_by_the_relaunch_and_by_hand``: node1's ranks are SIGKILLed in
   the middle of the job's first checkpoint save (every rank's save is held inside the Trainer's
   ``_save_rng_state``, after DeepSpeed's shards and before the trainer state, by a sitecustomize
-  while a flag file exists): the supervisor's relaunch sets the save cut short aside and trains
+  while a flag file exists; a stop's TERM ends a rank there): the supervisor's relaunch sets the save
+  cut short aside and trains
   from step 0 to the end. Then the same job in a new output_dir is stopped by ``hfscale stop`` in
   the middle of its first save, and the same launch run again by hand finishes too.
 
@@ -40,11 +41,15 @@ HOLD_SAVE = textwrap.dedent('''\
 
         import transformers
 
+        import signal
+
         _save_rng_state = transformers.Trainer._save_rng_state
 
         def _held(self, output_dir):
             flag = os.environ["HOLD_SAVE"]
             if os.path.exists(flag):
+                # a stop's TERM ends the rank inside the save (its handler would wait for the step's end)
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
                 open(flag + ".inside", "a").close()  # the test's sign: a save is under way
                 deadline = time.monotonic() + 120
                 while os.path.exists(flag) and time.monotonic() < deadline:
@@ -114,7 +119,7 @@ def test_a_save_cut_short_is_set_aside_by_the_relaunch_and_by_hand(make_cluster,
     assert stop.returncode == 0, stop.stdout + stop.stderr
     first.wait(timeout=120)
     said = (tmp_path / "first.out").read_text(errors="replace")
-    assert cut_short(out2) == ["checkpoint-4"], said[-4000:]  # the stop's KILL came inside the save
+    assert cut_short(out2) == ["checkpoint-4"], said[-4000:]  # the stop's TERM came inside the save
     hold.unlink()
     again = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(config2)], cwd=ROOT, env=cluster.env(),
                            capture_output=True, text=True, timeout=600)

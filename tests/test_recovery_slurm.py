@@ -2,13 +2,17 @@
 (tests/cluster: slurmctld and munged on node0, one slurmd per namespace node, SlurmdTimeout 10 s):
 real sbatch, srun steps, torchrun and DeepSpeed ZeRO-2 on CPU, faults made the way they happen.
 
-- ``test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node``: 3 nodes and 1 spare
-  (an allocation of 4), one rank each, global batch kept. At steps drawn at random (seeded; the
-  seed is printed): node1's ranks SIGKILLed, node2's link cut, then one training node's slurmd
-  stopped. hfscale's supervisor runs on the batch host (node0), each attempt one srun step; Slurm's
-  "Node failure" names the lost nodes, which leave the allocation (--no-kill) and the job. It
-  finishes without a person; every step's loss equals an uninterrupted run's within 1e-3; squeue
-  is empty and no process of the job is left; status shows the attempts and the goodput.
+- ``test_a_slurm_job_heals_around_a_killed_and_a_slurmd_less_node``: 3 nodes and 1 spare (an
+  allocation of 4), one rank each, global batch kept. At steps drawn at random (seeded; the seed is
+  printed): node1's ranks SIGKILLed (the spare takes its place), then one training node's slurmd
+  stopped: Slurm's "Node failure" names it, it leaves the allocation (--no-kill) and the job, which
+  shrinks to 2 nodes (left-out hosts are not probed again here). hfscale's supervisor runs on the
+  batch host (node0), each attempt one srun step. It finishes without a person; every step's loss
+  equals an uninterrupted run's within 1e-3; squeue is empty and no process of the job is left;
+  status shows the attempts and the goodput. (A cut link is
+  ``test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts``: at SlurmdTimeout 300, as sites
+  run Slurm, hfscale finds the silent node itself.)
+- ``test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts``: issue 35, below.
 - ``test_a_lost_batch_host_requeues_the_job_which_resumes``: the batch host (where the supervisor
   runs) dies mid-training (its slurmd and every process on it killed); the other nodes' keepers see
   the supervisor's heartbeat stop and requeue the job, which resumes from the newest complete
@@ -134,8 +138,7 @@ def output(run: Path, job: str) -> str:
     return log.read_text(errors="replace") if log.exists() else "(no output file)"
 
 
-def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make_slurm, tmp_path,
-                                                                             uninterrupted_losses):
+def test_a_slurm_job_heals_around_a_killed_and_a_slurmd_less_node(make_slurm, tmp_path, uninterrupted_losses):
     seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
@@ -143,10 +146,12 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
     cluster = slurm.cluster
     out = tmp_path / "out"
     config = slurm_config(tmp_path, out, 29971, spares=1)
+    doc = yaml.safe_load(config.read_text())
+    doc["recovery"]["probe_excluded"] = False  # node1 stays out: the second fault shrinks the job (3 -> 2 nodes)
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
     t0 = time.time()
     job, run = submit(slurm, config)
     faults: list[tuple[str, float, int]] = []
-    link = f"hfs{cluster.id}v2"  # node2's veth end on the bridge
     try:
         # 1. node1's ranks SIGKILLed (a GPU fault, the OOM killer)
         wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600, run=run)
@@ -155,29 +160,19 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
         run_on(cluster, "node1", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
         faults.append(("kill node1's ranks", time.time(), _step(run)))
         wait_for("attempt 1 training", lambda: _training_after(run, 0), slurm, job, run=run)
-        # 2. node2's link cut (a dead switch port): Slurm's Node failure, node2 leaves the job
-        at = _step(run) + rng.randint(3, 10)
-        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
-        subprocess.run(["ip", "link", "set", link, "down"], check=True)
-        faults.append(("cut node2's link", time.time(), _step(run)))
-        wait_for("node2's loss noticed", lambda: len(_events(run, "failure")) >= 2, slurm, job, run=run)
-        last = _events(run, "failure")[-1].attempt
-        wait_for("the next attempt training", lambda: _training_after(run, last), slurm, job, run=run)
-        subprocess.run(["ip", "link", "set", link, "up"], check=True)  # back; it stays out of the job
-        # 3. the slurmd of a training node (not the batch host) stopped: Slurm's Node failure again
+        # 2. the slurmd of a training node (not the batch host) stopped: Slurm's Node failure
         hosts = _events(run, "relaunch")[-1].hosts
         victim = next(h for h in hosts if h != "node0")
         at = _step(run) + rng.randint(3, 10)
         wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
         slurm.stop_slurmd(victim)
         faults.append((f"stop {victim}'s slurmd", time.time(), _step(run)))
-        wait_for(f"{victim}'s loss noticed", lambda: len(_events(run, "failure")) >= 3, slurm, job, run=run)
+        wait_for(f"{victim}'s loss noticed", lambda: len(_events(run, "failure")) >= 2, slurm, job, run=run)
         last = _events(run, "failure")[-1].attempt
         wait_for("the last attempt training", lambda: _training_after(run, last), slurm, job, run=run)
         (tmp_path / "slow").unlink()  # no fault left to make: the last attempt's steps at full speed
         info = slurm.wait(job, timeout=900)
     finally:
-        subprocess.run(["ip", "link", "set", link, "up"], check=False)
         slurm.run("scancel", job, check=False)
     took = time.time() - t0
     text = output(run, job)
@@ -189,16 +184,16 @@ def test_a_slurm_job_heals_around_a_killed_a_cut_off_and_a_slurmd_less_node(make
         print(e.model_dump(exclude_none=True))
     failures = [e for e in events if e.kind == "failure"]
     relaunches = [e for e in events if e.kind == "relaunch"]
-    assert len(failures) == 3 and len(relaunches) == 3, text[-6000:]
+    assert len(failures) == 2 and len(relaunches) == 2, text[-6000:]
     # the supervisor beat through every gap between attempts (its probes, its decisions): no watch requeued
     assert int(info.get("Restarts", "0")) == 0 and not (run / REQUEUE_LOG).exists(), text[-6000:]
     assert (failures[0].cause, failures[0].host) == ("rank_failed", "node1")
     # the spare (node3, the allocation's last node) in node1's place: the same world size, nothing converted
     assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
     assert "ds_to_universal" not in text.split("restart 2 (")[0]
-    assert (failures[1].cause, failures[1].host) == ("host_lost", "node2")
-    assert (failures[2].cause, failures[2].host) == ("host_lost", victim)
-    assert "node2" not in relaunches[1].hosts and victim not in relaunches[2].hosts
+    assert (failures[1].cause, failures[1].host) == ("host_lost", victim)
+    # no spare left: 2 nodes, the batch kept (accumulation 2 -> 3), the checkpoint converted
+    assert victim not in relaunches[1].hosts and (relaunches[1].world_size, relaunches[1].accumulation) == (2, 3)
     worst = largest_loss_difference(out, MAX_STEPS, uninterrupted_losses)  # every step logged, against the reference
     print(f"healed in {took:.0f} s; largest loss difference over {MAX_STEPS} steps: {worst:.2e}")
     assert worst < 1e-3
@@ -224,7 +219,7 @@ def test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts(make_slurm, tmp
     slurm = make_slurm(4, slurmd_timeout=300)
     cluster = slurm.cluster
     out = tmp_path / "out"
-    max_steps = 90
+    max_steps = 60
     config = slurm_config(tmp_path, out, 29821, spares=1, max_steps=max_steps, watchdog=20)
     t0 = time.time()
     job, run = submit(slurm, config)

@@ -9,7 +9,7 @@ killed and node1 takes its place. Every step's loss equals the uninterrupted run
 ``status`` names the replacements.
 
 With node2's kill, a process on node0 takes the master port the moment the dying attempt's store
-lets it go and holds it 12 s, as the previous attempt's torchrun still shutting down does under
+lets it go and holds it 6 s, as the previous attempt's torchrun still shutting down does under
 Slurm (issue 35): the relaunch waits for the port (hfscale.launch.settle) instead of failing on
 node0 with EADDRINUSE, and node0 stays node 0. Before, node0 was struck and replaced by node2, the
 host just taken out.
@@ -61,8 +61,8 @@ def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterr
                 wait_for(f"attempt {n} training", lambda: _attempt_training(run, n), job.proc)
             at = min(_step(run) + rng.randint(3, 8), MAX_STEPS - 6)
             wait_for(f"step {at}", lambda: _step(run) >= at, job.proc)
-            if n:  # node0's master port taken as the dying attempt's store lets it go, held 12 s
-                holder = subprocess.Popen([str(cluster.bin / "ssh"), "node0", f"{sys.executable} {grab} 29936 12"],
+            if n:  # node0's master port taken as the dying attempt's store lets it go, held 6 s
+                holder = subprocess.Popen([str(cluster.bin / "ssh"), "node0", f"{sys.executable} {grab} 29936 6"],
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 time.sleep(1.0)  # its interpreter up, trying the port
             run_on(cluster, victim, "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
