@@ -21,8 +21,10 @@ exception or ``sys.exit(N)`` from SCRIPT ends the process as it would without hf
 
 It does not run SCRIPT when the newest checkpoint is already at ``--max_steps`` (the Trainer would
 take one more step and save it; exit 0), and never lets it start over in an output_dir that holds
-checkpoints of which none is complete: at the job's first start (not a restart) it exits with
-code 2 and says why.
+checkpoints of which none is complete and that are not the job's own: at the job's first start (not
+a restart) it exits with code 2 and says why. At a fresh start (no checkpoint in ``--output_dir``),
+rank 0 begins the output_dir's lineage first (hfscale.checkpoints.lineage), so that a save of this
+job's cut short by a failure is set aside by the next launch instead.
 
 On the CPU, a rank of a DeepSpeed job of more than one process (``--deepspeed`` and ``--use_cpu``,
 WORLD_SIZE > 1) joins torch's process group and DeepSpeed's communication layer before SCRIPT runs:
