@@ -18,7 +18,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.build import INCOMPLETE_DIR
 from hfscale.launch.timeline import read_timeline
-from test_recovery_cluster import _attempt_training, _step, launched, run_dir_of, train_config, wait_for
+from test_recovery_cluster import _attempt_training, launched, run_dir_of, train_config, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 from hfscale.checkpoints import local_tier as tier
@@ -18,15 +19,16 @@ NODE1 = ["global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt", "rng_state_1.
 
 
 def node(root: Path, step: int, own: list[str], buddy: list[str], files=WHOLE, lineage=LINEAGE, world=2,
-         holding=True) -> Path:
+         holding=True, sums=True) -> Path:
     for kind, paths in ((tier.OWN, own), (tier.BUDDY, buddy)):
         for rel in paths:
             p = tier.part(root, kind, step) / rel
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(b"x" * files[rel])
-    if holding:
+    if holding:  # each file's CRC-32 as the save (own) or the copy (buddy) records it
+        crcs = {rel: f"{zlib.crc32(b'x' * files[rel]):08x}" for rel in own + buddy} if sums else {}
         tier.write_holding(root, tier.Holding(step=step, world_size=world, lineage=lineage, files=files, own=own,
-                                              buddy=buddy))
+                                              buddy=buddy, sums=crcs))
     return root
 
 
@@ -37,16 +39,17 @@ def test_the_newest_step_complete_between_the_nodes_is_chosen(tmp_path: Path):
     node(a, 10, NODE0, [], files={**WHOLE})  # step 10: node1's part is nowhere
     choice = tier.choose([tier.scan(a), tier.scan(b)], LINEAGE, 2, newer_than=-1)
     assert choice is not None and choice.step == 5
-    assert set(choice.by_node[0]) == set(NODE0 + NODE1)  # node a holds it all (own + buddy copy): b copies nothing
-    assert 1 not in choice.by_node
+    # each node copies its own part (the copies spread over the nodes): a's buddy copy of b's part is not needed
+    assert set(choice.by_node[0]) == set(NODE0) and set(choice.by_node[1]) == set(NODE1)
+    assert {x.kind for files in choice.by_node.values() for x in files.values()} == {tier.OWN}
 
 
 def test_a_lost_node_is_covered_by_its_buddys_copy(tmp_path: Path):
     b = node(tmp_path / "b", 5, NODE1, NODE0)  # node a is gone: b has a's part as buddy
     choice = tier.choose([tier.scan(b)], LINEAGE, 2, newer_than=-1)
     assert choice is not None and set(choice.by_node[0]) == set(WHOLE)
-    folders = {Path(f).parent.name for f in choice.by_node[0].values()}
-    assert folders == {tier.OWN, tier.BUDDY}
+    assert {Path(f.folder).parent.name for f in choice.by_node[0].values()} == {tier.OWN, tier.BUDDY}
+    assert {f.kind for f in choice.by_node[0].values()} == {tier.OWN, tier.BUDDY}
 
 
 def test_steps_of_another_run_world_size_or_not_newer_are_not_restored(tmp_path: Path):
@@ -195,49 +198,151 @@ def test_a_file_that_cannot_be_read_or_written_fails_the_copy_without_a_hang(tmp
 
 def _restorable(tmp_path: Path) -> tuple[Path, str, Path]:
     """An output_dir with a lineage and this host's local step 5 (every file its own, one rank)."""
-    from hfscale.training.callbacks import local_tier as ranks
+    from hfscale.training.callbacks.collectives import host
 
     out, template = tmp_path / "out", str(tmp_path / "local" / "{host}")
     out.mkdir()
     (out / tier.LINEAGE_FILE).write_text(f'{{"lineage": "{LINEAGE}"}}\n')
-    root = Path(tier.node_dir(template, ranks.host(), str(out)))
+    root = Path(tier.node_dir(template, host(), str(out)))
     node(root, 5, list(WHOLE), [], world=1)
     return out, template, root
+
+
+def flip(path: Path, at: int = 0, n: int = 4096) -> None:
+    """Rot: ``n`` bytes flipped from ``at`` (at most to the end), the size and the times kept."""
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    for i in range(at, min(len(data), at + n)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_a_restore_cut_short_or_missing_a_file_falls_back_to_the_durable_tier(tmp_path: Path, monkeypatch, capsys):
     """Every rank learns that the restore is not whole (no rank raises while the others wait at a
     barrier): the staging folder goes, the user is told, and training resumes from the durable tier."""
-    from hfscale.training.callbacks import local_tier as ranks
+    from hfscale.training.callbacks.local_restore import restore
 
     out, template, root = _restorable(tmp_path)
-    real = tier.copy_files
+    real = tier.copy_checked
 
-    def cut_short(files, dest):  # the copy of one file ends early (the node's disk filled, say)
-        real(files, dest)
-        (dest / "global_step5/mp_rank_00_model_states.pt").write_bytes(b"x")
+    def cut_short(rel, source, dest):  # the copy of one file ends early after it was checked
+        got = real(rel, source, dest)
+        if rel == "global_step5/mp_rank_00_model_states.pt":
+            (dest / rel).write_bytes(b"x")
+        return got
 
-    monkeypatch.setattr(tier, "copy_files", cut_short)
-    assert ranks.restore(str(out), template, durable=None) is None
+    monkeypatch.setattr(tier, "copy_checked", cut_short)
+    assert restore(str(out), template, durable=None) is None
     said = capsys.readouterr().out
     assert "the restore of local step 5" in said and "is not whole (1 file(s) missing or short, e.g. " \
-        "global_step5/mp_rank_00_model_states.pt)" in said and "resuming from the durable tier's nothing" in said
+        "global_step5/mp_rank_00_model_states.pt)" in said and "resuming from the durable tier instead" in said
     assert sorted(p.name for p in out.iterdir()) == [tier.LINEAGE_FILE]  # no checkpoint-5, no staging left
 
-    def vanished(files, dest):  # a local file removed after the scan: copy_files' own OSError
-        (Path(files["rng_state_0.pth"]) / "rng_state_0.pth").unlink()
-        real(files, dest)
+    def vanished(rel, source, dest):  # a local file removed after the scan: its copy cannot read it
+        if rel == "rng_state_0.pth":
+            (Path(source.folder) / rel).unlink(missing_ok=True)
+        return real(rel, source, dest)
 
-    monkeypatch.setattr(tier, "copy_files", vanished)
-    assert ranks.restore(str(out), template, durable=str(out / "checkpoint-2")) is None
+    monkeypatch.setattr(tier, "copy_checked", vanished)
+    assert restore(str(out), template, durable=str(out / "checkpoint-2")) is None
     said = capsys.readouterr().out
-    assert "No such file or directory" in said and "rng_state_0.pth" in said and "checkpoint-2 instead" in said
+    assert "local step 5: rng_state_0.pth of " in said and "does not match its checksum (crc32 unreadable" in said
+    assert "no other copy matches: an older step" in said and "durable tier's " + str(out / "checkpoint-2") in said
     assert sorted(p.name for p in out.iterdir()) == [tier.LINEAGE_FILE]
 
-    monkeypatch.setattr(tier, "copy_files", real)  # whole: restored and marked
-    node(root, 5, list(WHOLE), [], world=1)
-    assert ranks.restore(str(out), template, durable=None) == str(out / "checkpoint-5")
+    monkeypatch.setattr(tier, "copy_checked", real)
+    node(root, 5, list(WHOLE), [], world=1)  # whole: restored and marked
+    assert restore(str(out), template, durable=None) == str(out / "checkpoint-5")
     assert (out / "checkpoint-5" / "hfscale_complete.json").is_file()
+    assert "every file matching its checksum (6 file(s)" in capsys.readouterr().out
+
+
+def test_a_rotten_file_is_never_restored_an_older_step_is(tmp_path: Path, capsys):
+    """Issue 36: bytes flipped in the newest local step at the same size and time (the sizes and
+    torch.load do not notice): that step is not restored, the older one is, and the user is told which
+    file, where, and both checksums. A holding without checksums (an older hfscale's) offers nothing."""
+    from hfscale.training.callbacks.local_restore import restore
+
+    out, template, root = _restorable(tmp_path)
+    node(root, 10, list(WHOLE), [], world=1, files=WHOLE)
+    shard = tier.part(root, tier.OWN, 10) / "global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    flip(shard, 5, 10)
+    assert restore(str(out), template, durable=None) == str(out / "checkpoint-5")
+    said = capsys.readouterr().out
+    crc = f"{zlib.crc32(shard.read_bytes()):08x}"
+    assert "local step 10: global_step5/zero_pp_rank_1_mp_rank_00_optim_states.pt of " in said
+    assert f"'s own part does not match its checksum (crc32 {crc}, saved {zlib.crc32(b'x' * 20):08x}); " \
+        "no other copy matches: an older step" in said
+    assert "restored step 5 from the nodes' local checkpoints" in said and not (out / "checkpoint-10").exists()
+    node(root, 15, list(WHOLE), [], world=1, sums=False)  # written before checksums: not verifiable, not offered
+    assert tier.choose([tier.scan(root)], LINEAGE, 1, newer_than=10) is None
+
+
+def test_a_copy_that_does_not_match_is_taken_from_its_other_holder(tmp_path: Path):
+    """What the ranks do across nodes (the restore's rounds), on the pure parts: node a's own file does
+    not match; without that copy the choice takes node b's buddy copy of it; with b's copy rotten too,
+    the step is not whole and an older one is chosen."""
+    a = node(tmp_path / "a", 5, NODE0, NODE1)
+    b = node(tmp_path / "b", 5, NODE1, NODE0)
+    node(a, 3, NODE0, NODE1)
+    node(b, 3, NODE1, NODE0)
+    flip(tier.part(a, tier.OWN, 5) / "rng_state_0.pth")
+    scans = [tier.scan(a, "a"), tier.scan(b, "b")]
+    first = tier.choose(scans, LINEAGE, 2, -1)
+    assert first is not None and first.step == 5 and first.by_node[0]["rng_state_0.pth"].kind == tier.OWN
+    staging = tmp_path / "staging"
+    src = first.by_node[0]["rng_state_0.pth"]
+    assert tier.copy_checked("rng_state_0.pth", src, staging) == f"{zlib.crc32(bytes(b ^ 0xFF for b in b'xxxx')):08x}"
+    assert not (staging / "rng_state_0.pth").exists()  # a copy that does not match is not kept
+    again = tier.choose(scans, LINEAGE, 2, 4, frozenset({(0, "rng_state_0.pth")}), older_than=6)
+    assert again is not None and again.step == 5
+    assert again.by_node[1]["rng_state_0.pth"].kind == tier.BUDDY  # b's copy of a's part
+    assert tier.copy_checked("rng_state_0.pth", again.by_node[1]["rng_state_0.pth"], staging) is None
+    assert (staging / "rng_state_0.pth").read_bytes() == b"xxxx"
+    both = frozenset({(0, "rng_state_0.pth"), (1, "rng_state_0.pth")})
+    assert tier.choose(scans, LINEAGE, 2, 4, both, older_than=6) is None  # no copy of it matches: not step 5
+    assert tier.choose(scans, LINEAGE, 2, -1, older_than=5).step == 3  # the next older step
+
+
+def test_a_copy_that_cannot_be_written_is_not_blamed_on_its_source(tmp_path: Path):
+    a = node(tmp_path / "a", 5, NODE0, NODE1)
+    (choice,) = [tier.choose([tier.scan(a)], LINEAGE, 2, -1)]
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "rng_state_0.pth").mkdir()  # cannot be opened for writing (as a full disk cannot be written)
+    try:
+        tier.copy_checked("rng_state_0.pth", choice.by_node[0]["rng_state_0.pth"], staging)
+    except tier.WriteFailed as e:
+        assert e.filename == str(staging / "rng_state_0.pth")
+    else:
+        raise AssertionError("WriteFailed expected")
+
+
+def test_the_buddy_stream_checks_both_ends_against_the_checksums(tmp_path: Path, monkeypatch):
+    """A sender whose own file rotted since its checksum was taken says so (its own step is then
+    dropped); a receiver keeps a copy only when every file it wrote matches what the sender sent."""
+    from hfscale.training.callbacks import buddy_stream as stream
+
+    monkeypatch.setattr(stream, "CHUNK", 1000)  # files cross chunk boundaries
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    files = {"a.bin": 5000, "b.bin": 7, "empty": 0}
+    for rel, size in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(bytes(i % 251 for i in range(size)))
+    sums = tier.sums_all(src, files)
+    assert sums == tier.sums_of(src, files) and sums["empty"] == "00000000"
+    flip(src / "a.bin", 100, 8)  # rot after the checksums were taken
+    failed: list[str] = []
+    sent: dict[str, str] = {}
+    writer = stream.Writer(dst, files)
+    for chunk in stream.chunks(src, files, failed, "node0", sums, sent):
+        writer.write(chunk.clone())
+    writer.finish()
+    assert len(failed) == 1 and "a.bin does not match its checksum (crc32 " in failed[0] and failed[0].startswith("node0: ")
+    assert writer.crcs == sent and writer.error is None  # the bytes arrived as they were sent
+    writer.check({**sent, "b.bin": "00000000"})  # a file that did not arrive as sent
+    assert writer.error is not None and "b.bin as received does not match its checksum" in writer.error
 
 
 def test_a_buddy_copy_that_raises_keeps_the_own_part_and_says_why():

@@ -131,7 +131,8 @@ def with_local_tier(trainer: Any, local: Any, resume: str | None) -> str | None:
     """The local tier (``training.local_checkpoints``) on every rank: restore its newest step complete
     across the nodes when it is newer than ``resume`` (the durable tier's), start or keep the run's
     lineage, and save every ``local.every`` steps from now on; the checkpoint to resume from."""
-    from hfscale.training.callbacks.local_tier import LocalCheckpointCallback, restore, start_lineage
+    from hfscale.training.callbacks.local_restore import restore
+    from hfscale.training.callbacks.local_tier import LocalCheckpointCallback, start_lineage
 
     out = trainer.args.output_dir
     resume = restore(out, local.dir, resume) or resume

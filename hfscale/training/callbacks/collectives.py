@@ -1,6 +1,6 @@
-"""What the callbacks share: rank and world, where collectives' tensors live, the exit hook,
-memory and parameter counts, JSON lines. Callbacks call these through the module (``collectives.
-all_gather``), so a test can count the gathers."""
+"""What the callbacks share: rank and world, the nodes (which rank is on which host), where
+collectives' tensors live, the exit hook, memory and parameter counts, JSON lines. Callbacks call
+these through the module (``collectives.all_gather``), so a test can count the gathers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import resource
+import socket
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +27,48 @@ def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def host() -> str:
+    """This node's name: the one hfscale's node line exported (HFSCALE_HOST), else the host name."""
+    return os.environ.get("HFSCALE_HOST") or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The nodes in order (by their lowest rank): this rank's node, whether this rank is its node's
+    first (the one that lists, sends and receives its node's part), each node's first rank, and the
+    ranks on this rank's node (in order)."""
+
+    node: int
+    first: bool
+    leaders: tuple[int, ...]
+    members: tuple[int, ...] = (0,)
+
+
+def nodes() -> Nodes:
+    """One collective: every rank's host."""
+    rank, _ = rank_world()
+    me = host()
+    hosts = gather_objects(me)
+    order = list(dict.fromkeys(hosts))
+    return Nodes(order.index(me), hosts.index(me) == rank, tuple(hosts.index(h) for h in order),
+                 tuple(r for r, h in enumerate(hosts) if h == me))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order. One collective (none alone)."""
+    _, world = rank_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if rank_world()[1] > 1:
+        dist.barrier()
 
 
 def comm_device() -> torch.device:

@@ -6,31 +6,29 @@ tier's steps) into each node's own disk, right after the Trainer logged the step
 Trainer's own save (``Trainer._save_checkpoint``, the output_dir pointed at the node's folder for
 that call): DeepSpeed's shards, the optimizer, the scheduler, the RNG states, the trainer state,
 each written by the rank that writes it in a durable save (the whole model file left out: the
-resume reads DeepSpeed's). Then the nodes exchange their listings (one ``all_gather_object``)
-and each node writes its holding of its own part: the step is restorable while every node
-answers. The buddy copy follows behind training (hfscale.training.callbacks.buddy_stream: each
-node's first rank, in a thread, sends its node's part to the next node's and receives the
-previous node's, over a gloo group of its own), and adds the copy to the holding when it is
-whole; the next local save waits for it. A rank killed during any of this leaves the step
+resume reads DeepSpeed's). Then the nodes exchange their listings (one ``all_gather_object``),
+the ranks of each node take the CRC-32 of its files between them (each rank a share, one more
+gather), and each node writes its holding of its own part with those checksums: the step is
+restorable while every node answers. The buddy copy follows behind training
+(hfscale.training.callbacks.buddy_stream: each node's first rank, in a thread, sends its node's
+part to the next node's and receives the previous node's, over a gloo group of its own, both sides
+checking every file against its checksum), and adds the copy to the holding when it is whole and
+matches; the next local save waits for it. A rank killed during any of this leaves the step
 without a holding, or held without its copy: the previous local step, complete with its copies,
 stays on the nodes until the copy is whole. With ``training.async_save`` the save returns while
 DeepSpeed's writers write the shards; the listing and the holding follow at the end of the first
 step after the commit (hfscale.training.async_save), or before the next local save.
 
-``restore`` runs on every rank before ``trainer.train``: the nodes exchange what they hold, choose
-the newest step complete between them (own and buddy copies) that is newer than the durable
-tier's newest and saved at this world size, copy its files (each from one node) into
-``<output_dir>/checkpoint-<step>``, and rank 0 marks it complete (hfscale_complete.json): the
-resume then reads it from the shared file system as any checkpoint.
+The restore, before ``trainer.train``, with every file checked against its checksum:
+hfscale.training.callbacks.local_restore.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 import shutil
-import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,43 +36,10 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hfscale.checkpoints import local_tier as tier
-from hfscale.checkpoints.lineage import begin_lineage, read_lineage
-from hfscale.checkpoints.resume import saved_state, write_marker
+from hfscale.checkpoints.lineage import begin_lineage
 from hfscale.training import async_save as async_saves
 from hfscale.training.callbacks.buddy_stream import Behind, Copied, Exchange, exchange
-from hfscale.training.callbacks.collectives import logger, rank_world
-
-
-def host() -> str:
-    return os.environ.get("HFSCALE_HOST") or socket.gethostname()
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """The nodes in order (by their lowest rank): this rank's node, whether this rank is its node's
-    first (the one that lists, sends and receives its node's part), and each node's first rank."""
-
-    node: int
-    first: bool
-    leaders: tuple[int, ...]
-
-
-def _nodes() -> Nodes:
-    """One collective: every rank's host."""
-    rank, _ = rank_world()
-    me = host()
-    hosts = _all_gather(me)
-    order = list(dict.fromkeys(hosts))
-    return Nodes(order.index(me), hosts.index(me) == rank, tuple(hosts.index(h) for h in order))
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    _, world = rank_world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
+from hfscale.training.callbacks.collectives import Nodes, barrier, gather_objects, host, logger, nodes, rank_world
 
 
 def start_lineage(output_dir: str, fresh: bool) -> str:
@@ -89,59 +54,6 @@ def start_lineage(output_dir: str, fresh: bool) -> str:
     return str(value)
 
 
-def restore(output_dir: str, template: str, durable: str | None) -> str | None:
-    """Every rank: the local tier's newest step complete across the nodes, restored into
-    ``output_dir``, when it is newer than ``durable`` (the durable tier's checkpoint to resume
-    from) and was saved at this world size; None otherwise."""
-    rank, world = rank_world()
-    durable_step = _step_of(durable)
-    nodes = _nodes()
-    root = tier.node_dir(template, host(), output_dir)
-    mine = tier.scan(root) if nodes.first else None
-    scans = [s for s in _all_gather(mine) if s is not None]  # node order
-    for s in scans:
-        for why in s.skipped:
-            logger.warning("local checkpoints: skipped %s", why)
-    choice = tier.choose(scans, read_lineage(output_dir), world, durable_step)
-    if choice is None:
-        return None
-    dest = Path(output_dir) / f"checkpoint-{choice.step}"
-    staging = Path(output_dir) / f".restoring-checkpoint-{choice.step}"
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    _barrier()
-    failed = None
-    if nodes.first:
-        try:
-            tier.copy_files(choice.by_node.get(nodes.node, {}), staging)
-        except OSError as e:  # a disk that filled, a file that went away: told, and the durable tier instead
-            failed = f"{host()}: {e.strerror or e} ({e.filename or staging})"
-    problems = [p for p in _all_gather(failed) if p]  # every rank learns it: none waits on one that gave up
-    if not problems:
-        got = tier.listing(staging) if rank == 0 else {}
-        short = [rel for rel, size in choice.files.items() if got.get(rel) != size] if rank == 0 else []
-        problems = [p for p in _all_gather(f"{len(short)} file(s) missing or short, e.g. {short[0]}" if short else None)
-                    if p]
-    if problems:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            print(f"hfscale: warning: the restore of local step {choice.step} into {staging} is not whole "
-                  f"({'; '.join(problems[:4])}); resuming from the durable tier's {durable or 'nothing'} instead",
-                  flush=True)
-        _barrier()
-        return None
-    if rank == 0:
-        if dest.exists():  # a durable save of that step cut short: never complete, else it would be the newest
-            shutil.rmtree(dest)
-        os.replace(staging, dest)
-        write_marker(dest, choice.step, world)
-        print(f"hfscale: restored step {choice.step} from the nodes' local checkpoints into {dest} "
-              f"(the durable tier's newest: {durable or 'none'})", flush=True)
-    _barrier()
-    return str(dest)
-
-
 def _describe_model(trainer: Any, output_dir: str | None) -> None:
     """What a local save keeps of ``save_model``: the small files that say what the model is."""
     if not output_dir or not trainer.args.should_save:
@@ -153,18 +65,6 @@ def _describe_model(trainer: Any, output_dir: str | None) -> None:
                  getattr(trainer, "processing_class", None)):
         if part is not None and hasattr(part, "save_pretrained"):
             part.save_pretrained(output_dir)
-
-
-def _step_of(ckpt: str | None) -> int:
-    if ckpt is None:
-        return -1
-    state = saved_state(ckpt)
-    return state.global_step if state is not None else int(Path(ckpt).name.rsplit("-", 1)[-1])
-
-
-def _barrier() -> None:
-    if rank_world()[1] > 1:
-        dist.barrier()
 
 
 class LocalCheckpointCallback(TrainerCallback):
@@ -185,7 +85,7 @@ class LocalCheckpointCallback(TrainerCallback):
     def nodes(self) -> Nodes:
         """Which node this rank is on (one collective, the first time: the ranks stay where they are)."""
         if self._nodes is None:
-            self._nodes = _nodes()
+            self._nodes = nodes()
         return self._nodes
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -239,7 +139,7 @@ class LocalCheckpointCallback(TrainerCallback):
                 error = self.save(step, args)
                 # training.async_save: DeepSpeed's writers hold the shards. The listing and the buddy copy need
                 # them on disk: they wait for the commit (at a later step's end), and training goes on meanwhile
-                states = _all_gather((error is None, bool(async_saves.pending())))
+                states = gather_objects((error is None, bool(async_saves.pending())))
                 if all(ok and writing for ok, writing in states):
                     self.writing = (step, time.perf_counter() - t0)
                     return out
@@ -267,7 +167,7 @@ class LocalCheckpointCallback(TrainerCallback):
         if nodes.first:
             shutil.rmtree(own, ignore_errors=True)
             own.parent.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        barrier()
         trainer = self.trainer
         kept = args.output_dir, args.save_total_limit, args.push_to_hub
         args.output_dir = str(own.parent)  # the Trainer saves into <root>/own/checkpoint-<step>
@@ -292,25 +192,17 @@ class LocalCheckpointCallback(TrainerCallback):
         first = nodes.first
         root = tier.node_dir(self.template, host(), args.output_dir)
         own = tier.part(root, tier.OWN, step)
-        _barrier()  # every rank of every node has written its files (or failed to)
+        barrier()  # every rank of every node has written its files (or failed to)
         listed = None
         if first:
             try:
                 listed = tier.listing(own)
             except OSError as e:
                 error = error or f"{host()}: {e}"
-        gathered = _all_gather((error, listed))
-        errors = [e for e, _ in gathered if e]
+        gathered = gather_objects((error, listed))
+        errors = [e for e, _ in gathered if e]  # every rank: kept everywhere or nowhere
         parts = [p for _, p in gathered if p is not None]  # node order
         files = {rel: size for p in parts for rel, size in p.items()}
-        if first and not errors:
-            holding = tier.Holding(step=step, world_size=world, lineage=self.lineage, files=files,
-                                   own=sorted(parts[nodes.node]), buddy=[])
-            try:  # the step is there on this node from here: restorable while every node answers
-                tier.write_holding(root, holding)
-            except OSError as e:
-                errors.append(f"{host()}: {e}")
-        errors = [e for e in _all_gather(errors[0] if errors else None) if e]  # every rank: kept everywhere or nowhere
         if errors:
             if first:
                 tier.remove(root, step)
@@ -319,36 +211,63 @@ class LocalCheckpointCallback(TrainerCallback):
                       + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
                       + "; training goes on, the previous local step and the durable tier stay", flush=True)
             return 0
-        if first and self.buddy and len(parts) > 1:
+        if first:
             n, node = len(parts), nodes.node
-            x = Exchange(step, nodes.leaders[tier.buddy_of(node, n)], nodes.leaders[(node - 1) % n], own,
-                         parts[node], tier.part(root, tier.BUDDY, step), parts[(node - 1) % n])
-            self.behind.start(lambda: exchange(x, self.group, host()),
+            holding = tier.Holding(step=step, world_size=world, lineage=self.lineage, files=files,
+                                   own=sorted(parts[node]), buddy=[])
+            x = Exchange(step, nodes.leaders[tier.buddy_of(node, n)], nodes.leaders[(node - 1) % n], own, parts[node],
+                         tier.part(root, tier.BUDDY, step), parts[(node - 1) % n]) if self.buddy and n > 1 else None
+            self.behind.start(lambda: self._behind(root, holding, x),
                               lambda copied: self._copied(root, holding, x, copied))
-        elif first:
-            self._rotate(root)
         return sum(files.values())
 
-    def _copied(self, root: Path, holding: tier.Holding, x: Exchange, copied: Copied) -> None:
-        """In the buddy copy's thread, once it ended: the copy received into the holding (the step is
-        then complete without this node's own part too), or, when this node's own part could not be
-        read, the step dropped here; then the rotation, and the record."""
+    def _behind(self, root: Path, holding: tier.Holding, x: Exchange | None) -> Copied:
+        """In the thread, behind training: the CRC-32 of each file of this node's own part (read back
+        from the page cache, several files at once), then its holding, with them (the step is
+        restorable from here while every node answers), then the buddy copy (which the peer waits for
+        even when this node's own part could not be read: it is sent as zeros and said)."""
+        t0 = time.perf_counter()
+        own = tier.part(root, tier.OWN, holding.step)
+        problem = None
+        try:
+            sums = tier.sums_all(own, holding.own)
+            tier.write_holding(root, holding.model_copy(update={"sums": sums}))
+        except OSError as e:
+            sums, problem = None, f"{host()}: {e}"
+        if x is None:
+            return Copied(problem is None, False, (problem,) if problem else (), time.perf_counter() - t0,
+                          out_sums=sums)
+        copied = exchange(replace(x, out_sums=sums), self.group, host())
+        return replace(copied, read=copied.read and problem is None, out_sums=sums,
+                       errors=((problem,) if problem else ()) + copied.errors)
+
+    def _copied(self, root: Path, holding: tier.Holding, x: Exchange | None, copied: Copied) -> None:
+        """In the thread, once the copy ended (or the own part's checksums, without a buddy): the copy
+        received into the holding (the step is then complete without this node's own part too), or,
+        when this node's own part could not be read as saved, the step dropped here; then the
+        rotation, and the record."""
+        step = holding.step
         if not copied.read:  # this node's own part is not whole: the step is not here
-            tier.remove(root, x.step)
-        elif copied.received:
+            tier.remove(root, step)
+        elif copied.received and x is not None:
             try:
-                tier.write_holding(root, holding.model_copy(update={"buddy": sorted(x.in_files)}))
+                tier.write_holding(root, holding.model_copy(update={"buddy": sorted(x.in_files),
+                                                                    "sums": {**(copied.out_sums or {}),
+                                                                             **(copied.in_sums or {})}}))
             except OSError as e:
-                copied = Copied(True, False, copied.errors + (f"{host()}: {e}",), copied.seconds, copied.cut)
-        if not copied.received:
+                copied = replace(copied, received=False, errors=copied.errors + (f"{host()}: {e}",))
+        if x is not None and not copied.received:
             shutil.rmtree(x.into, ignore_errors=True)
         if not copied.read:
-            print(f"hfscale: warning: local step {x.step} dropped on {host()}: {copied.errors[0][:500]}; "
+            print(f"hfscale: warning: local step {step} dropped on {host()}: {copied.errors[0][:500]}; "
                   "the previous local step and the durable tier stay", flush=True)
-        elif copied.cut:  # a peer died mid-copy: its failure is what the launch tells; this goes to the log
+        if x is None:  # no buddy copy: the own part's checksums were the thread's work
+            self._rotate(root)
+            return
+        if copied.read and copied.cut:  # a peer died mid-copy: its failure is what the launch tells; the log's
             logger.warning("local checkpoints: the buddy copy of step %s was cut short on %s: %s", x.step, host(),
                            copied.errors[0][:500])
-        elif copied.errors:
+        elif copied.read and copied.errors:
             print(f"hfscale: warning: the buddy copy of local step {x.step} was not kept on {host()}: "
                   f"{copied.errors[0][:500]}; the step is held by its own nodes only", flush=True)
         self._rotate(root)
