@@ -7,10 +7,13 @@ mid-write takes its writer process with it. The pure parts: tests/test_async_sav
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -23,6 +26,7 @@ from hfscale.checkpoints.files import deepspeed_tag
 from hfscale.checkpoints.resume import MARKER, IncompleteCheckpointWarning, checkpoint_problem, latest_checkpoint
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
 
 ASYNC = [*COMMON, "--async-save"]
 
@@ -226,3 +230,27 @@ def test_sigkills_at_random_moments_never_resume_from_an_incomplete_checkpoint(t
     assert done.rc == 0, done.tail()
     assert done.result["global_step"] == 16 and done.result["final_loss"] == ref["final_loss"], picked
     assert done.result["losses"] == ref["losses"]
+
+
+def test_a_failed_write_costs_the_file_not_the_writer_and_a_dead_writer_is_replaced(tmp_path):
+    """DeepSpeed's real decoupled engine and writer process (tests/scripts/writer_survives.py, a process
+    group of one over gloo): a file the writer cannot write (a link to /dev/full: ENOSPC inside
+    torch.save) is removed and recorded as unwritten at the commit, and the same writer writes the next
+    save; a SIGKILLed writer is replaced at the next commit, its save's file recorded as unwritten, and
+    the new one writes the save after. (DeepSpeed's own loop ended on the first; its commit then raised
+    'Cannot commit checkpoint: checkpoint process is not running', which failed the rank.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "writer_survives.py"), str(tmp_path), str(port)],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)})
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+    seen = json.loads(lines[-1].removeprefix("RESULT "))
+    assert seen == {"written": 1 << 16, "unwritten_after_good": [], "unwritten_after_full": True, "link_removed": True,
+                    "dev_full_kept": True, "writer_alive_after_full": True, "written_after_full": True,
+                    "committed_with_dead_writer": True, "unwritten_after_kill": True, "replaced": True,
+                    "written_by_new_writer": 1 << 16}, seen
+    assert "the asynchronous checkpoint writer could not write " in r.stderr  # said, in the node's log
+    assert "asynchronous checkpoint writer had ended" in r.stderr

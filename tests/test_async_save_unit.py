@@ -247,3 +247,4 @@ def test_a_save_that_begins_before_the_previous_commit_marks_the_previous_first(
     cb.on_save(args, state, None)
     assert (first / MARKER).exists() and json.loads((first / MARKER).read_text())["global_step"] == 8
     assert cb.pending == (str(second), 12) and not (second / MARKER).exists()
+

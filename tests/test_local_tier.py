@@ -362,3 +362,34 @@ def test_a_buddy_copy_that_raises_keeps_the_own_part_and_says_why():
     assert copied.read and copied.cut and not copied.received
     assert "RuntimeError: Connection reset by peer" in copied.errors[0]
     assert not behind.running()
+
+
+def test_a_folder_without_room_or_that_cannot_be_written_is_short(tmp_path: Path):
+    from hfscale.checkpoints.local_room import short_of_room
+
+    folder = tmp_path / "nvme" / "node1" / "key"
+    assert short_of_room(folder, 0, "node1") is None and folder.is_dir()  # made, written to, room
+    assert not [p for p in folder.iterdir()]  # the probe file is gone
+    short = short_of_room(folder, 1 << 62, "node1")
+    assert short is not None and short.free is not None and short.need == 1 << 62
+    assert short.line().startswith(f"node1's local folder {folder} has ") and "free, a local step needs" in short.line()
+    blocked = tmp_path / "file"
+    blocked.write_text("x")  # a file where the folder should be: nothing can be written there
+    short = short_of_room(blocked / "key", 0, "node2")
+    assert short is not None and short.free is None
+    assert short.line() == f"node2's local folder {blocked / 'key'} cannot be written (Not a directory)"
+
+
+def test_a_local_steps_size_is_estimated_from_the_durable_checkpoints_deepspeed_files(tmp_path: Path):
+    from hfscale.checkpoints.local_room import step_need
+
+    ckpt = tmp_path / "checkpoint-10"
+    (ckpt / "global_step10").mkdir(parents=True)
+    (ckpt / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 3000)
+    (ckpt / "global_step10" / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+    (ckpt / "model.safetensors").write_bytes(b"x" * 100_000)  # a local step leaves the whole model file out
+    (ckpt / "global_step10" / "link").symlink_to(ckpt / "model.safetensors")  # a link is no file of it
+    assert step_need(ckpt, 2, buddy=True) == 4000  # its half, and the buddy's copy of another half
+    assert step_need(ckpt, 2, buddy=False) == 2000
+    assert step_need(ckpt, 1, buddy=True) == 4000  # one node has no buddy
+    assert step_need(None, 2, buddy=True) == 0 and step_need(tmp_path / "gone", 2, buddy=True) == 0

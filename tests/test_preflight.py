@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from hfscale.launch.preflight import MARK, evaluate, gpu_memory_hint, probes, render_table
 
@@ -147,3 +148,44 @@ def test_real_local_preflight_reads_gpu_memory_through_nvidia_smi(tmp_path):
     cfg.write_text(cfg.read_text().replace("master_port: 29558}", "master_port: 29558, gpu_memory: 80GB}"))
     r = run_cli("preflight", str(cfg), env=path)
     assert r.returncode != 0 and "its smallest GPU has 40960 MiB, less than cluster.gpu_memory 80GB" in r.stdout
+
+
+LOCAL = TWO + """    distributed: {backend: deepspeed, deepspeed: {stage: 2}}
+    training: {local_checkpoints: {every: 5, dir: "/nvme/it's {host}"}}
+"""
+
+
+def test_the_local_tiers_folder_is_probed_and_a_full_one_admitted_with_a_note():
+    job = job_of(LOCAL)
+    script = probes(job, "/py")["node1"].argv[-1]
+    assert "'/nvme/it'\"'\"'s node1'" in script  # the folder, {host} replaced, quoted as one argument
+    results = {"node0": facts(local="5000000"), "node1": facts(port="", local="163840"),
+               "node0/shell": (0, "", ""), "node1/shell": (0, "", "")}
+    reports = evaluate(job, results, local_need=1_000_000)
+    assert [r.problems for r in reports] == [(), ()]  # admitted: a full local disk keeps no host out
+    assert reports[0].notes == () and reports[1].notes == (
+        "local checkpoint folder /nvme/it's node1 has 160.0 KiB free, a local step needs about 976.6 KiB there: "
+        "admitted; local steps are skipped while it has no room, the durable tier carries the job",)
+    assert "node1: note: local checkpoint folder /nvme/it's node1 has 160.0 KiB free" in render_table(reports)
+    results["node0"] = facts(local="unwritable:Read-only file system")
+    assert evaluate(job, results)[0].notes == (
+        "local checkpoint folder /nvme/it's node0 cannot be written (Read-only file system): admitted; local steps "
+        "are skipped while it has no room, the durable tier carries the job",)
+    assert evaluate(job, results)[1].notes == ()  # without an estimate, room is not judged: only a failed write
+
+
+def test_real_local_probe_of_the_local_folder(tmp_path):
+    from hfscale.launch.execute import run_probes
+    from hfscale.launch.preflight import HostFacts
+
+    folder = tmp_path / "nvme" / "{host}"
+    cfg = tmp_path / "local.yaml"
+    cfg.write_text("name: pf\ncluster: {nproc_per_node: 2, master_port: 29558}\nbatch: {micro_batch_size: 1}\n"
+                   f"distributed: {{backend: deepspeed, deepspeed: {{stage: 2}}}}\n"
+                   f"training: {{local_checkpoints: {{every: 5, dir: '{folder}'}}}}\n")
+    job = job_of(cfg.read_text())
+    (rc, out, err), = run_probes(probes(job, sys.executable), 60).values()
+    facts_ = HostFacts.read(out)
+    assert rc == 0 and facts_ is not None and facts_.local_free and facts_.local_free > 0, out + err
+    made = [p for p in (tmp_path / "nvme").iterdir()]
+    assert len(made) == 1 and not list(made[0].iterdir())  # the folder made, the probe's file removed

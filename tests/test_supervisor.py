@@ -124,7 +124,7 @@ def test_the_supervisor_beats_while_it_probes_and_decides_between_attempts(tmp_p
             return Outcome(exitcodes.UNREACHABLE, "node1", "node1 cannot be reached", failed_at=time.time())
         return Outcome(0)
 
-    def probe(job, hosts, python):  # the probe of the lost host, while the beat thread runs
+    def probe(job, hosts, python, notes):  # the probe of the lost host, while the beat thread runs
         path = Path(runs[0]) / LAUNCHER_BEAT
         beat.append(path.read_text())
         time.sleep(1.0)
@@ -176,7 +176,7 @@ def _supervised(tmp_path: Path, monkeypatch, job, first, answer):
         return LaunchContext.of(str(tmp_path), PYTHON, JOB_ID, {}, attempt=n)
 
     monkeypatch.setattr(supervisor, "execute_attempt", execute)
-    monkeypatch.setattr(supervisor, "healthy_again", lambda job, hosts, python: frozenset(hosts))
+    monkeypatch.setattr(supervisor, "healthy_again", lambda job, hosts, python, notes: frozenset(hosts))
     monkeypatch.setattr(supervisor, "run_probes", lambda cmds, *a, **k: {h: answer(h) for h in cmds})
     monkeypatch.setattr(supervisor, "run_probe", lambda cmd, timeout: answer("new master"))
     said: list[str] = []

@@ -8,9 +8,12 @@ is ``hfscale.launch.execute.run_probes``' job.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
+from hfscale.checkpoints.local_room import size_text, step_need
 from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.core.shell import Command, Ran, render, words
@@ -32,7 +35,29 @@ def nccl_interface(job: Job) -> str | None:
     return None
 
 
-def _script(python: str, port: int | None, interface: str | None = None) -> str:
+# the local tier's folder on the host (training.local_checkpoints.dir): made if missing, a small file written
+# and removed there, then the bytes free; ``local=unwritable:<why>`` when the write fails
+LOCAL_ROOM = (
+    "import os, sys\n"
+    "d = sys.argv[1]; f = os.path.join(d, '.hfscale-room.%d' % os.getpid())\n"
+    "try:\n"
+    "    os.makedirs(d, exist_ok=True)\n"
+    "    with open(f, 'wb') as fd: fd.write(bytes(4096)); fd.flush(); os.fsync(fd.fileno())\n"
+    "    st = os.statvfs(d); print('local=%d' % (st.f_bavail * st.f_frsize))\n"
+    "except OSError as e: print('local=unwritable:' + (e.strerror or str(e)).replace(chr(10), ' '))\n"
+    "finally:\n"
+    "    try: os.unlink(f)\n"
+    "    except OSError: pass\n"
+)
+
+
+def local_folder(job: Job, host: str) -> str | None:
+    """``host``'s folder of the local tier (``{host}`` replaced), or None without one."""
+    local = job.config.training.local_checkpoints
+    return None if local is None else local.dir.replace("{host}", host)
+
+
+def _script(python: str, port: int | None, interface: str | None = None, local: str | None = None) -> str:
     versions = (
         "import importlib.metadata as m, sys\n"
         "print('python=' + sys.version.split()[0])\n"
@@ -51,6 +76,8 @@ def _script(python: str, port: int | None, interface: str | None = None) -> str:
     if interface is not None:  # validated: letters, digits, '_', '.', '-'
         lines.append(f"echo addr=$(ip -o -4 addr show 2>/dev/null | awk '$2 ~ /^{interface}/ "
                      "{sub(\"/.*\", \"\", $4); print $4; exit}')")
+    if local is not None:  # quoted as one argument: the path never reaches the shell as code
+        lines.append(f"{render(words([python, '-c', LOCAL_ROOM, local]))} 2>/dev/null || echo local=unknown")
     if port is not None:
         bind = f"import socket; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', {port}))"
         # without a working interpreter nothing can be said about the port (not "in use")
@@ -82,11 +109,12 @@ def probes(job: Job, python: str) -> dict[str, Command]:
     port = job.config.cluster.master_port
     interface = nccl_interface(job)
     if not job.hosts:
-        return {"local": Command(("sh", "-c", _script(py, port, interface)))}
+        return {"local": Command(("sh", "-c", _script(py, port, interface, local_folder(job, socket.gethostname()))))}
     out = {}
     for i, h in enumerate(job.hosts):  # a Slurm allocation's hosts: a step on the host, not ssh
         ssh = reach_argv(job, h.host)
-        out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface)]))
+        out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface,
+                                                   local_folder(job, h.host))]))
         out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
     return out
 
@@ -105,6 +133,8 @@ class HostFacts:
     ib: tuple[str, ...] | None = None  # the InfiniBand devices
     addr: str | None = None  # the address of NCCL_SOCKET_IFNAME's interface
     port: Port | None = None  # the master port, asked on the first host only
+    local_free: int | None = None  # bytes free in the local tier's folder (asked with training.local_checkpoints)
+    local_unwritable: str | None = None  # why nothing could be written there
 
     @staticmethod
     def read(stdout: str) -> HostFacts | None:
@@ -122,7 +152,10 @@ class HostFacts:
             return None
         number = (lambda v: int(v) if v is not None and v.isdigit() else None)
         port = said.get("port")
+        local = said.get("local", "")
         return HostFacts(
+            local_free=number(local),
+            local_unwritable=(local.split(":", 1)[1][:200] or "?") if local.startswith("unwritable:") else None,
             versions={k: (None if said[k] == "missing" else said[k]) for k in ("python", *PACKAGES) if k in said},
             nvidia_smi=None if "gpus" not in said else said["gpus"] != "none",
             gpus=number(said.get("gpus")), gpu_mib=number(said.get("gpu_mib")),
@@ -150,10 +183,42 @@ class HostReport:
     host: str
     facts: HostFacts
     problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # said, and the host admitted: a local folder without room
 
 
-def evaluate(job: Job, results: dict[str, Ran]) -> list[HostReport]:
-    """One report per host, each problem phrased so the host and the fix are clear."""
+def local_need(job: Job) -> int:
+    """About the bytes a local step takes on a node (hfscale.checkpoints.local_tier.step_need, from
+    the output_dir's newest complete checkpoint: reads it); 0 without a local tier or a checkpoint."""
+    local = job.config.training.local_checkpoints
+    if local is None:
+        return 0
+    from hfscale.checkpoints.resume import latest_checkpoint
+
+    durable = latest_checkpoint(job.config.training.output_dir)
+    return step_need(Path(durable) if durable else None, max(1, job.num_nodes), local.buddy)
+
+
+def local_note(job: Job, host: str, facts: HostFacts, need: int) -> str | None:
+    """The note on ``host``'s local tier folder when it cannot be written or has less than ``need``
+    bytes free. Such a host is admitted: a full local disk is a reason to skip local steps (the ranks
+    say so and resume them when there is room), never to keep a host out or strike it."""
+    folder = local_folder(job, host)
+    if folder is None:
+        return None
+    if facts.local_unwritable is not None:
+        why = f"cannot be written ({facts.local_unwritable})"
+    elif facts.local_free is not None and facts.local_free < need:
+        why = f"has {size_text(facts.local_free)} free, a local step needs about {size_text(need)} there"
+    else:
+        return None
+    return (f"local checkpoint folder {folder} {why}: admitted; local steps are skipped while it has no room, "
+            "the durable tier carries the job")
+
+
+def evaluate(job: Job, results: dict[str, Ran], local_need: int = 0) -> list[HostReport]:
+    """One report per host, each problem phrased so the host and the fix are clear. ``local_need``:
+    the bytes a local step takes on a node (``step_need``), 0 when not known: the local folder is then
+    only written to."""
     hosts = [h.host for h in job.hosts] or ["local"]
     slots = {h.host: h.slots for h in job.hosts} or {"local": job.procs_per_node}
     reports: list[HostReport] = []
@@ -198,7 +263,8 @@ def evaluate(job: Job, results: dict[str, Ran]) -> list[HostReport]:
             problems.append(f"no InfiniBand devices in /sys/class/infiniband (network preset {job.config.network.preset})")
         if i == 0 and facts.port == "busy":
             problems.append(f"master port {job.config.cluster.master_port} is already in use")
-        reports.append(HostReport(host, facts, tuple(problems)))
+        note = local_note(job, host, facts, local_need)
+        reports.append(HostReport(host, facts, tuple(problems), (note,) if note else ()))
     return reports
 
 
@@ -212,7 +278,7 @@ def render_table(reports: list[HostReport]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for r in reports:
-        lines += [f"{r.host}: {p}" for p in r.problems]
+        lines += [f"{r.host}: {p}" for p in r.problems] + [f"{r.host}: note: {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
 
 

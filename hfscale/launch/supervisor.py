@@ -4,9 +4,8 @@ node or a hang (the stop on every node is ``execute``'s, as for any launch), dec
 up; probe the excluded hosts again (ssh + preflight) and admit a healthy one back; relaunch from
 the newest complete checkpoint (converted for another world size by the plan's own step), into the
 same run directory. Every failure, stop, relaunch and first step after it goes to the run's
-timeline (hfscale.launch.timeline), which ``hfscale status`` and ``report`` read.
-
-Starts no process itself: each attempt and each probe is ``hfscale.launch.execute``'s.
+timeline (hfscale.launch.timeline), which ``hfscale status`` and ``report`` read. Starts no
+process itself: each attempt and each probe is ``hfscale.launch.execute``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from hfscale.launch.build import build_plan
 from hfscale.launch import settle
 from hfscale.launch.execute import execute_attempt, run_probe, run_probes
 from hfscale.launch.node_command import LaunchContext
-from hfscale.launch.preflight import evaluate, probes
+from hfscale.launch.preflight import evaluate, local_need, probes
 from hfscale.launch.recovery import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
 from hfscale.launch.output_lock import Refused
@@ -123,14 +122,13 @@ def _error_of(run_dir: str, host: str | None) -> str:
     return last_error(data.decode("utf-8", "replace").splitlines())
 
 
-def healthy_again(job: Job, hosts: tuple[str, ...], python: str) -> frozenset[str]:
-    """The hosts among ``hosts`` (the job's, its spares') that answer ssh and pass preflight's checks now."""
-    if not hosts:
-        return frozenset()
+def healthy_again(job: Job, hosts: tuple[str, ...], python: str, notes: list[str]) -> frozenset[str]:
+    """The hosts among ``hosts`` (the job's, its spares') that answer ssh and pass preflight now (``notes``: its notes)."""
     specs = tuple(_as(h, spare=False) for h in job.hosts + job.spares if h.host in hosts)
     probed = replace(job, hosts=specs, num_nodes=len(specs))
     cmds = {k: c for k, c in probes(probed, python).items() if k.split("/")[0] in hosts}
-    reports = evaluate(probed, run_probes(cmds, PROBE_TIMEOUT_S))
+    reports = evaluate(probed, run_probes(cmds, PROBE_TIMEOUT_S), local_need(job)) if hosts else []
+    notes.extend(f"{r.host}: {n}" for r in reports if not r.problems for n in r.notes)
     return frozenset(r.host for r in reports if not r.problems)
 
 
@@ -274,7 +272,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
         grace = 0 if outcome.hung and plan.kill is not None else STOP_GRACE_S  # after a hang: killed, no grace
         answers, healthy = _after_stop(job, current, plan, grace, targets + ((host,) if host and cause ==
-                                       "host_lost" else ()), python or _python())
+                                       "host_lost" else ()), python or _python(), say)
         silent = tuple(h for h in order if answers.get(h) is None)
         if cause == "host_lost" and host is not None and host in healthy:
             # ssh's session ended (its remote command killed, a dropped connection) but the host answers
@@ -318,8 +316,8 @@ def port_held(error: str) -> bool:
     return "EADDRINUSE" in error or "address already in use" in error.lower()
 
 
-def _after_stop(job: Job, current: Job, plan: LaunchPlan, grace: int, targets: tuple[str, ...], python: str
-                ) -> tuple[dict[str, settle.Settled | None], frozenset[str]]:
+def _after_stop(job: Job, current: Job, plan: LaunchPlan, grace: int, targets: tuple[str, ...], python: str,
+                say: Callable[[str], None] = lambda _: None) -> tuple[dict[str, settle.Settled | None], frozenset[str]]:
     """At once: each host of the stopped attempt (``current``'s) settled (hfscale.launch.settle: its
     processes gone, node 0's master port free; None: it did not answer, or the attempt's stop or stack
     dump could not reach it already), and ``targets`` (the job's spares, excluded hosts) probed."""
@@ -328,10 +326,13 @@ def _after_stop(job: Job, current: Job, plan: LaunchPlan, grace: int, targets: t
     cmds = {k: c for k, c in settle.probes(current, order, plan.job_id, grace, python).items() if k not in gone}
     bounds = {k: settle.bound_s(grace, k == (order or (settle.LOCAL,))[0]) for k in cmds}
     healthy: list[frozenset[str]] = []
-    prober = threading.Thread(target=lambda: healthy.append(healthy_again(job, targets, python)), daemon=True)
+    notes: list[str] = []
+    prober = threading.Thread(target=lambda: healthy.append(healthy_again(job, targets, python, notes)), daemon=True)
     prober.start()
     ran = run_probes(cmds, bounds, workers=job.config.runner.fanout)
     prober.join()
+    for note in notes[:20]:  # a host admitted with its local folder full
+        say(f"hfscale: {note}")
     answers = {k: settle.Settled.read(r) for k, r in ran.items()}
     return {**answers, **dict.fromkeys(gone)}, healthy[0] if healthy else frozenset()
 

@@ -39,6 +39,15 @@ What this module adds, each for a reason seen with DeepSpeed 0.19.8 under the HF
   torch engine loads every synchronous checkpoint (the job's own files, the same trust).
 - ``commit_pending``: the last save of a run has no next optimizer step; it is committed at the end
   of training with DeepSpeed's own ``_commit_decoupled_checkpoint``.
+- a write that fails (a full local disk: ``torch.save`` raises ``OSError`` or, from its C++ stream,
+  ``RuntimeError``) ended DeepSpeed's writer loop, and with it the process: every later save of the
+  rank, durable ones included, was dropped without a word and the next commit raised ``Cannot
+  commit checkpoint: checkpoint process is not running``, which failed the rank. In the writer a
+  failed file is now removed, said in the node's log, and the loop goes on (``surviving_save``);
+  the rank learns it at the commit, from the files it handed over that are not there
+  (``unwritten``: the local tier says the step is not kept, the durable tier leaves the checkpoint
+  unmarked). A writer that died anyway (killed, out of memory) is replaced at the next save or
+  commit (``replace_writer``), its save's files removed: the rank goes on, and so do its saves.
 - ``stop_writers`` (at exit): the writers are not daemons, and multiprocessing joins them at exit;
   a writer with nothing pending is stopped by DeepSpeed's ``cleanup``, one with an uncommitted save
   (training raised) is killed, its checkpoint left unmarked.
@@ -52,12 +61,15 @@ import atexit
 import copy
 import os
 import signal
+import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()  # DeepSpeed engines that saved through a decoupled writer
 _INSTALLED: list[bool] = []
+_UNWRITTEN: list[str] = []  # files handed to a writer that were not on disk at their save's commit
+UNWRITTEN_CAP = 10_000  # the newest kept; the callbacks take theirs off at each commit
 PR_SET_PDEATHSIG = 1
 # what PreemptionCallback and a Ctrl-C handle in the rank; a writer killed by one fails the rank's save
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -136,7 +148,37 @@ def writer_main(*args: Any) -> None:
 
     if os.getppid() == 1:  # the rank died before prctl took effect
         return
+    dce.FastCheckpointEngine.save = surviving_save(dce.FastCheckpointEngine.save)
     getattr(dce, "_hfscale_writer_main", dce.init_decoupled_checkpoint)(*args)
+
+
+def surviving_save(save: Callable[..., Any]) -> Callable[..., Any]:
+    """DeepSpeed's ``FastCheckpointEngine.save`` in the writer process, made to outlive a failed write:
+    the file that could not be written is removed (a part of it is no checkpoint's file), the failure
+    goes to the node's log, and the writer takes the next request. The rank finds the file missing at
+    the commit (``unwritten``)."""
+
+    def save_or_say(self: Any, state_dict: Any, path: str) -> Any:
+        try:
+            return save(self, state_dict, path)
+        except Exception as e:  # noqa: BLE001 - any failed write costs this file, never the writer
+            factory = getattr(self, "_writer", None)
+            writer = getattr(factory, "_writer", None)
+            if writer is not None:  # DeepSpeed's factory holds one writer at a time, released after each save
+                try:
+                    writer.close()
+                except Exception:  # noqa: BLE001 - closing a file on a full disk fails again
+                    pass
+                factory._writer = None
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            print(f"hfscale: the asynchronous checkpoint writer could not write {path}: {type(e).__name__}: "
+                  f"{str(e)[:300]}; the file is removed, the writer goes on", file=sys.stderr, flush=True)
+            return None
+
+    return save_or_say
 
 
 def install() -> None:
@@ -154,10 +196,19 @@ def install() -> None:
     save = dce.DecoupledCheckpointEngine.save
 
     def save_snapshot(self, state_dict, path):
+        if self.ckpt_process is not None:
+            self.__dict__.setdefault("_hfscale_handed", []).append(str(path))  # looked for at the commit
         pools = self.__dict__.setdefault("_hfscale_pools", {})
         return save(self, snapshot(state_dict, pools.setdefault(os.path.basename(path), {})), path)
 
     dce.DecoupledCheckpointEngine.save = save_snapshot
+    init = dce.DecoupledCheckpointEngine.__init__
+
+    def init_noted(self, config_params, dp_writer_config, optimize_dp_state):
+        init(self, config_params, dp_writer_config, optimize_dp_state)
+        self._hfscale_args = (config_params, dp_writer_config, optimize_dp_state)  # to start a writer again
+
+    dce.DecoupledCheckpointEngine.__init__ = init_noted
     # the decoupled engine's own load calls torch.load with torch's weights_only default, which refuses
     # DeepSpeed's LossScaler in every ZeRO shard: a resume failed. DeepSpeed's torch engine, which loads
     # every synchronous checkpoint, loads them with weights_only=False: the same files, the same trust
@@ -169,6 +220,8 @@ def install() -> None:
             _ENGINES.add(self)
             self.save_non_zero_checkpoint = writes_model_states(self)
             commit(self, wait=True)  # the previous save first: its commit info, its copies in the pool
+            if not writer_alive(self.checkpoint_engine):  # died between saves: this save gets a new one
+                replace_writer(self.checkpoint_engine)
         return save_checkpoint(self, *args, **kwargs)
 
     ds_engine.DeepSpeedEngine.save_checkpoint = save_checkpoint_noted
@@ -194,6 +247,49 @@ def pending() -> list[Any]:
     return [e for e in list(_ENGINES) if e.checkpoint_engine.get_commit_info() is not None]
 
 
+def unwritten(under: str | os.PathLike[str]) -> list[str]:
+    """The files under ``under`` that this process handed to its writers and that were not on disk
+    when their save was committed (a write that failed, a writer that died), taken off the record."""
+    prefix = os.path.join(os.path.abspath(under), "")
+    found = [p for p in _UNWRITTEN if os.path.abspath(p).startswith(prefix)]
+    _UNWRITTEN[:] = [p for p in _UNWRITTEN if p not in found]
+    return found
+
+
+def writer_alive(ce: Any) -> bool:
+    """Whether ``ce`` (a decoupled engine) has no writer by design or a writer that runs."""
+    proc = getattr(ce, "ckpt_process", None)
+    return proc is None or proc.is_alive()
+
+
+def replace_writer(ce: Any) -> None:
+    """Start a new writer process for ``ce`` in place of its dead one, as DeepSpeed's
+    ``DecoupledCheckpointEngine.__init__`` starts the first (new event and queue: the old ones may be
+    broken with the process). The dead writer's pending files are removed and recorded as unwritten."""
+    import torch.multiprocessing as mp
+    from deepspeed.runtime.checkpoint_engine import decoupled_checkpoint_engine as dce
+
+    old = ce.ckpt_process
+    handed = ce.__dict__.pop("_hfscale_handed", [])
+    for path in handed:  # whatever the dead writer left of them is not a checkpoint's file
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    _UNWRITTEN.extend(handed)
+    if "_hfscale_args" not in ce.__dict__:  # built before install(): DeepSpeed's own refusal
+        raise RuntimeError(f"[{ce.name}] Cannot commit checkpoint: checkpoint process is not running.")
+    config_params, dp_writer_config, optimize = ce.__dict__["_hfscale_args"]
+    ce.save_event, ce.save_queue = mp.Event(), mp.SimpleQueue()
+    ce.ckpt_process = mp.Process(target=dce.init_decoupled_checkpoint,
+                                 args=(config_params, dp_writer_config, ce.save_event, ce.save_queue, optimize))
+    ce.ckpt_process.start()
+    ce._hfscale_asked = False
+    print(f"hfscale: warning: rank {ce.global_rank}'s asynchronous checkpoint writer had ended (exit code "
+          f"{old.exitcode}); a new one is started" + (f", and the {len(handed)} file(s) of its save in progress "
+          "are not kept" if handed else ""), file=sys.stderr, flush=True)
+
+
 def commit_pending() -> int:
     """Commit every pending save, waiting for the writers (call it on every rank); the number committed."""
     return sum(commit(engine, wait=True) for engine in pending())
@@ -216,18 +312,25 @@ def commit(engine: Any, wait: bool) -> bool:
     if info is None:
         return False
     proc = ce.ckpt_process
-    if proc is not None and not ce.__dict__.get("_hfscale_asked"):
-        if not ce._check_process_alive():  # noqa: SLF001 - DeepSpeed's own check, its own message
-            raise RuntimeError(f"[{ce.name}] Cannot commit checkpoint: checkpoint process is not running.")
+    if proc is not None and proc.is_alive() and not ce.__dict__.get("_hfscale_asked"):
         ce.save_queue.put((None, DecoupledEvent.COMMIT_EVENT))
         ce._hfscale_asked = True
     if wait:
-        if proc is not None:
-            ce._wait_for_event_with_timeout()  # noqa: SLF001 - DeepSpeed's wait, with its health checks
-    elif not _everywhere(proc is None or ce.save_event.is_set()):
-        return False
-    if proc is not None:
+        if proc is not None and proc.is_alive():
+            try:
+                ce._wait_for_event_with_timeout()  # noqa: SLF001 - DeepSpeed's wait, with its health checks
+            except RuntimeError:
+                if proc.is_alive():  # timed out: DeepSpeed's own message
+                    raise
+    elif not _everywhere(proc is None or ce.save_event.is_set() or not proc.is_alive()):
+        return False  # a dead writer has ended too: its files are looked for now, it is replaced
+    if proc is not None and not proc.is_alive():
+        replace_writer(ce)
+    elif proc is not None:
         ce.save_event.clear()
+        handed = ce.__dict__.pop("_hfscale_handed", [])
+        _UNWRITTEN.extend(p for p in handed if not os.path.isfile(p))
+    del _UNWRITTEN[:-UNWRITTEN_CAP]
     ce._hfscale_asked = False
     ce.commit_info = None
     if ce.checkpoint_size.gb_size() is None:

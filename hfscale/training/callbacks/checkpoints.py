@@ -128,12 +128,17 @@ class CheckpointCompleteCallback(TrainerCallback):
         ckpt, step = self.pending
         self.pending = None
         _, world = collectives.rank_world()
+        lost = async_saves.unwritten(ckpt)  # this rank's files its writer could not write (a full disk)
+        if lost:
+            print(f"hfscale: warning: rank {collectives.rank_world()[0]}'s asynchronous writer could not write "
+                  f"{lost[0]}" + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
+                  + f"; {os.path.basename(ckpt)} is not kept, the previous complete checkpoint stays", flush=True)
         if world > 1:
             dist.barrier()
         if not args.should_save:
             return
         why = content_problem(Path(ckpt), step)
-        if why is not None:  # a writer failed: DeepSpeed's decoupled engine skips saves once its writer is gone
+        if why is not None:  # a writer failed: its files are missing
             logger.error("CheckpointCompleteCallback: not marking %s complete after its asynchronous save: %s", ckpt, why)
             return
         self._mark(args, state, ckpt, step)

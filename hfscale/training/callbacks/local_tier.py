@@ -19,6 +19,13 @@ stays on the nodes until the copy is whole. With ``training.async_save`` the sav
 DeepSpeed's writers write the shards; the listing and the holding follow at the end of the first
 step after the commit (hfscale.training.async_save), or before the next local save.
 
+A full local disk costs local steps, never the training: before each one every node's folder is
+asked for room (hfscale.checkpoints.local_room; one gather), and while a node has none no node saves
+a step (it needs every node's part), said once with the node and its folder and again when there is
+room. A write that fails anyway is caught where it fails (DeepSpeed's engine save, the RNG state, the
+model's description), so the save's collectives still meet, and the step is not kept; with
+``async_save`` the writer's failures come back at the commit (hfscale.training.async_save.unwritten).
+
 The restore, before ``trainer.train``, with every file checked against its checksum:
 hfscale.training.callbacks.local_restore.
 """
@@ -36,6 +43,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hfscale.checkpoints import local_tier as tier
+from hfscale.checkpoints.local_room import short_of_room
 from hfscale.checkpoints.lineage import begin_lineage
 from hfscale.training import async_save as async_saves
 from hfscale.training.callbacks.buddy_stream import Behind, Copied, Exchange, exchange
@@ -67,6 +75,34 @@ def _describe_model(trainer: Any, output_dir: str | None) -> None:
             part.save_pretrained(output_dir)
 
 
+# what torch.save's C++ stream raises when a write fails (a full disk: ENOSPC below it), as RuntimeError
+_WRITE_FAILED = ("iostream error", "file write failed", "PytorchStreamWriter failed", "unexpected pos",
+                 "No space left on device", "Disk quota exceeded")
+
+
+def write_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a failed write to disk: an OSError, or torch.save's RuntimeError for one (any
+    other RuntimeError, a collective's for one, is not the local disk's and is raised on)."""
+    return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(m in str(e) for m in _WRITE_FAILED))
+
+
+def _noting(failed: list[str], fn: Any, *args: Any, path: str | None = None) -> Any:
+    """``fn(*args)``, a failed write recorded in ``failed`` instead of raised (its file removed: a part
+    of a file is no checkpoint's)."""
+    try:
+        return fn(*args)
+    except (OSError, RuntimeError) as e:
+        if not write_failed(e):
+            raise
+        failed.append(f"{path + ': ' if path else ''}{type(e).__name__}: {e}")
+        if path:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        return None
+
+
 class LocalCheckpointCallback(TrainerCallback):
     """Saves every ``every`` steps into ``template`` (``{host}``: this node's name) and copies each
     node's part to the next node (``buddy``); keeps the ``keep`` newest local steps."""
@@ -81,6 +117,8 @@ class LocalCheckpointCallback(TrainerCallback):
         self._wrapped = False
         self.behind = Behind()  # the buddy copy of the newest local step, in its thread
         self._nodes: Nodes | None = None
+        self.need = 0  # bytes a local step takes on a node: the largest node's part, and its buddy copy
+        self.short: tuple[str, ...] = ()  # the nodes said to have no room, while local steps are skipped
 
     def nodes(self) -> Nodes:
         """Which node this rank is on (one collective, the first time: the ranks stay where they are)."""
@@ -115,7 +153,9 @@ class LocalCheckpointCallback(TrainerCallback):
             async_saves.commit_pending()
         (step, held), self.writing = self.writing, None
         t0 = time.perf_counter()
-        size = self.finish(step, args, None)
+        lost = async_saves.unwritten(tier.part(tier.node_dir(self.template, host(), args.output_dir), tier.OWN, step))
+        size = self.finish(step, args, f"{host()}: the asynchronous writer could not write {lost[0]}" + (
+            f" (and {len(lost) - 1} more)" if len(lost) > 1 else "") if lost else None)
         self._said(step, held + time.perf_counter() - t0, size)
 
     def _said(self, step: int, seconds: float, size: int) -> None:
@@ -135,6 +175,8 @@ class LocalCheckpointCallback(TrainerCallback):
                 args = self.trainer.args
                 if self.writing is not None:  # the previous local save is still being written: finish it first
                     self._finish_writing(args, wait=True)
+                if not self._room(step, args):
+                    return out
                 t0 = time.perf_counter()
                 error = self.save(step, args)
                 # training.async_save: DeepSpeed's writers hold the shards. The listing and the buddy copy need
@@ -151,6 +193,29 @@ class LocalCheckpointCallback(TrainerCallback):
 
         self.trainer._maybe_log_save_evaluate = log_save_evaluate
         self._wrapped = True
+
+    def _room(self, step: int, args: Any) -> bool:
+        """Whether every node's local folder has room for this step (every rank; one gather). A step
+        needs every node's part, so while one node has no room no node saves one: said once, with the
+        node and its folder, and again when the step after is saved. A full local disk never fails a
+        rank: the durable tier and the local steps kept before carry the job meanwhile."""
+        self.behind.join()  # the previous step's buddy copy and rotation have ended: the disk as it stays
+        root = tier.node_dir(self.template, host(), args.output_dir)
+        mine = short_of_room(root, self.need, host()) if self.nodes().first else None
+        short = [s for s in gather_objects(mine) if s is not None]
+        names = tuple(s.host for s in short)
+        if rank_world()[0] == 0 and names != self.short:
+            if short:
+                print(f"hfscale: warning: local checkpoints skipped from step {step}: {short[0].line()}"
+                      + (f" (and {len(short) - 1} more node(s): {', '.join(names[1:6])})" if len(short) > 1 else "")
+                      + "; a local step needs every node's part, so no node saves one while it has no room; training "
+                      "goes on with the durable tier and the local steps kept before; local saves resume when there "
+                      "is room", flush=True)
+            else:
+                print(f"hfscale: local checkpoints resume at step {step}: {', '.join(self.short[:6])} "
+                      "has room again", flush=True)
+        self.short = names
+        return not short
 
     def save(self, step: int, args: Any) -> str | None:
         """Save ``step`` locally with the Trainer's own save (every rank): what failed on this rank, or None.
@@ -172,15 +237,29 @@ class LocalCheckpointCallback(TrainerCallback):
         kept = args.output_dir, args.save_total_limit, args.push_to_hub
         args.output_dir = str(own.parent)  # the Trainer saves into <root>/own/checkpoint-<step>
         args.save_total_limit, args.push_to_hub = None, False
-        trainer.save_model = lambda output_dir=None, _internal_call=False: _describe_model(trainer, output_dir)
+        failed: list[str] = []  # the writes that failed, each caught where it failed (below)
+        trainer.save_model = lambda output_dir=None, _internal_call=False: _noting(
+            failed, _describe_model, trainer, output_dir)
+        # a write that fails must not skip the collectives after it in the save (DeepSpeed's closing barrier):
+        # this rank would then meet the others' barrier with its next gather. Each write is caught where it fails
+        engine = trainer.model_wrapped
+        ce = getattr(engine, "checkpoint_engine", None)
+        if ce is not None and not ce.is_decoupled():  # a decoupled engine's writer fails in its own process
+            ce.save = lambda state_dict, path, _save=ce.save: _noting(failed, _save, state_dict, path, path=path)
+        rng = trainer._save_rng_state
+        trainer._save_rng_state = lambda output_dir: _noting(failed, rng, output_dir)
         try:
             trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-        except OSError as e:  # a full or failed local disk costs this local step, not the training
-            return f"{host()}: {e}"
+        except (OSError, RuntimeError) as e:  # a full or failed local disk costs this local step, not the training
+            if not write_failed(e):
+                raise
+            failed.append(f"{type(e).__name__}: {e}")
         finally:
             args.output_dir, args.save_total_limit, args.push_to_hub = kept
-            del trainer.save_model
-        return None
+            del trainer.save_model, trainer._save_rng_state
+            if ce is not None and "save" in ce.__dict__:
+                del ce.save
+        return f"{host()}: {failed[0][:600]}" if failed else None
 
     def finish(self, step: int, args: Any, error: str | None) -> int:
         """Once every rank's files of ``step`` are on the local disks (every rank): list them and write
@@ -203,6 +282,8 @@ class LocalCheckpointCallback(TrainerCallback):
         errors = [e for e, _ in gathered if e]  # every rank: kept everywhere or nowhere
         parts = [p for _, p in gathered if p is not None]  # node order
         files = {rel: size for p in parts for rel, size in p.items()}
+        if parts:  # what the next step needs on a node (the largest part, and a buddy's copy of one)
+            self.need = max(sum(p.values()) for p in parts) * (2 if self.buddy and len(parts) > 1 else 1)
         if errors:
             if first:
                 tier.remove(root, step)
