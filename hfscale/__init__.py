@@ -65,7 +65,9 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC})
+    """The public face and the module's own dunders: not what this file imports to work (TYPE_CHECKING,
+    annotations, importlib) nor the subpackages loaded so far (core, ...)."""
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__") and n.endswith("__"))})
 
 
 _install_moved()

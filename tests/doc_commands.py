@@ -106,13 +106,13 @@ def commands() -> list[Command]:
     return [c for p in pages() for c in commands_of(p)]
 
 
-def run_as_written(c: Command, cwd: Path, tmp: Path) -> subprocess.CompletedProcess:
+def run_as_written(c: Command, cwd: Path, tmp: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``c`` run by bash in ``cwd`` as a user types it (globs, redirections), with ``hfscale`` this
-    checkout's command (a wrapper in ``tmp``/bin running this interpreter)."""
+    checkout's command (a wrapper in ``tmp``/bin running this interpreter); ``env``: variables added."""
     bin_dir = tmp / "bin"
     if not (bin_dir / "hfscale").is_file():
         bin_dir.mkdir(parents=True, exist_ok=True)
         (bin_dir / "hfscale").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m hfscale "$@"\n')
         (bin_dir / "hfscale").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**os.environ, **(env or {}), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     return subprocess.run(["bash", "-c", c.text], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

@@ -346,12 +346,24 @@ def compare_fsdp(orig: dict, back: dict) -> list[str]:
                 "state_dict_type": "FULL_STATE_DICT" if str(version) == "1" else "SHARDED_STATE_DICT",
                 "activation_checkpointing_offload": False,  # accelerate's plugin: FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD
                 "version": 2}
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import str_to_bool
+
+    # a key accelerate launch has no argument for is copied onto its arguments and read by nothing
+    args = {a.dest.removeprefix("fsdp_") for a in launch_command_parser()._actions if a.dest.startswith("fsdp_")}
     out = []
     for key in sorted(set(norm) | set(got)):
+        if key not in args:
+            continue
         a, b = norm.get(key, defaults.get(key)), got.get(key, defaults.get(key))
+        if key == "reshard_after_forward":  # FSDP2 reads it with str_to_bool (1 is true)
+            a, b = (str_to_bool(str(v).lower(), to_bool=True) if str(v).lower() in _BOOLS else v for v in (a, b))
         if str(a) != str(b):
             out.append(f"fsdp_config.{key}: {a!r} became {b!r}")
     return out
+
+
+_BOOLS = {"y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"}  # accelerate's str_to_bool
 
 
 def survey(tmp: Path) -> list[Result]:

@@ -97,6 +97,23 @@ def test_metrics_in_a_real_trainer_reach_loggers_history_and_jsonl(hf, tmp_path,
     assert metrics.last == records[-1]
 
 
+def test_a_starts_first_step_is_in_the_record_and_out_of_the_window(hf, tmp_path):
+    """Logged every step: the start's first step has its record (the step is there, with its memory:
+    after a relaunch the report's curves do not skip it), with no throughput (its time is the
+    start-up's: out of the window); the next steps are measured."""
+    from hfscale.training.callbacks import METRICS_FILE, MetricsCallback
+
+    trainer = hf.make_trainer(tmp_path / "out", logging_steps=1, max_steps=3)
+    trainer.add_callback(MetricsCallback(seq_len=64, trainer=trainer))
+    trainer.train()
+    records = read_jsonl(tmp_path / "out" / METRICS_FILE)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    first = records[0]
+    assert first["window_steps"] == 0 and first["mem_peak_mb"] > 50
+    assert first["step_time_s"] is first["samples_per_s"] is first["tokens_per_s"] is first["eta_s"] is None
+    assert all(r["window_steps"] == 1 and r["step_time_s"] > 0 for r in records[1:])
+
+
 def test_without_trainer_metrics_join_the_trainers_own_log_entry(hf, tmp_path):
     from hfscale.training.callbacks import METRICS_FILE, MetricsCallback
 

@@ -7,6 +7,8 @@ DeepSpeed's source (hfscale.config.sources.engine) is compared with the real pyd
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 import subprocess
@@ -399,8 +401,6 @@ def test_optimizer_is_no_longer_pointed_at_offload_optimizer():
      "stage 3; stage is 2"),
     ({"stage": 3, "round_robin_gradients": True}, {}, "distributed.deepspeed.round_robin_gradients: only for stage 1 "
      "or 2; stage is 3"),
-    ({"stage": 3, "zero_hpz_partition_size": 3}, {}, "distributed.deepspeed.zero_hpz_partition_size: 3 does not "
-     "divide the world size 2"),
     ({"stage": 2, "aio": {"queue_depth": 4}}, {}, "distributed.deepspeed.aio: asynchronous I/O is used by NVMe offload "
      "only; no offload device is nvme"),
     ({"stage": 3, "offload_param": {"device": "cpu", "buffer_size": 5}}, {}, "distributed.deepspeed.offload_param."
@@ -415,6 +415,22 @@ def test_cross_checks(ds, training, message):
     with pytest.raises(ConfigError) as e:
         load_text(yaml.safe_dump(doc), "x.yaml", Path("."))
     assert [f"{p.path}: {p.message}" for p in e.value.problems] == [message]
+
+
+def test_an_hpz_group_larger_than_the_world_is_deepspeeds_whole_world():
+    """DeepSpeed clamps zero_hpz_partition_size to the world size before it checks that it divides the
+    world (utils/groups.py _create_zero_param_parallel_group): 16 on 8 ranks is one group of 8, accepted
+    with a warning; 3 on 8 (3 divides nothing) is refused, as DeepSpeed refuses it."""
+    from deepspeed.utils import groups
+
+    assert "min(group_size, world_size)" in inspect.getsource(groups._create_zero_param_parallel_group)
+    job = load_text(yaml.safe_dump(_doc({"stage": 3, "zero_hpz_partition_size": 16}, 8, {})), "x.yaml", Path("."))
+    assert [f"{w.path}: {w.message}" for w in job.warnings if "hpz" in str(w.path)] == [
+        "distributed.deepspeed.zero_hpz_partition_size: 16 is more than the world size 8: DeepSpeed makes it 8 (one "
+        "group of every rank)"]
+    assert deepspeed_config(job)["zero_optimization"]["zero_hpz_partition_size"] == 16  # as written: DeepSpeed clamps
+    with pytest.raises(ConfigError, match=r"zero_hpz_partition_size \(line 9\): 3 does not divide the world size 8"):
+        load_text(yaml.safe_dump(_doc({"stage": 3, "zero_hpz_partition_size": 3}, 8, {})), "x.yaml", Path("."))
 
 
 def test_a_restated_default_is_not_a_problem():

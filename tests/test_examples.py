@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,10 +85,20 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
     ours = ("hfscale: ", "next:", "  hfscale ")
     assert [line for line in (r.stdout + r.stderr).splitlines() if not line.startswith(ours)] == []
     print("the README's main job, its terminal:", r.stderr, r.stdout, sep="\n")
-    for command in shown[-3:]:  # the next commands as printed
-        done = run_as_written(Command("terminal", 0, command.strip(), 0), tmp_path, tmp_path / "doc-bin")
+    # the next commands as printed, on the README's install: it has no matplotlib (hfscale[report] adds it)
+    blocked = tmp_path / "no-matplotlib"
+    (blocked / "matplotlib").mkdir(parents=True)
+    (blocked / "matplotlib" / "__init__.py").write_text('raise ImportError("No module named \'matplotlib\'")\n')
+    for command in shown[-3:]:
+        done = run_as_written(Command("terminal", 0, command.strip(), 0), tmp_path, tmp_path / "doc-bin",
+                              env={"PYTHONPATH": str(blocked)})
         assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        if " export " in command:  # the libraries' lines (DeepSpeed's 'Detected checkpoint ...') go to the run's log
+            assert [line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("hfscale: ")] == []
+            (log,) = (tmp_path / "runs").glob("tiny_cpu-*/logs/export.log")
+            assert "Detected checkpoint of type" in log.read_text()
     assert (tmp_path / "tiny_cpu-model" / "model.safetensors").is_file()
+    assert "plot not drawn: matplotlib is not installed" in next((tmp_path / "runs").glob("tiny_cpu-*/report.html")).read_text()
 
     again = _launch(config, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -102,6 +113,21 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
         assert r.returncode == c.expect, f"{c}\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
     assert (tmp_path / "tiny-model" / "model.safetensors").is_file()
     assert any((tmp_path / "runs").glob("tiny_cpu-*/report.html"))
+
+    # the README's two commands in one clone: the tests pass where the main job has run. A copy of this
+    # checkout with the main job's output/ and runs/ in it (as they are after README command 1), and its
+    # fast tier run there: a test that reads the working directory's ./output or ./runs fails here
+    clone = tmp_path / "clone"
+    top = {".git", ".cache", "runs", "output", "hfscale.egg-info", ".pytest_cache"}  # this checkout's own, at its root
+    shutil.copytree(ROOT, clone, ignore=lambda d, names: [n for n in names if n == "__pycache__"
+                                                          or (Path(d) == ROOT and n in top)])
+    for made in ("output", "runs"):  # as they are: the run's stack FIFOs too
+        subprocess.run(["cp", "-a", str(tmp_path / made), str(clone / made)], check=True)
+    tier = subprocess.run([sys.executable, "-m", "pytest", "-m", "unit", "-q", "-n", "0", "-p", "no:cacheprovider"],
+                          cwd=clone, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(clone)})
+    assert tier.returncode == 0, tier.stdout[-4000:] + tier.stderr[-2000:]
+    print("the fast tier where the main job has run:", tier.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow

@@ -152,6 +152,14 @@ def compare_accelerate(orig: dict, back: dict, first_host: str | None = None) ->
         a, b = orig.get(key, UNKNOWN), back.get(key, UNKNOWN)
         if key == "parallelism_config" and a and b and isinstance(a, dict) and isinstance(b, dict):
             a, b = _parallelism_as_launched(a), _parallelism_as_launched(b)
+        if key == "gpu_ids" and isinstance(a, str) and isinstance(b, str):
+            a, b = _cuda_ids(a), _cuda_ids(b)  # accelerate launch puts them into CUDA_VISIBLE_DEVICES as written
+        if key == "distributed_type" and isinstance(a, bool):
+            a = "NO"  # YAML's false (an unquoted no): accelerate launch matches it to no type, as NO
+        if key == "distributed_type" and (a, b) == ("NO", "MULTI_GPU") and (orig.get("num_processes") or 1) > 1:
+            # accelerate launch turns multi-GPU on itself for NO with num_processes > 1 where there is more
+            # than one GPU (commands/launch.py, _validate_launch_command: "More than one GPU was found")
+            continue
         spec = keys.keys.get(key)
         if a is not UNKNOWN and b is not UNKNOWN:
             if a != b and not (spec is not None and spec.unread):
@@ -167,6 +175,16 @@ def compare_accelerate(orig: dict, back: dict, first_host: str | None = None) ->
             continue  # accelerate launch never reads it from a file: dropped with a note
         out.append(f"{key}: {value!r} {'left out' if b is UNKNOWN else 'added'}")
     return out
+
+
+def _cuda_ids(ids: str) -> str:
+    """The devices CUDA reads from CUDA_VISIBLE_DEVICES=ids: up to the first empty or unreadable entry."""
+    out = []
+    for part in ids.split(","):
+        if not part.strip().isdigit():
+            break
+        out.append(part.strip())
+    return ",".join(out)
 
 
 def _parallelism_as_launched(raw: dict) -> dict:

@@ -156,27 +156,30 @@ def test_gpu_ids_with_a_trailing_comma_are_the_gpus_cuda_reads(ids, read, tmp_pa
     assert cuda[0] == cuda[1] == [int(i) for i in read.split(",")]
 
 
-def test_multi_gpu_with_one_process_is_written_as_no_and_said(tmp_path):
+def test_multi_gpu_with_one_process_keeps_its_process_group_of_one(tmp_path):
     """accelerate launch runs a MULTI_GPU config of one process through torch.distributed.run (a
-    process group of one); hfscale writes NO, which it runs as one plain process, with the same
-    ACCELERATE_* settings: the import says so."""
-    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+    process group of one, OMP_NUM_THREADS=1); the import keeps it (distributed.process_group), and
+    the accelerate config written back is launched the same way, with the same environment."""
+    from accelerate.utils.launch import prepare_multi_gpu_env
 
     from hfscale.render.accelerate import accelerate_config
     from test_consumers import _launch_env
 
     acc = "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 1\nmixed_precision: bf16\n"
     text, _ = _import(tmp_path, acc)
-    assert "distributed_type MULTI_GPU with 1 process: accelerate launch starts it through torch.distributed.run " \
-        "as a process group of one" in text
+    assert "process_group: true  # distributed_type MULTI_GPU with 1 process: accelerate launch starts it through " \
+        "torch.distributed.run as a process group of one" in text
     job = load_text(text, "job.yaml", tmp_path)
     (tmp_path / "orig.yaml").write_text(acc)
     (tmp_path / "back.yaml").write_text(yaml.safe_dump(accelerate_config(job, "unused.json")))
     (a_args, _, _), (b_args, _, _) = _launch_env(tmp_path / "orig.yaml"), _launch_env(tmp_path / "back.yaml")
-    assert (a_args.multi_gpu, b_args.multi_gpu) == (True, False)  # multi_gpu_launcher, then simple_launcher
-    env_a = prepare_multi_gpu_env(a_args)
-    _, env_b = prepare_simple_launcher_cmd_env(b_args)
-    keys = {k for k in set(env_a) | set(env_b) if k.startswith("ACCELERATE_")} - {"ACCELERATE_USE_CPU"}
+    assert (a_args.multi_gpu, b_args.multi_gpu) == (True, True)  # multi_gpu_launcher both: torch.distributed.run
+    assert (a_args.num_processes, b_args.num_processes) == (1, 1)
+    env_a, env_b = prepare_multi_gpu_env(a_args), prepare_multi_gpu_env(b_args)
+    keys = {k for k in set(env_a) | set(env_b) if k.startswith("ACCELERATE_") or k == "OMP_NUM_THREADS"}
     assert {k: env_a.get(k) for k in keys} == {k: env_b.get(k) for k in keys}
-    assert env_a["ACCELERATE_MIXED_PRECISION"] == "bf16" and env_b.get("ACCELERATE_USE_CPU") == "False"
-    assert int(env_a["OMP_NUM_THREADS"]) == 1 and "LOCAL_RANK" not in env_b  # torchrun sets it for its one rank
+    assert env_b["ACCELERATE_MIXED_PRECISION"] == "bf16" and int(env_b["OMP_NUM_THREADS"]) == 1
+    # the key without the import: only for ddp, and one plain process (NO) stays the default
+    assert accelerate_config(load_text("name: t\ncluster: {nproc_per_node: 1}\ndistributed: {backend: ddp}\n"
+                                       "batch: {micro_batch_size: 1}\n", "j.yaml", tmp_path), "u.json")[
+        "distributed_type"] == "NO"

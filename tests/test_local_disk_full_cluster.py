@@ -5,8 +5,8 @@ one rank per node, local checkpoints every 2 steps, durable ones every 10.
 A 160 KiB tmpfs is mounted over node1's local folder (inside node1's mount namespace, through its sshd:
 the ranks started there see it) before the launch: smaller than node1's part of a local step of this
 tiny model (234 KiB; the issue's 1 MiB for its larger one). The first local save's optimizer shard on
-node1 does not fit: DeepSpeed's writer process gets ENOSPC (``writer`` "async"; "sync": torch.save in the rank, the
-same job without ``async_save``). Before, that ended the writer, the next commit raised
+node1 does not fit: DeepSpeed's writer process gets ENOSPC (the same failure in a synchronous save, torch.save
+in the rank: tests/test_async_save.py). Before, that ended the writer, the next commit raised
 ``Cannot commit checkpoint: checkpoint process is not running``, node1 failed three times at the same
 step, was struck and the job shrank. Now: the writer removes the file and goes on, the step is not
 kept, and from then on local steps are skipped with one line naming node1 and its folder, while the
@@ -41,8 +41,7 @@ SIZE = "160k"
 ROOT = Path(__file__).resolve().parents[1]  # node1's tmpfs grows once training passed this step
 
 
-@pytest.mark.parametrize("writer", ["async", "sync"])
-def test_a_full_local_disk_skips_local_steps_and_never_fails_the_node(make_cluster, tmp_path, writer):
+def test_a_full_local_disk_skips_local_steps_and_never_fails_the_node(make_cluster, tmp_path):
     cluster = make_cluster(2)
     out = tmp_path / "out"
     local = tmp_path / "local" / "{host}"
@@ -51,7 +50,7 @@ def test_a_full_local_disk_skips_local_steps_and_never_fails_the_node(make_clust
     config = train_config(tmp_path, "full", out, 29947, cluster.nodes, {"max_restarts": 3, "strikes": 2},
                           max_steps=MAX_STEPS)
     doc = yaml.safe_load(config.read_text())
-    doc["training"].update(save_steps=10, async_save=writer == "async", local_checkpoints={"every": EVERY, "dir": str(local)})
+    doc["training"].update(save_steps=10, async_save=True, local_checkpoints={"every": EVERY, "dir": str(local)})
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     folder = node_dir(str(local), "node1", str(out))
     mounted = run_on(cluster, "node1", f"mount -t tmpfs -o size={SIZE} hfs-full {mount}", timeout=30)
@@ -69,14 +68,12 @@ def test_a_full_local_disk_skips_local_steps_and_never_fails_the_node(make_clust
         assert not [e for e in events if e.kind in ("failure", "relaunch")], [e.kind for e in events]
         assert {e.attempt for e in events} == {0}
         node1 = (run / "logs" / "node1.log").read_text(errors="replace")
-        if writer == "async":  # the writer's failure, in node1's log; it went on (no commit refused)
-            assert "the asynchronous checkpoint writer could not write " + str(folder) in node1, node1[-4000:]
-            assert "Cannot commit checkpoint" not in node1 and "Cannot commit checkpoint" not in output
-        # the first local step, cut short on node1, is not kept, and said so with the file (torch.save's
-        # RuntimeError in the rank, caught where it was raised: DeepSpeed's barrier after it still met)
-        cut = "the asynchronous writer could not write " if writer == "async" else ""
-        assert re.search(r"hfscale: warning: local checkpoint of step 2 not kept: node1: " + cut + re.escape(str(folder)),
-                         output), output[-6000:]
+        # the writer's failure, in node1's log; it went on (no commit refused)
+        assert "the asynchronous checkpoint writer could not write " + str(folder) in node1, node1[-4000:]
+        assert "Cannot commit checkpoint" not in node1 and "Cannot commit checkpoint" not in output
+        # the first local step, cut short on node1, is not kept, and said so with the file
+        assert re.search(r"hfscale: warning: local checkpoint of step 2 not kept: node1: the asynchronous writer could "
+                         r"not write " + re.escape(str(folder)), output), output[-6000:]
         # then one line naming node1 and its folder, with the room it has and the room a step needs
         skipped = re.findall(r"hfscale: warning: local checkpoints skipped from step (\d+): node1's local folder "
                              + re.escape(str(folder)) + r" has [0-9.]+ (?:bytes|KiB|MiB) free, a local step needs "

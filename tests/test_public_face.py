@@ -50,6 +50,15 @@ def test_every_public_name_is_defined_where_the_face_says():
     assert typed == PUBLIC
 
 
+def test_dir_lists_the_public_face_and_nothing_it_imports_to_work():
+    import hfscale
+    import hfscale.core.untrusted  # noqa: F401  (a subpackage loaded: an attribute of the package, not its face)
+
+    public = [n for n in dir(hfscale) if not n.startswith("__")]
+    assert public == sorted(set(PUBLIC)), public
+    assert "__version__" in dir(hfscale)
+
+
 def test_import_hfscale_loads_nothing_but_the_finder_of_moved_modules():
     """At module level the package imports hfscale.core.moved only: every public name loads on first use."""
     top = [n for n in INIT.body if isinstance(n, (ast.Import, ast.ImportFrom))]

@@ -18,6 +18,9 @@ REFUSED = {
     # DeepSpeed 0.19's CompileConfig forbids these older keys (extra inputs are not permitted)
     "axolotl-ai-cloud__axolotl/zero1_torch_compile.json": "compile.disable: unknown key 'disable'",
     "axolotl-ai-cloud__axolotl/zero2_torch_compile.json": "compile.disable: unknown key 'disable'",
+    # DeepSpeed 0.19.6 on refuses warmup_num_steps 0 when the engine builds WarmupLR: the original fails there
+    "deepspeedai__DeepSpeed/ds_zero3.json": "scheduler.params.warmup_num_steps: 0: DeepSpeed refuses it when it builds "
+                                            "WarmupLR (ValueError: warmup_num_steps must be a positive integer, got 0)",
 }
 
 
@@ -65,6 +68,36 @@ def test_what_the_import_leaves_out_is_said(results):
     assert "left out _comment: not a key DeepSpeed reads" in notes["hiyouga__LLaMA-Factory/ds_z2_autotp_config.json"]
     assert "distributed_type MULTI_XPU: accelerate launch starts it as it starts MULTI_GPU" in \
         notes["huggingface__accelerate/multi_xpu.yaml"]
+
+
+def test_other_repositories_configs_get_what_the_engines_accept(results):
+    """Issue 37's shapes, each on real files from repositories the corpus had not seen, each
+    faithful (the test above: what accelerate and DeepSpeed run for the original and the import's
+    files back is the same) and said."""
+    notes = {r.row.file: " ".join(r.notes) for r in results}
+    outcome = {r.row.file: r.outcome for r in results}
+    # an FSDP1 key accelerate 1.15 has no argument for (the older name of fsdp_backward_prefetch): left out, said
+    for f in ("tatsu-lab__alpaca_farm/rlhf_ppo_fsdp_llama_8gpu.yaml", "pacman100__DHS-LLM-Workshop/fsdp_config.yaml",
+              "TIGER-AI-Lab__Mantis/accelerate_config_fsdp.yaml"):
+        assert outcome[f] == "faithful", f
+    for f in ("tatsu-lab__alpaca_farm/rlhf_ppo_fsdp_llama_8gpu.yaml", "pacman100__DHS-LLM-Workshop/fsdp_config.yaml"):
+        assert "left out fsdp_config.fsdp_backward_prefetch_policy: not an argument of the installed accelerate's " \
+            "launch, so nothing reads it" in notes[f], notes[f]
+    # an fsdp_config beside distributed_type NO: accelerate launch sets no FSDP variable
+    for f in ("OptimalScale__LMFlow/accelerate_singlegpu_config.yaml", "TIGER-AI-Lab__Mantis/accelerate_config_fsdp.yaml"):
+        assert outcome[f] == "faithful" and "left out fsdp_config: distributed_type is NO" in notes[f], notes[f]
+    # distributed_type: no unquoted (YAML's false): run as NO, as accelerate runs it
+    for f in ("Luodian__Otter/accelerate_config_fsdp.yaml", "TIGER-AI-Lab__Mantis/accelerate_config_fsdp.yaml"):
+        assert outcome[f] == "faithful" and "distributed_type false (YAML reads an unquoted no" in notes[f], notes[f]
+    # zero_hpz_partition_size above the world size: DeepSpeed clamps it; the import keeps it
+    for f in ("LLaVA-VL__LLaVA-NeXT/zero3pp.json", "NVlabs__VILA/zero3pp.json"):
+        assert outcome[f] == "faithful", f
+    # steps_per_print "auto": accelerate's DeepSpeedPlugin always overwrites it
+    f = "huggingface__optimum-habana/llama3_ds_zero3_4k.json"
+    assert outcome[f] == "faithful" and "steps_per_print auto left out" in notes[f], notes[f]
+    # MULTI_GPU with one process: a process group of one, kept (the accelerate config back says MULTI_GPU)
+    for f in ("PKU-YuanGroup__Open-Sora-Plan/ddp_config.yaml", "OptimalScale__LMFlow/accelerate_multigpu_config.yaml"):
+        assert outcome[f] == "faithful", f
 
 
 def test_every_key_deepspeed_reads_is_known(tmp_path):

@@ -11,7 +11,7 @@ import click
 from hfscale.core.exitcodes import BAD_INPUT as EXIT_BAD_INPUT
 
 
-def _run_error(e: Exception) -> None:
+def _run_error(e: Exception | str) -> None:
     click.echo(f"error: {e}", err=True)
     sys.exit(EXIT_BAD_INPUT)
 
@@ -119,15 +119,22 @@ def report_cmd(run: str, out: str | None, runs_dir: str) -> None:
 def export_cmd(source: str, out: str, force: bool, model_config: str | None, runs_dir: str) -> None:
     """A consolidated model (safetensors, config, tokenizer) from a ZeRO-1/2/3 or FSDP2 checkpoint,
     a training output_dir (its newest complete checkpoint), or a run (its output_dir)."""
-    from hfscale.runs import registry as runs
     from hfscale.checkpoints.export import ExportError, export_model
+    from hfscale.core.library_output import library_output_to
+    from hfscale.runs import registry as runs
 
     try:
-        where = source if Path(source).is_dir() and not runs.is_run_dir(Path(source)) else \
-            runs.run_output_dir(runs.find_run(source, runs_dir))
-        r = export_model(where, out, force=force, config=model_config)
-    except (runs.RunError, ExportError) as e:
+        run = None if Path(source).is_dir() and not runs.is_run_dir(Path(source)) else runs.find_run(source, runs_dir)
+    except runs.RunError as e:
         _run_error(e)
+    # the libraries' lines (a progress bar, DeepSpeed's 'Detected checkpoint of type') go to a log: the run's, or
+    # one beside --out
+    log = run / "logs" / "export.log" if run is not None else Path(out).absolute().with_name(f"{Path(out).name}.export.log")
+    try:
+        with library_output_to(log):
+            r = export_model(source if run is None else runs.run_output_dir(run), out, force=force, config=model_config)
+    except (runs.RunError, ExportError) as e:
+        _run_error(f"{e}" + (f" (the libraries' output: {log})" if log.is_file() and log.stat().st_size else ""))
     click.echo(f"hfscale: {r.summary()}")
 
 

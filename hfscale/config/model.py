@@ -185,6 +185,10 @@ class DistributedConfig(Strict):
     parallelism: ParallelismConfig | None = Field(
         None, description="accelerate's parallelism_config: data-parallel replicas x shards x tensor x context "
         "(FSDP2) x sequence (DeepSpeed) parallel ranks = world size. Null: every rank is a data-parallel rank.")
+    process_group: bool = Field(
+        False, description="Backend ddp with one process: start it as accelerate's MULTI_GPU does (torch.distributed.run,"
+        " a process group of one, OMP_NUM_THREADS=1) instead of one plain process (NO). What hfscale import writes for "
+        "a MULTI_GPU config with num_processes 1. More than one process always has a process group.")
 
 
 class BatchConfig(Strict):

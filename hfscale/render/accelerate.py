@@ -78,7 +78,8 @@ def accelerate_config(job: Job, deepspeed_config_file: str) -> dict[str, Any]:
     elif backend == "fsdp":
         out.update(distributed_type="FSDP", fsdp_config=_fsdp(job), mixed_precision=cfg.precision)
     else:
-        out.update(distributed_type="MULTI_GPU" if job.world_size > 1 else "NO", mixed_precision=cfg.precision)
+        group = job.world_size > 1 or cfg.distributed.process_group  # one process: a group of one, or plain
+        out.update(distributed_type="MULTI_GPU" if group else "NO", mixed_precision=cfg.precision)
     p = cfg.distributed.parallelism
     if p is not None:
         out["parallelism_config"] = _parallelism(p)

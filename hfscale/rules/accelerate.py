@@ -65,6 +65,9 @@ def problems(cfg: HfscaleConfig, world: int, procs_per_node: int) -> Found:
                 if str(name).removeprefix("fsdp_") in FSDP1_ONLY:
                     out.append((("accelerate", "extra", key, name), "FSDP1 only, and hfscale writes FSDP2 (accelerate "
                                 "drops it or refuses it there)"))
+    if cfg.distributed.process_group and cfg.distributed.backend != "ddp":
+        out.append((("distributed", "process_group"), f"only for backend ddp (deepspeed and fsdp always start a "
+                    f"process group); the backend is {cfg.distributed.backend}"))
     ids = cfg.accelerate.gpu_ids
     if ids is not None and ids != "all" and len(ids.split(",")) != procs_per_node:
         out.append((("accelerate", "gpu_ids"), f"{len(ids.split(','))} GPU id(s) for {procs_per_node} process(es) "

@@ -101,9 +101,15 @@ def problems(cfg: HfscaleConfig, world: int) -> tuple[Found, Found]:
             out.append((base + (key,), f"{which}; stage is {ds.stage}"))
     if _is_set(ds, "gather_16bit_weights_on_model_save") and ds.stage != 3:
         out.append((base + ("gather_16bit_weights_on_model_save",), f"only for stage 3; stage is {ds.stage}"))
-    if ds.stage == 3 and ds.zero_hpz_partition_size > 1 and world % ds.zero_hpz_partition_size:
+    # DeepSpeed clamps the group to the world size before it checks divisibility (utils/groups.py,
+    # _create_zero_param_parallel_group: min(group_size, world_size)): 16 on 8 ranks is one group of 8
+    hpz = min(ds.zero_hpz_partition_size, world) if world else ds.zero_hpz_partition_size
+    if ds.stage == 3 and hpz > 1 and world % hpz:
         out.append((base + ("zero_hpz_partition_size",), f"{ds.zero_hpz_partition_size} does not divide the world "
                     f"size {world}"))
+    elif ds.stage == 3 and ds.zero_hpz_partition_size > world > 0:
+        notes.append((base + ("zero_hpz_partition_size",), f"{ds.zero_hpz_partition_size} is more than the world size "
+                      f"{world}: DeepSpeed makes it {world} (one group of every rank)"))
     if cfg.training.async_save and ds.stage == 0:
         out.append((("training", "async_save"), "needs ZeRO (distributed.deepspeed.stage 1, 2 or 3): hfscale tests "
                     "DeepSpeed's decoupled checkpoint writer with ZeRO's sharded state only; stage is 0"))

@@ -165,8 +165,10 @@ def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
 def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = None) -> Path:
     """training.output_dir as the ranks saw it: relative to runner.workdir, itself relative to the
     launch directory (hfscale.launch.node_command.output_dir_to_scan): ``launch_cwd`` where state.json
-    recorded it, else inferred from the run directory's path, else this process's. The first
-    candidate that exists wins, else the most likely one."""
+    recorded it and that directory is still there (the output_dir under it, whether made yet or not:
+    a folder of the same name elsewhere, this process's ./output, is not this run's); else the first
+    of the recorded one, one inferred from the run directory's path and this process's whose
+    output_dir exists, else the recorded (or most likely) one."""
     def section(name: str) -> dict[str, Any]:
         v = cfg.get(name)
         return v if isinstance(v, dict) else {}
@@ -180,6 +182,8 @@ def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = N
     rel = os.path.join(workdir, out)
     if os.path.isabs(rel):
         return Path(rel)
+    if launch_cwd and os.path.isdir(launch_cwd):
+        return Path(launch_cwd) / rel
     bases = [Path(launch_cwd) if launch_cwd else None, _launch_cwd(run_dir, setting(runner.get("run_dir"), "runs")),
              Path.cwd()]
     candidates = [b / rel for b in bases if b is not None]

@@ -7,7 +7,8 @@ config and the launch plan. Plots are matplotlib SVG inlined in the page, so it 
 network (a Content-Security-Policy forbids every fetch). Whatever is missing becomes a one-line
 "not recorded" note; only a path that is not a run directory is an error (:class:`ReportError`).
 
-matplotlib is imported inside :func:`write_report`: config-only commands never pay for it.
+matplotlib is imported only to draw a plot: config-only commands never pay for it, and without it
+(the README's install) the page is written with a note in each plot's place.
 """
 
 from __future__ import annotations
@@ -133,10 +134,24 @@ def _note(why: str) -> str:
     return f'<p class="note">not recorded: {_e(why)}</p>'
 
 
+NO_PLOTS = "plot not drawn: matplotlib is not installed (pip install 'hfscale[report]')"
+
+
+def _plots_drawn() -> bool:
+    """Whether matplotlib can be imported (the plots are its; the rest of the page is not)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _figure(key: str, title: str, series: list[Series], ylabel: str, missing: str) -> str:
     head = f'<figure id="plot-{key}"><figcaption>{_e(title)}</figcaption>'
     if not series:
         return head + _note(missing) + "</figure>"
+    if not _plots_drawn():
+        return head + f'<p class="note">{_e(NO_PLOTS)}</p></figure>'
     return head + _svg(series, title, ylabel, key) + "</figure>"
 
 
@@ -300,7 +315,7 @@ def _recovery(d: RunData) -> str:
 
 
 def render_html(d: RunData) -> str:
-    """The page (needs matplotlib for its plots)."""
+    """The page (its plots need matplotlib: without it, a note in their place)."""
     notes = "".join(f'<p class="note">{_e(n)}</p>' for n in d.notes)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
@@ -321,15 +336,11 @@ def render_html(d: RunData) -> str:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the report of ``run_dir`` to ``out`` (default ``<run_dir>/report.html``); the path.
 
-    Raises ReportError when ``run_dir`` is not a run directory, matplotlib is missing, or ``out``
-    cannot be written."""
+    Raises ReportError when ``run_dir`` is not a run directory or ``out`` cannot be written. Without
+    matplotlib (the README's install has none) the page is written with a note where each plot goes:
+    the summary, recovery, stragglers, config and plan need nothing more."""
     data = read_run(run_dir)
     dest = Path(out) if out is not None else data.run_dir / "report.html"
-    try:
-        import matplotlib  # noqa: F401  (only to say what is missing before any work)
-    except ImportError:
-        raise ReportError(f"cannot write {dest}: the plots need matplotlib, which is not installed: "
-                          "pip install matplotlib (or pip install 'hfscale[report]')") from None
     page = render_html(data)
     try:
         (written,) = write_files(dest.parent, {dest.name: page})

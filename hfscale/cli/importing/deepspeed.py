@@ -69,6 +69,10 @@ def _import(ds: dict[str, Any], draft: Draft, source: str, mixed_precision: str 
     _zero(zero if isinstance(zero, dict) else {}, draft, source, extra, keys, save_16bit)
     import_optimizer(ds.pop("optimizer", None), draft, source, extra)
     import_scheduler(ds.pop("scheduler", None), draft, source, extra)
+    if ds.get("steps_per_print") == AUTO:  # accelerate's DeepSpeedPlugin sets it, whatever the file says
+        ds.pop("steps_per_print")
+        draft.notes.append(f"{source}: steps_per_print auto left out: accelerate's DeepSpeedPlugin (which the Trainer "
+                           "builds too) always sets steps_per_print to infinity, so no value of it is ever read")
     for name in ("steps_per_print", "communication_data_type"):
         if name in ds:
             _typed(DS + (name,), ds.pop(name), draft, source, name)

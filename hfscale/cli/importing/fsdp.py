@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hfscale.cli.importing.draft import Draft, as_bool
-from hfscale.config.sources.accelerate import fsdp2_mapping
+from hfscale.config.sources.accelerate import accelerate_keys, fsdp2_mapping
 
 FSDP_KEYS = {"reshard_after_forward", "offload_params", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
              "min_num_params", "state_dict_type", "activation_checkpointing", "activation_checkpointing_offload",
@@ -44,6 +44,7 @@ def import_fsdp(fsdp: Any, draft: Draft, where: str, backend: str) -> None:
     if not isinstance(fsdp, dict):
         draft.refuse(f"{where}: fsdp_config", f"must be a mapping, got {type(fsdp).__name__}")
         return
+    fsdp = _read_by_accelerate(fsdp, draft, where)
     # accelerate launch adds the fsdp_ prefix where the file leaves it out
     named = {f"fsdp_{str(k).removeprefix('fsdp_')}": str(k) for k in fsdp}  # prefixed -> as written in the file
     prefixed = {f"fsdp_{str(k).removeprefix('fsdp_')}": v for k, v in fsdp.items()}
@@ -70,6 +71,20 @@ def import_fsdp(fsdp: Any, draft: Draft, where: str, backend: str) -> None:
     for key, value in FSDP_ABSENT.items():
         if key not in values:
             draft.set(("distributed", "fsdp", key), value, "absent from the accelerate config: accelerate's default")
+
+
+def _read_by_accelerate(fsdp: dict[str, Any], draft: Draft, where: str) -> dict[str, Any]:
+    """``fsdp`` without the keys accelerate launch has no argument for (it copies every key onto its
+    arguments, and only its own become FSDP's variables: nothing reads the rest), each said."""
+    keys = accelerate_keys()
+    section = keys.keys["fsdp_config"].section if keys is not None and "fsdp_config" in keys.keys else None
+    if section is None or section.open:
+        return fsdp
+    unread = [k for k in fsdp if str(k) not in section.keys and f"fsdp_{str(k).removeprefix('fsdp_')}" not in section.keys]
+    if unread:
+        draft.notes.append(f"{where}: left out fsdp_config.{', fsdp_config.'.join(map(str, unread))}: not an argument "
+                           "of the installed accelerate's launch, so nothing reads it")
+    return {k: v for k, v in fsdp.items() if k not in unread}
 
 
 def _to_fsdp2(fsdp: dict[str, Any], named: dict[str, str], draft: Draft, where: str

@@ -37,11 +37,8 @@ PLUGIN = {"zero_stage", "offload_optimizer_device", "offload_param_device", "off
 
 # accelerate launch: multi_gpu_launcher (torch.distributed.run) for MULTI_GPU whatever num_processes; the
 # Accelerator then reports MULTI_GPU but wraps DDP only for more than one process (use_distributed)
-_ONE_PROCESS = ("{where}: distributed_type {kind} with 1 process: accelerate launch starts it through "
-                "torch.distributed.run as a process group of one (the Accelerator reports {kind}; with one process it "
-                "wraps no DDP and splits no data); hfscale writes NO for one process, which accelerate launch runs as "
-                "one plain process: the same training without a process group (runner.launcher: torchrun starts one, "
-                "for a script that calls torch.distributed itself)")
+_ONE_PROCESS = ("distributed_type {kind} with 1 process: accelerate launch starts it through torch.distributed.run as "
+                "a process group of one (OMP_NUM_THREADS=1; the Accelerator reports a multi-process type), kept")
 
 
 @dataclass(frozen=True)
@@ -104,6 +101,11 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
         draft.refuse(f"{where}: compute_environment", f"{env!r}: hfscale launches on your machines (LOCAL_MACHINE)")
     _legacy(acc, draft, where)
     kind = acc.pop("distributed_type", "NO")
+    if isinstance(kind, bool):  # `distributed_type: no` unquoted is YAML's false: accelerate launch runs it as NO
+        draft.notes.append(f"{where}: distributed_type {str(kind).lower()} (YAML reads an unquoted no, off, false, yes "
+                           "or on as a boolean): accelerate launch matches it to no type and runs it as it runs NO; "
+                           "so does hfscale")
+        kind = "NO"
     kind = kind if isinstance(kind, str) else repr(kind)
     backend = BACKENDS.get(kind)
     if kind in SAME_AS_MULTI_GPU:
@@ -122,7 +124,11 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
     procs = acc.get("num_processes")
     world = procs if isinstance(procs, int) and not isinstance(procs, bool) and procs > 0 else 1
     if backend == "ddp" and kind != "NO" and procs == 1 and not isinstance(procs, bool):
-        draft.notes.append(_ONE_PROCESS.format(where=where, kind=kind))
+        draft.set(("distributed", "process_group"), True, _ONE_PROCESS.format(kind=kind))
+    if kind == "NO" and world > 1:  # accelerate launch's own rule (commands/launch.py, _validate_launch_command)
+        draft.notes.append(f"{where}: distributed_type NO with num_processes {world}: accelerate launch turns multi-GPU "
+                           "training on itself where the machine has more than one GPU (and runs one process where it "
+                           f"has one); hfscale writes MULTI_GPU with {world} processes")
     _cluster(acc, hostfile, out_dir, draft, where)
     sp = _sequence_parallel(acc.get("parallelism_config"), world)
     world //= sp  # the batch is per data-parallel rank
@@ -145,7 +151,10 @@ def import_configs(accelerate: Source, deepspeed: Source | None, hostfile: Sourc
             draft.refuse(f"{where}: deepspeed_config", f"DeepSpeed settings, but distributed_type is {kind}")
         if deepspeed is not None:
             draft.refuse(deepspeed.path, f"a DeepSpeed config, but distributed_type is {kind}")
-    if fsdp:
+    if fsdp and backend != "fsdp":  # accelerate launch sets FSDP's variables for distributed_type FSDP only
+        draft.notes.append(f"{where}: left out fsdp_config: distributed_type is {kind}, and accelerate launch reads "
+                           "fsdp_config only for FSDP (nothing reads it here)")
+    elif fsdp:
         import_fsdp(fsdp, draft, where, backend)
     _parallelism(acc.pop("parallelism_config", None) or {}, draft, where)
     if backend == "deepspeed" and sp > 1:

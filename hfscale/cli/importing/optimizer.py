@@ -81,6 +81,12 @@ def import_scheduler(sched: Any, draft: Draft, source: str, extra: dict) -> None
         draft.set(T + ("warmup_steps",), defaults["warmup_num_steps"],
                   f"absent from the scheduler: {kind}'s default warmup_num_steps")
     warmup = params.pop("warmup_num_steps", defaults["warmup_num_steps"])
+    if warmup != AUTO and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup <= 0):
+        # deepspeed/runtime/lr_schedules.py (0.19.6 on), when the engine builds the scheduler: the file fails there
+        draft.refuse(f"{source}: scheduler.params.warmup_num_steps", f"{warmup!r}: DeepSpeed refuses it when it builds "
+                     f"{kind} (ValueError: warmup_num_steps must be a positive integer, got {warmup}); write 1 or more, "
+                     "or auto")
+        return
     total = params.pop("total_num_steps", None)
     if kind == "WarmupCosineLR" and "warmup_max_lr" in params:
         draft.refuse(f"{source}: scheduler.params.warmup_max_lr", "WarmupCosineLR takes no warmup_max_lr "

@@ -29,12 +29,13 @@ class _Reporter(TrainerCallback):
     """Times optimizer steps and, every ``every`` steps, gathers numbers from all ranks.
 
     Step time is wall time between the ends of consecutive optimizer steps; time spent saving a
-    checkpoint or evaluating is left out, and so is the first step of each start (``train()`` call):
-    it carries the start-up (lazy communicator and allocator set-up, the first batches, a resumed
-    run's data fast-forward), and after a relaunch it made the first window's step time 1.6x the
-    steady one (0.081 s against 0.050 s, 2 CPU ranks, ZeRO-2). A due step with no step measured yet
-    (the start's first) reports nothing. Subclasses implement ``_report`` (called on every rank at a
-    due step, it runs the collective) and get their log values into the Trainer's logs.
+    checkpoint or evaluating is left out, and so is the first step of each start (``train()`` call)
+    from the time window: it carries the start-up (lazy communicator and allocator set-up, the first
+    batches, a resumed run's data fast-forward), and after a relaunch it made the first window's
+    step time 1.6x the steady one (0.081 s against 0.050 s, 2 CPU ranks, ZeRO-2). It stays in the
+    record: a due first step is reported with its window empty (``_report_start``: the metrics
+    record without throughput). Subclasses implement ``_report`` (called on every rank at a due
+    step, it runs the collective) and get their log values into the Trainer's logs.
     """
 
     def __init__(self, every: int | None, trainer: Any, filename: str) -> None:
@@ -71,6 +72,8 @@ class _Reporter(TrainerCallback):
         if not self._opened:  # every rank skips the same step: no rank waits in a collective alone
             self._opened = True
             self._open_window(state)
+            if state.global_step % self._every == 0:
+                self._report_start(args, state, **kwargs)  # in the record, out of the window
             return
         now = time.perf_counter()
         self._window_s += now - self._t_last
@@ -91,6 +94,9 @@ class _Reporter(TrainerCallback):
 
     def _report(self, args, state, **kwargs) -> None:
         raise NotImplementedError
+
+    def _report_start(self, args, state, **kwargs) -> None:
+        """A start's first step when it is due: nothing measured yet (a subclass may record it)."""
 
     def _write(self, args, state, record: dict[str, Any]) -> None:
         if state.is_world_process_zero:
@@ -189,21 +195,24 @@ class MetricsCallback(_Reporter):
         super()._open_window(state)
         self._tokens_at_window_start = state.num_input_tokens_seen or 0
 
+    def _report_start(self, args, state, **kwargs) -> None:
+        self._report(args, state, **kwargs)  # the window is empty: memory, no throughput
+
     def _report(self, args, state, **kwargs) -> None:
         mine = [self._window_s, float(self._window_steps), collectives.peak_memory_mb(args.device)]
         rows = collectives.all_gather(mine)
         world = len(rows)
         steps = self._window_steps
         window_s = max(r[0] for r in rows)
-        step_time = window_s / steps if steps else float("nan")
+        step_time = window_s / steps if steps else None  # a start's first step: no window
         # tensor, context and sequence parallel ranks share their samples: only data-parallel ranks add some
         data_parallel = max(1, world // sharing_ranks(self.trainer))
         samples = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel * steps
-        samples_per_s = samples / window_s if window_s > 0 else None
+        samples_per_s = samples / window_s if window_s > 0 and steps else None
         tokens_per_s = None
         if self.seq_len is not None and samples_per_s is not None:
             tokens_per_s = samples_per_s * self.seq_len
-        elif args.include_num_input_tokens_seen not in ("no", False) and window_s > 0:
+        elif args.include_num_input_tokens_seen not in ("no", False) and window_s > 0 and steps:
             # The Trainer's count is already summed over ranks.
             tokens_per_s = (state.num_input_tokens_seen - self._tokens_at_window_start) / window_s
         self._tokens_at_window_start = state.num_input_tokens_seen or 0
@@ -222,7 +231,7 @@ class MetricsCallback(_Reporter):
             "step_time_s": step_time,
             "samples_per_s": samples_per_s,
             "tokens_per_s": tokens_per_s,
-            "eta_s": remaining * step_time,
+            "eta_s": remaining * step_time if step_time is not None else None,
             "mem_peak_mb": max(mem),
             "mem_peak_mb_per_rank": mem,
             "flops_per_token": self._flops_per_token,
