@@ -15,6 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from hfscale.checkpoints.local_room import size_text
 from hfscale.core.untrusted import printable
 
 # the operating system's word for it: a full disk or quota, whatever else the line says
@@ -39,13 +40,6 @@ class Signs:
             self.no_space = (host, line)
         elif self.write_failed is None and _WRITE_FAILED.search(line):
             self.write_failed = (host, line)
-
-
-def _size(n: float) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{n:.0f} bytes"
 
 
 def free_bytes(path: str) -> int | None:
@@ -75,7 +69,7 @@ def told(signs: Signs, output_dir: str | None) -> list[str]:
     what = "the disk quota is exceeded" if _QUOTA.search(line) else "the disk is full"
     shown = f"{printable(host)} ({printable(line.strip(), 200)})"
     if not output_dir or not (low or output_dir in line):
-        where = f"; {_size(free)} free in {printable(output_dir)}: not there" if output_dir and free is not None else ""
+        where = f"; {size_text(free)} free in {printable(output_dir)}: not there" if output_dir and free is not None else ""
         return [f"hfscale: a write failed for lack of space on {shown}{where} (a full /dev/shm, a cache or home "
                 "directory?)"]
     from hfscale.checkpoints.resume import scan_output
@@ -86,7 +80,7 @@ def told(signs: Signs, output_dir: str | None) -> list[str]:
     if scan.skipped and scan.resume is not None:  # newer than the newest complete one: the one being written
         name, why = scan.skipped[0]
         out.append(f"hfscale: {name} was being written and is incomplete ({why})")
-    out.append(f"hfscale: {_size(free) if free is not None else 'an unknown amount'} free in {printable(output_dir)}")
+    out.append(f"hfscale: {size_text(free) if free is not None else 'an unknown amount'} free in {printable(output_dir)}")
     if scan.resume is not None:
         out.append(f"hfscale: the newest complete checkpoint is {printable(scan.resume)}: a relaunch resumes there "
                    "once there is room (about one checkpoint's size more)")

@@ -1,4 +1,5 @@
-"""Preflight: what to ask every host before a launch, and what the answers mean (pure).
+"""Preflight: what to ask every host before a launch, and what the answers mean (pure, but for
+``local_need``, which reads the output_dir's newest checkpoint for its size).
 
 ``probes`` builds one ssh command per host (a local shell for one local node); ``evaluate``
 turns their outputs into a table and a list of failures naming each host. Running the probes
@@ -36,7 +37,9 @@ def nccl_interface(job: Job) -> str | None:
 
 
 # the local tier's folder on the host (training.local_checkpoints.dir): made if missing, a small file written
-# and removed there, then the bytes free; ``local=unwritable:<why>`` when the write fails
+# and removed there, then the bytes free; ``local=unwritable:<why>`` when the write fails. The ranks' own check
+# (hfscale.checkpoints.local_room.short_of_room), spelt in the standard library: it runs before the host is known
+# to have hfscale
 LOCAL_ROOM = (
     "import os, sys\n"
     "d = sys.argv[1]; f = os.path.join(d, '.hfscale-room.%d' % os.getpid())\n"

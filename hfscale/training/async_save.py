@@ -252,7 +252,7 @@ def unwritten(under: str | os.PathLike[str]) -> list[str]:
     when their save was committed (a write that failed, a writer that died), taken off the record."""
     prefix = os.path.join(os.path.abspath(under), "")
     found = [p for p in _UNWRITTEN if os.path.abspath(p).startswith(prefix)]
-    _UNWRITTEN[:] = [p for p in _UNWRITTEN if p not in found]
+    _UNWRITTEN[:] = [p for p in _UNWRITTEN if not os.path.abspath(p).startswith(prefix)]
     return found
 
 

@@ -100,12 +100,7 @@ def _take(choice: tier.Restore, scans: list[tier.Scan], lineage: str | None, out
         failed = [f for r in gathered for f in r.failed]
         if failed:
             v.failed = True
-            if rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-                print(f"hfscale: warning: the restore of local step {step} into {staging} failed "
-                      f"({'; '.join(failed[:4])}); resuming from the durable tier instead", flush=True)
-            barrier()
-            return None
+            return _give_up(staging, f"the restore of local step {step} into {staging} failed ({'; '.join(failed[:4])})")
         v.files_checked += sum(r.files for r in gathered)
         v.bytes_checked += sum(r.bytes for r in gathered)
         v.seconds += max((r.seconds for r in gathered), default=0.0)
@@ -120,16 +115,11 @@ def _take(choice: tier.Restore, scans: list[tier.Scan], lineage: str | None, out
             src = assigned.by_node[n][rel]
             instead = next(((m, x) for m, files in (again.by_node.items() if again else ()) for r, x in files.items()
                             if r == rel), None)
-            v.said.append(f"local step {step}: {rel} of {scans[n].host or f'node {n}'}'s {src.kind} "
-                          f"{'part' if src.kind == tier.OWN else 'copy'} does not match its checksum (crc32 {crc}, "
-                          f"saved {src.crc}); " + (f"taken from {scans[instead[0]].host or f'node {instead[0]}'}'s "
-                                                    f"{instead[1].kind} {'part' if instead[1].kind == tier.OWN else 'copy'}"
-                                                    if instead else "no other copy matches: an older step"))
+            v.said.append(f"local step {step}: {rel} of {_holder(scans, n, src)} does not match its checksum (crc32 "
+                          f"{crc}, saved {src.crc}); " + (f"taken from {_holder(scans, *instead)}" if instead else
+                                                          "no other copy matches: an older step"))
         if again is None:
-            if rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            barrier()
-            return None
+            return _give_up(staging, None)
         assigned = tier.Restore(step, world, again.files, {n: {rel: x for rel, x in files.items() if rel in missing}
                                                            for n, files in again.by_node.items()})
     short: list[str] = []
@@ -139,12 +129,7 @@ def _take(choice: tier.Restore, scans: list[tier.Scan], lineage: str | None, out
     problems = [p for p in gather_objects(f"{len(short)} file(s) missing or short, e.g. {short[0]}" if short else None)
                 if p]
     if problems:
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            print(f"hfscale: warning: the restore of local step {step} into {staging} is not whole "
-                  f"({problems[0]}); resuming from the durable tier instead", flush=True)
-        barrier()
-        return None
+        return _give_up(staging, f"the restore of local step {step} into {staging} is not whole ({problems[0]})")
     if rank == 0:
         if dest.exists():  # a durable save of that step cut short: never complete, else it would be the newest
             shutil.rmtree(dest)
@@ -152,6 +137,22 @@ def _take(choice: tier.Restore, scans: list[tier.Scan], lineage: str | None, out
         write_marker(dest, step, world)
     barrier()
     return str(dest)
+
+
+def _holder(scans: list[tier.Scan], n: int, source: tier.Source) -> str:
+    """``node1's own part`` / ``node2's buddy copy``."""
+    return f"{scans[n].host or f'node {n}'}'s {source.kind} {'part' if source.kind == tier.OWN else 'copy'}"
+
+
+def _give_up(staging: Path, why: str | None) -> None:
+    """Every rank: the staging folder removed (rank 0), ``why`` said (when the durable tier is next,
+    not an older local step), all ranks past it together. None: this step is not restored."""
+    if rank_world()[0] == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        if why:
+            print(f"hfscale: warning: {why}; resuming from the durable tier instead", flush=True)
+    barrier()
+    return None
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,10 @@ class LocalCheckpointCallback(TrainerCallback):
         self.need = 0  # bytes a local step takes on a node: the largest node's part, and its buddy copy
         self.short: tuple[str, ...] = ()  # the nodes said to have no room, while local steps are skipped
 
+    def _root(self, args: Any) -> Path:
+        """This node's folder of the job's local steps (hfscale.checkpoints.local_tier.node_dir)."""
+        return tier.node_dir(self.template, host(), args.output_dir)
+
     def nodes(self) -> Nodes:
         """Which node this rank is on (one collective, the first time: the ranks stay where they are)."""
         if self._nodes is None:
@@ -153,7 +157,7 @@ class LocalCheckpointCallback(TrainerCallback):
             async_saves.commit_pending()
         (step, held), self.writing = self.writing, None
         t0 = time.perf_counter()
-        lost = async_saves.unwritten(tier.part(tier.node_dir(self.template, host(), args.output_dir), tier.OWN, step))
+        lost = async_saves.unwritten(tier.part(self._root(args), tier.OWN, step))
         size = self.finish(step, args, f"{host()}: the asynchronous writer could not write {lost[0]}" + (
             f" (and {len(lost) - 1} more)" if len(lost) > 1 else "") if lost else None)
         self._said(step, held + time.perf_counter() - t0, size)
@@ -200,7 +204,7 @@ class LocalCheckpointCallback(TrainerCallback):
         node and its folder, and again when the step after is saved. A full local disk never fails a
         rank: the durable tier and the local steps kept before carry the job meanwhile."""
         self.behind.join()  # the previous step's buddy copy and rotation have ended: the disk as it stays
-        root = tier.node_dir(self.template, host(), args.output_dir)
+        root = self._root(args)
         mine = short_of_room(root, self.need, host()) if self.nodes().first else None
         short = [s for s in gather_objects(mine) if s is not None]
         names = tuple(s.host for s in short)
@@ -227,7 +231,7 @@ class LocalCheckpointCallback(TrainerCallback):
         folder (``save_total_limit``: the tier keeps ``keep``) and ``push_to_hub``."""
         nodes = self.nodes()
         self.behind.join()  # the previous step's buddy copy (its rotation included) has ended
-        root = tier.node_dir(self.template, host(), args.output_dir)
+        root = self._root(args)
         own = tier.part(root, tier.OWN, step)
         if nodes.first:
             shutil.rmtree(own, ignore_errors=True)
@@ -269,7 +273,7 @@ class LocalCheckpointCallback(TrainerCallback):
         _, world = rank_world()
         nodes = self.nodes()
         first = nodes.first
-        root = tier.node_dir(self.template, host(), args.output_dir)
+        root = self._root(args)
         own = tier.part(root, tier.OWN, step)
         barrier()  # every rank of every node has written its files (or failed to)
         listed = None
