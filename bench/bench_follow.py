@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: the detached-job follower (hfscale.launch.follow.follow_detached) at 10,000 hosts.
+"""Benchmark: the detached-job follower (hfscale.launch.attempt.follow.follow_detached) at 10,000 hosts.
 
 A stand-in of a run directory on this machine: ``logs/<host>.log`` and ``alive/<host>`` for N
 hosts. A writer process plays the nodes: each host rewrites its heartbeat every 10 s (staggered,
@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hfscale.launch.follow import follow_detached  # noqa: E402
+from hfscale.launch.attempt.follow import follow_detached  # noqa: E402
 from hfscale.launch.spec import Follow  # noqa: E402
 from hfscale.launch.runners.pdsh import HEARTBEAT_S, LOST_AFTER_S  # noqa: E402
 
@@ -76,7 +76,7 @@ def nodes(root: str, hosts: list[str], seconds: float, lose: str, lose_at: float
 
 
 class Recorder:
-    """A Relay that records when lines and the failure arrive (hfscale.launch.execute's role)."""
+    """A Relay that records when lines and the failure arrive (hfscale.launch.attempt.execute's role)."""
 
     def __init__(self, run_dir: str):
         self.plan = SimpleNamespace(run_dir=run_dir)

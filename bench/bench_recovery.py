@@ -13,7 +13,7 @@ A 3-node job (one rank per node, DeepSpeed ZeRO-2 on CPU, a tiny GPT-2, a checkp
 The node is the last one of the running attempt (node2 first; node1 once node2 is left out).
 
 Per fault, from the bench's own clock (the moment it injected the fault) and the run's
-timeline.jsonl (hfscale.launch.timeline): detection (fault -> failure noticed), stop (-> every
+timeline.jsonl (hfscale.launch.recovery.timeline): detection (fault -> failure noticed), stop (-> every
 node stopped), decision (-> relaunch: probes, the plan), retries (attempts that failed before
 training again, e.g. the relaunch that finds a cut-off host unreachable), restart (the last
 relaunch -> its first step: processes, model load, resharding) and recompute (the steps since the
@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cluster import run_on, start_cluster, stop_cluster  # noqa: E402
-from hfscale.launch.timeline import read_timeline  # noqa: E402
+from hfscale.launch.recovery.timeline import read_timeline  # noqa: E402
 from hfscale.runs.goodput import goodput, lines  # noqa: E402
 
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 64,

@@ -71,7 +71,7 @@ def one(tmp: Path, mode: str, rank: int, step: int, port: int) -> dict:
 
 def poll_cost(ranks: int) -> float:
     from hfscale.launch.spec import Watch
-    from hfscale.launch.watchdog import Watchdog
+    from hfscale.launch.attempt.watchdog import Watchdog
 
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d) / "progress"

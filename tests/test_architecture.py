@@ -19,11 +19,11 @@ MAX_LINES = 400
 # the commands that only read configs: check, config, init, schema, import (and launch --dry-run's planning)
 CONFIG_ONLY = ["hfscale.cli.commands", "hfscale.rules.config_file", "hfscale.cli.check_summary",
                "hfscale.config.model_config", "hfscale.config.template", "hfscale.render.artifacts",
-               "hfscale.core.atomic_files", "hfscale.launch.build", "hfscale.launch.preflight",
+               "hfscale.core.atomic_files", "hfscale.launch.build", "hfscale.launch.preflight.probes",
                "hfscale.cli.importing.importer", "hfscale.rules.deepspeed", "hfscale.rules.accelerate",
                "hfscale.config.sources.engine", "hfscale.config.sources.accelerate", "hfscale.memory.plan_command",
                "hfscale.memory.estimate", "hfscale.memory.fit", "hfscale.memory.model_shape", "hfscale.runs.registry",
-               "hfscale.launch.console", "hfscale.cli.runs"]
+               "hfscale.launch.attempt.console", "hfscale.cli.runs"]
 # The layer contract, lowest first: a module of hfscale.<layer> may import its own layer and the ones
 # before it, never one after it (every import counts: top level, inside functions, TYPE_CHECKING).
 LAYERS = ["core", "config", "checkpoints", "rules", "render", "training", "launch", "runs", "memory", "cli"]
@@ -148,13 +148,13 @@ def test_the_public_face_loads_its_names_on_first_use():
 
 
 def test_the_package_is_what_this_test_reads():
-    assert {"hfscale.cli.commands", "hfscale.launch.execute", "hfscale.launch.runners.pdsh", "hfscale.training.callbacks.reporting"} <= set(MODULES)
+    assert {"hfscale.cli.commands", "hfscale.launch.attempt.execute", "hfscale.launch.runners.pdsh", "hfscale.training.callbacks.reporting"} <= set(MODULES)
 
 
 def test_only_execute_starts_processes():
     offenders = []
     for module, path in MODULES.items():
-        if module == "hfscale.launch.execute":
+        if module == "hfscale.launch.attempt.execute":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

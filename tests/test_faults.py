@@ -133,7 +133,7 @@ def test_a_second_launch_into_a_used_output_dir_is_refused_and_a_dead_ones_lock_
 def test_the_lock_judges_a_holder_on_another_host_by_its_age_on_the_file_system(tmp_path):
     """A lock whose holder runs on another host: live while touched (by the file system's clock),
     taken over once untouched for the stale time; a lock that cannot be read is judged by age too."""
-    from hfscale.launch import output_lock
+    from hfscale.launch.attempt import output_lock
     out = tmp_path / "out"
     out.mkdir()
     lock = out / "_hfscale-lock.json"
@@ -274,7 +274,7 @@ def test_torchs_own_words_for_a_failed_write_count_as_a_full_disk_only_when_the_
     """torch.save says "unexpected pos" or "basic_ios::clear", never "no space": on a nearly full disk
     that is a full disk; with room left (this machine's disk) hfscale does not claim it. A "no
     space" line about another disk is said to be about another disk."""
-    from hfscale.launch.disk_full import LOW, Signs, free_bytes, told
+    from hfscale.launch.attempt.disk_full import LOW, Signs, free_bytes, told
 
     lines = ["node0: [rank0]: RuntimeError: [enforce fail at inline_container.cc:603] . unexpected pos 4544 vs 4436",
              "node0: [rank0]: RuntimeError: basic_ios::clear: iostream error"]

@@ -1,11 +1,11 @@
-"""Following a detached job's files (hfscale.launch.follow): lines as the nodes complete them, and hosts
+"""Following a detached job's files (hfscale.launch.attempt.follow): lines as the nodes complete them, and hosts
 whose heartbeat stopped changing, timed by the caller's clock."""
 
 from __future__ import annotations
 
 import os
 
-from hfscale.launch.follow import Follower
+from hfscale.launch.attempt.follow import Follower
 from hfscale.launch.spec import Follow
 
 

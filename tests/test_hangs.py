@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, job_pids
-from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.launch.node.stopping import STOP_GRACE_S
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
 TIMEOUT = 5

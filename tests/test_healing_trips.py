@@ -1,8 +1,8 @@
 """The healer must not trip on itself (issue 35), the pure parts: a save of the job's own cut short
 is set aside, not refused (hfscale.checkpoints.resume.decide, hfscale.launch.build); a master port
-still held is no host's fault (hfscale.launch.recovery, ``port_busy``); hosts that do not answer
+still held is no host's fault (hfscale.launch.recovery.policy, ``port_busy``); hosts that do not answer
 after the stop are left out or replaced (``lost``); what the settle probes say
-(hfscale.launch.settle). No process is started: the probes' scripts run in tests/test_settle.py and
+(hfscale.launch.recovery.settle). No process is started: the probes' scripts run in tests/test_settle.py and
 on the clusters in tests/test_healing_trips_cluster.py and tests/test_recovery_slurm.py."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from hfscale.checkpoints.lineage import LINEAGE_FILE, begin_lineage, read_lineag
 from hfscale.checkpoints.resume import decide as resume_decision, scan_output
 from hfscale.config.errors import ConfigError
 from hfscale.core.shell import Ran
-from hfscale.launch import settle
+from hfscale.launch.recovery import settle
 from hfscale.launch.build import INCOMPLETE_DIR, build_plan
-from hfscale.launch.node_command import LaunchContext
-from hfscale.launch.recovery import Fault, GiveUp, History, Policy, Relaunch, decide, last_error
-from hfscale.launch.supervisor import port_held
+from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.recovery.policy import Fault, GiveUp, History, Policy, Relaunch, decide, last_error
+from hfscale.launch.recovery.supervisor import port_held
 from hfscale.rules.config_file import load_job
 
 HOSTS = ("node0", "node1", "node2")

@@ -26,7 +26,7 @@ import yaml
 from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.build import INCOMPLETE_DIR
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.recovery.timeline import read_timeline
 from test_recovery_cluster import _attempt_training, launched, run_dir_of, train_config, wait_for
 
 pytestmark = pytest.mark.slow

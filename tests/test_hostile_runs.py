@@ -273,10 +273,10 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
     exception, nothing followed."""
     if os.geteuid() != 0 and variant in ("devzero", "other_uid"):
         pytest.skip("needs root (mknod, chown); CI is root")
-    from hfscale.launch import beats, output_lock
-    from hfscale.launch.follow import Follower, LogTail
+    from hfscale.launch.attempt import beats, output_lock
+    from hfscale.launch.attempt.follow import Follower, LogTail
     from hfscale.launch.spec import Follow, Watch
-    from hfscale.launch.watchdog import Watchdog, read_flight, read_stacks
+    from hfscale.launch.attempt.watchdog import Watchdog, read_flight, read_stacks
 
     run, out = tmp_path / "run", tmp_path / "out"
     for d in ("progress", "stacks", "flight", "alive", "logs", "orphaned"):
@@ -412,7 +412,7 @@ def test_a_pid_is_checkable_only_in_its_own_boot_and_pid_namespace():
 
 
 def test_one_failed_read_of_the_lock_does_not_stop_its_heartbeat(tmp_path, monkeypatch):
-    from hfscale.launch import output_lock
+    from hfscale.launch.attempt import output_lock
     from hfscale.core.untrusted import Unreadable
 
     taken = output_lock.acquire(tmp_path, "20261125-000001-aaaaaa", "/r")

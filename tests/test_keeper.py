@@ -1,4 +1,4 @@
-"""A node's keeper (hfscale.launch.runners.keeper), its real shell text run by bash on this machine,
+"""A node's keeper (hfscale.launch.node.keeper), its real shell text run by bash on this machine,
 with short timings: it beats while its launcher beats, and stops the node's job (and only that job)
 when the launcher's heartbeat stops; a line that ends normally takes its keeper with it. On the
 namespace cluster with the product's timings: tests/test_orphans_cluster.py."""
@@ -13,10 +13,10 @@ from pathlib import Path
 
 from conftest import job_pids
 from hfscale.core.shell import Line, Sh, render
-from hfscale.launch.beats import LauncherBeat
-from hfscale.launch.runners.keeper import keeper_line, keeper_of
+from hfscale.launch.attempt.beats import LauncherBeat
+from hfscale.launch.node.keeper import keeper_line, keeper_of
 from hfscale.launch.runners.pdsh import node_script
-from hfscale.launch.runners.stopping import stop_script
+from hfscale.launch.node.stopping import stop_script
 from hfscale.launch.spec import Keeper
 
 JOB = "20261126-000001-keeper"

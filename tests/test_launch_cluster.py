@@ -20,7 +20,7 @@ import yaml
 
 from cluster import cmdline, leftover_processes, pids_in_node
 from conftest import ROOT, read_until
-from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.launch.node.stopping import STOP_GRACE_S
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
 pytestmark = pytest.mark.slow

@@ -30,7 +30,7 @@ import yaml
 from cluster import leftover_processes, run_on
 from hfscale.checkpoints.local_tier import node_dir
 from hfscale.checkpoints.resume import MARKER
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.recovery.timeline import read_timeline
 from test_recovery_cluster import _step, launched, run_dir_of, train_config, wait_for
 
 pytestmark = pytest.mark.slow

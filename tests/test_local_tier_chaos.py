@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from cluster import leftover_processes, run_on
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.recovery.timeline import read_timeline
 from test_recovery_cluster import _attempt_training, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow

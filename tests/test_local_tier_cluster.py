@@ -27,7 +27,7 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from hfscale.checkpoints.local_tier import node_dir
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.recovery.timeline import read_timeline
 from test_local_tier import flip
 from test_recovery_cluster import _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 

@@ -1,5 +1,5 @@
-"""The output_dir lock follows the job, not only its launcher (issue 27; hfscale.launch.output_lock,
-hfscale.launch.beats): a holder whose launcher is gone but whose nodes' heartbeats change is not
+"""The output_dir lock follows the job, not only its launcher (issue 27; hfscale.launch.attempt.output_lock,
+hfscale.launch.attempt.beats): a holder whose launcher is gone but whose nodes' heartbeats change is not
 taken over, from the holder's host or from another; once the heartbeats stop, it is. Threads stand
 in for the nodes' keepers (the real keepers run in tests/test_keeper.py and, on the namespace
 cluster, tests/test_orphans_cluster.py). No process is started."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from hfscale.core.pid_identity import this_process
-from hfscale.launch import beats, output_lock
+from hfscale.launch.attempt import beats, output_lock
 from hfscale.runs.goodput import goodput
-from hfscale.launch.timeline import Timeline
+from hfscale.launch.recovery.timeline import Timeline
 from hfscale.core.records import TimelineEvent
 
 JOB, NEW = "20261126-000001-aaaaaa", "20261126-000002-bbbbbb"

@@ -13,7 +13,7 @@ import pytest
 
 from hfscale.launch import netcheck
 from hfscale.launch.netcheck import MARK
-from hfscale.launch.network import Meeting, commands, parse, render_matrix, schedule, slow_links
+from hfscale.launch.preflight.network import Meeting, commands, parse, render_matrix, schedule, slow_links
 
 from conftest import job_of
 
@@ -101,7 +101,7 @@ def test_the_measurement_itself_on_loopback():
 
 
 def test_more_hosts_than_the_fanout_are_refused():
-    from hfscale.launch.network import refusal
+    from hfscale.launch.preflight.network import refusal
 
     hosts = "".join(f"\n        - {{host: n{i}, slots: 1}}" for i in range(5))
     job = job_of(f"name: n\ncluster:\n  hosts:{hosts}\nrunner: {{type: pdsh, fanout: 4}}\nbatch: {{micro_batch_size: 1}}\n")

@@ -1,12 +1,12 @@
-"""hfscale.launch.node_lines: the job's output lines as typed events, and the hosts' state machine."""
+"""hfscale.launch.attempt.node_lines: the job's output lines as typed events, and the hosts' state machine."""
 
 from __future__ import annotations
 
 import time
 
 from hfscale.core import exitcodes
-from hfscale.launch.first_failure import FirstFailure
-from hfscale.launch.node_lines import Failure, NodeExit, Nodes, Output, SshEnded, parse
+from hfscale.launch.attempt.first_failure import FirstFailure
+from hfscale.launch.attempt.node_lines import Failure, NodeExit, Nodes, Output, SshEnded, parse
 
 
 def test_lines_parse_into_events():

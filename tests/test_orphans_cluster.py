@@ -3,7 +3,7 @@ torchrun and DeepSpeed ZeRO-2 on CPU.
 
 ``hfscale launch`` is SIGKILLed mid-training (an OOM killer, a closed login session): pdsh and its
 ssh sessions live on in their own session, and so would the ranks. Each node's keeper
-(hfscale.launch.runners.keeper) sees the launcher's heartbeat stop and stops its node's job (TERM:
+(hfscale.launch.node.keeper) sees the launcher's heartbeat stop and stops its node's job (TERM:
 a preemption checkpoint at the next step), and the output_dir lock follows the job: the same
 launch run again, first from the same host, then from a second host (node3, a "login node" that
 shares the run and output directories), waits for the orphaned job to stop itself, takes over the
@@ -31,7 +31,7 @@ import pytest
 
 from cluster import leftover_processes
 from conftest import ROOT
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.training.heartbeat import read_progress
 from test_recovery_cluster import REFERENCE_STEPS, largest_loss_difference, train_config
 

@@ -15,9 +15,9 @@ import pytest
 
 from hfscale.core.shell import Command, Line, Sh, render
 from hfscale.launch.build import build_plan
-from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
-from hfscale.launch.runners.keeper import keeper_line, keeper_of
-from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.node.command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.node.keeper import keeper_line, keeper_of
+from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import Follow, Keeper, Watch
 
 from conftest import job_of, job_pids

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hfscale.launch.preflight import MARK, evaluate, gpu_memory_hint, probes, render_table
+from hfscale.launch.preflight.probes import MARK, evaluate, gpu_memory_hint, probes, render_table
 
 from conftest import job_of, run_cli
 
@@ -175,8 +175,8 @@ def test_the_local_tiers_folder_is_probed_and_a_full_one_admitted_with_a_note():
 
 
 def test_real_local_probe_of_the_local_folder(tmp_path):
-    from hfscale.launch.execute import run_probes
-    from hfscale.launch.preflight import HostFacts
+    from hfscale.launch.attempt.execute import run_probes
+    from hfscale.launch.preflight.probes import HostFacts
 
     folder = tmp_path / "nvme" / "{host}"
     cfg = tmp_path / "local.yaml"

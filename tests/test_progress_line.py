@@ -1,4 +1,4 @@
-"""The progress line across a restart (hfscale.launch.console.follow_progress, AttemptRate): the rate
+"""The progress line across a restart (hfscale.launch.attempt.console.follow_progress, AttemptRate): the rate
 and the ETA count only rank 0's current start, never the stop and the restart. Rank 0's numbers
 are fed as they would be read from progress/metrics.json, on a fake clock; no process starts."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 
 from hfscale.core.records import Rank0Metrics as M
-from hfscale.launch import console
+from hfscale.launch.attempt import console
 
 
 def shown(monkeypatch, seen: list[tuple[float, M]]) -> list[str]:
@@ -54,7 +54,7 @@ def test_a_restart_resumed_at_the_step_last_seen_starts_again_too(monkeypatch):
 
 
 def test_a_step_going_back_starts_the_rate_again():
-    from hfscale.launch.console import AttemptRate
+    from hfscale.launch.attempt.console import AttemptRate
 
     # a plain loop reports no restart count: a step below the last one seen is a resume
     rate = AttemptRate()

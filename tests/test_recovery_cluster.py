@@ -32,8 +32,8 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from conftest import ROOT
-from hfscale.launch.runners.stopping import STOP_GRACE_S
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.node.stopping import STOP_GRACE_S
+from hfscale.launch.recovery.timeline import read_timeline
 
 pytestmark = pytest.mark.slow
 FLAKY = str(ROOT / "tests" / "scripts" / "flaky_host.py")

@@ -1,5 +1,5 @@
 """Jobs that heal themselves (issue #23), the pure parts: the decisions after a failed attempt
-(hfscale.launch.recovery), the timeline file read back as untrusted (hfscale.launch.timeline), and
+(hfscale.launch.recovery.policy), the timeline file read back as untrusted (hfscale.launch.recovery.timeline), and
 the goodput arithmetic over it (hfscale.runs.goodput). No process is started."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from hfscale.core.records import TimelineEvent
 from hfscale.core.untrusted import Unreadable
-from hfscale.launch.recovery import (Fault, GiveUp, History, Policy, Relaunch, decide, last_error, normalise_error,
+from hfscale.launch.recovery.policy import (Fault, GiveUp, History, Policy, Relaunch, decide, last_error, normalise_error,
                                      probe_targets)
-from hfscale.launch.timeline import TIMELINE_FILE, Timeline, append_event, read_timeline
+from hfscale.launch.recovery.timeline import TIMELINE_FILE, Timeline, append_event, read_timeline
 from hfscale.runs.goodput import goodput, lines, timeline_lines
 
 HOSTS = ("node0", "node1", "node2")

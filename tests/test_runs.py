@@ -1,4 +1,4 @@
-"""Living with runs: what the terminal shows (hfscale.launch.console), and hfscale runs / status / logs /
+"""Living with runs: what the terminal shows (hfscale.launch.attempt.console), and hfscale runs / status / logs /
 stop on real runs of the built-in entry point (2 CPU processes)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, job_pids
-from hfscale.launch.console import Console, progress_text
+from hfscale.launch.attempt.console import Console, progress_text
 from hfscale.launch.run_dir import read_cleanup
 from hfscale.runs.registry import RunInfo, run_info
 
@@ -357,7 +357,7 @@ def test_a_runs_end_state_comes_from_what_ended_it_not_from_its_exit_code():
 def test_logs_follow_prints_every_line_then_ends_with_the_run(tmp_path):
     """hfscale logs --follow on a run that ends: every line (a last one without its newline too),
     each prefixed with its node when there are several logs, and it returns once the run ended."""
-    from hfscale.launch.follow import READ_LIMIT
+    from hfscale.launch.attempt.follow import READ_LIMIT
     from hfscale.runs.registry import follow_logs
 
     run = tmp_path / "runs" / "x-1"

@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from hfscale.launch.build import build_plan
-from hfscale.launch.node_command import LaunchContext
-from hfscale.launch.requeue import in_allocation_of
+from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.recovery.requeue import in_allocation_of
 from hfscale.rules.config_file import load_job
 
 HOSTS = 3000

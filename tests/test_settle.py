@@ -1,4 +1,4 @@
-"""The settle probe (hfscale.launch.settle) run for real on this machine, as the supervisor runs it
+"""The settle probe (hfscale.launch.recovery.settle) run for real on this machine, as the supervisor runs it
 between two attempts of a local job: it waits for the stopped attempt's processes (found by the job
 id they were started with, never by name) and for the master port, each within its bound, and never
 waits for itself."""
@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 
-from hfscale.launch import settle
-from hfscale.launch.execute import run_probes
+from hfscale.launch.recovery import settle
+from hfscale.launch.attempt.execute import run_probes
 from hfscale.rules.config_file import load_text
 
 JOB = "20261128-130000-abcdef-r2"

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.launch.node.stopping import STOP_GRACE_S
 
 pytestmark = pytest.mark.slow
 

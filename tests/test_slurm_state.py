@@ -1,4 +1,4 @@
-"""What Slurm says of a submitted job (hfscale.launch.runners.slurm_state) and what ``hfscale status``
+"""What Slurm says of a submitted job (hfscale.runs.slurm_state) and what ``hfscale status``
 prints of it, from REAL output captured on the test Slurm (tests/data/slurm_state/, captured by
 capture.py there: Slurm 22.05.8, no accounting): a COMPLETED job, one FAILED by exit 3, one whose
 ranks were SIGKILLed (137), one scancel'ed, one requeued; their output files. No process starts:
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.launch.runners.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol, slurm_time
+from hfscale.runs.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol, slurm_time
 from hfscale.runs.registry import RunInfo
 
 DATA = Path(__file__).parent / "data" / "slurm_state"
@@ -138,7 +138,7 @@ def test_status_says_the_real_outcome_exit_code_and_end(tmp_path):
 
 def test_ask_slurm_asks_scontrol_then_sacct_then_reads_the_output_file(tmp_path, monkeypatch):
     from hfscale.core.shell import Command
-    from hfscale.launch import execute
+    from hfscale.launch.attempt import execute
     from hfscale.runs import status
 
     run = tmp_path / "sl-1"

@@ -1,6 +1,6 @@
 """Hot spares (issue 29): the config (a host file's 'spare', cluster.hosts[].spare, recovery.spares),
 what check says of them, the decision that puts a spare in a failed host's place
-(hfscale.launch.recovery.decide) and the job a relaunch then runs (hfscale.rules.relaunch.job_on).
+(hfscale.launch.recovery.policy.decide) and the job a relaunch then runs (hfscale.rules.relaunch.job_on).
 Pure: no process, no file but tmp ones."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import yaml
 from hfscale.cli.check_summary import summary
 from hfscale.config.hostfile import parse_hostfile, render_hostfile
 from hfscale.core.records import TimelineEvent
-from hfscale.launch.recovery import Fault, History, Policy, Replacement, decide, probe_targets
-from hfscale.launch.supervisor import _specs
-from hfscale.launch.timeline import Timeline
+from hfscale.launch.recovery.policy import Fault, History, Policy, Replacement, decide, probe_targets
+from hfscale.launch.recovery.supervisor import _specs
+from hfscale.launch.recovery.timeline import Timeline
 from hfscale.rules.config_file import load_job
 from hfscale.rules.relaunch import job_on
 from hfscale.runs.goodput import replacement_lines, timeline_lines

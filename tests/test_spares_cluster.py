@@ -10,7 +10,7 @@ killed and node1 takes its place. Every step's loss equals the uninterrupted run
 
 With node2's kill, a process on node0 takes the master port the moment the dying attempt's store
 lets it go and holds it 6 s, as the previous attempt's torchrun still shutting down does under
-Slurm (issue 35): the relaunch waits for the port (hfscale.launch.settle) instead of failing on
+Slurm (issue 35): the relaunch waits for the port (hfscale.launch.recovery.settle) instead of failing on
 node0 with EADDRINUSE, and node0 stays node 0. Before, node0 was struck and replaced by node2, the
 host just taken out.
 """
@@ -28,7 +28,7 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from conftest import ROOT
-from hfscale.launch.timeline import read_timeline
+from hfscale.launch.recovery.timeline import read_timeline
 from test_healing_trips_cluster import GRAB_PORT
 from test_recovery_cluster import MAX_STEPS, _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, job_pids, read_until
-from hfscale.launch.runners.stopping import JOB_ID_VAR, STOP_GRACE_S, stop_script
+from hfscale.launch.node.stopping import JOB_ID_VAR, STOP_GRACE_S, stop_script
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
 SLEEPER = "import signal, sys, time\nif sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(120)"

@@ -11,7 +11,7 @@ import yaml
 
 from hfscale.core.shell import Ran
 from hfscale.launch.build import build_plan
-from hfscale.launch.node_command import LaunchContext, attempt_id, run_of
+from hfscale.launch.node.command import LaunchContext, attempt_id, run_of
 from hfscale.launch.run_dir import write_run_dir
 from hfscale.launch.spec import Outcome
 from hfscale.rules.config_file import load_job
@@ -71,7 +71,7 @@ def test_the_step_watch_counts_from_the_step_rank_0_resumed_from(tmp_path: Path)
     import json
     import threading
 
-    from hfscale.launch import supervisor
+    from hfscale.launch.recovery import supervisor
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
@@ -104,7 +104,8 @@ def test_the_supervisor_beats_while_it_probes_and_decides_between_attempts(tmp_p
     import functools
 
     from hfscale.core import exitcodes
-    from hfscale.launch import beats, supervisor
+    from hfscale.launch.attempt import beats
+    from hfscale.launch.recovery import supervisor
     from hfscale.launch.run_dir import LAUNCHER_BEAT
     from hfscale.launch.spec import Outcome
 
@@ -163,7 +164,7 @@ def _three_nodes(tmp_path: Path, spare: bool = False):
 def _supervised(tmp_path: Path, monkeypatch, job, first, answer):
     """``supervise(job)`` with its attempts replaced (attempt 0 ends as ``first(plan)`` says, attempt 1
     finishes) and every settle probe answered by ``answer(host)``; the relaunch's plan, what was said."""
-    from hfscale.launch import supervisor
+    from hfscale.launch.recovery import supervisor
 
     plans = []
 
@@ -189,7 +190,7 @@ FREE = Ran(0, "HFSCALE_SETTLE\nleft=0\nport=free\n", "")
 
 def test_a_store_that_could_not_bind_the_port_on_node0_strikes_no_host(tmp_path: Path, monkeypatch):
     """Issue 35: node 0's new store found the master port still held (EADDRINUSE): not node 0's fault."""
-    from hfscale.launch.timeline import read_timeline
+    from hfscale.launch.recovery.timeline import read_timeline
 
     job = _three_nodes(tmp_path, spare=True)
 
@@ -209,7 +210,7 @@ def test_a_store_that_could_not_bind_the_port_on_node0_strikes_no_host(tmp_path:
 def test_a_hang_that_named_no_rank_leaves_out_the_node_that_does_not_answer(tmp_path: Path, monkeypatch):
     """Issue 35: a cut link leaves every rank waiting in a collective; the settle finds node1 silent
     (its probe timed out), and the relaunch puts the spare in its place instead of waiting on node1."""
-    from hfscale.launch.timeline import read_timeline
+    from hfscale.launch.recovery.timeline import read_timeline
 
     job = _three_nodes(tmp_path, spare=True)
     hang = "hang: every rank waits in all_reduce at step 6: a lost peer or the network"

@@ -13,8 +13,8 @@ import sys
 import textwrap
 
 from hfscale.launch.build import build_plan
-from hfscale.launch.console import Console
-from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.attempt.console import Console
+from hfscale.launch.node.command import LaunchContext
 
 from conftest import job_of, run_cli
 

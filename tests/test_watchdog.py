@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from hfscale.launch.spec import Watch
-from hfscale.launch.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
+from hfscale.launch.attempt.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
 from hfscale.training.heartbeat import Progress, read_progress
 
 PYSPY_WAITING = """Process 11655: python -u probe.py
@@ -160,7 +160,7 @@ def test_a_thousand_ranks(tmp_path):
 def test_flight_recorder_dumps_are_summarised(tmp_path):
     import json
 
-    from hfscale.launch.watchdog import flight_line, read_flight
+    from hfscale.launch.attempt.watchdog import flight_line, read_flight
 
     def dump(*entries):
         return json.dumps([{"source": "_dump_fr_trace_json", "entries": [

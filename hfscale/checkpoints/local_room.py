@@ -1,7 +1,7 @@
 """Room on a node's own disk for the local tier (``training.local_checkpoints``): a full local disk is a
 reason to skip local steps, said with the node and its folder, never to fail a rank, strike a node or keep
 a host out. The ranks ask before each local step (:func:`short_of_room`, hfscale.training.callbacks.local_tier),
-the host probe before a host is admitted (hfscale.launch.preflight, with :func:`step_need`'s estimate).
+the host probe before a host is admitted (hfscale.launch.preflight.probes, with :func:`step_need`'s estimate).
 No torch, no process group.
 """
 

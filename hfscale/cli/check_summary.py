@@ -85,7 +85,7 @@ def _watchdog(job: Job) -> str:
 
 
 def _recovery(job: Job) -> str:
-    """What the supervisor (hfscale.launch.supervisor) will do, with the batch at each node count."""
+    """What the supervisor (hfscale.launch.recovery.supervisor) will do, with the batch at each node count."""
     r = job.config.recovery
     window = f" in {r.window} s" if r.window else ""
     what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host left out after {r.strikes} failure(s)"

@@ -184,7 +184,7 @@ def _context(job, extra_args: tuple[str, ...], restart: bool, job_id: str | None
     import secrets
     import time
 
-    from hfscale.launch.node_command import LaunchContext, output_dir_to_scan
+    from hfscale.launch.node.command import LaunchContext, output_dir_to_scan
     from hfscale.checkpoints.resume import scan_output
 
     job_id = job_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -196,14 +196,14 @@ def _context(job, extra_args: tuple[str, ...], restart: bool, job_id: str | None
 
 def _settle(job) -> None:
     """Wait while the job that holds training.output_dir stops itself (its launcher died), so that
-    the plan resumes from the checkpoint it saves on the way (hfscale.launch.output_lock.settle)."""
+    the plan resumes from the checkpoint it saves on the way (hfscale.launch.attempt.output_lock.settle)."""
     import os
     import posixpath
     import signal
 
     from hfscale.core.exitcodes import signal_name
-    from hfscale.launch.node_command import output_dir_to_scan
-    from hfscale.launch.output_lock import settle
+    from hfscale.launch.node.command import output_dir_to_scan
+    from hfscale.launch.attempt.output_lock import settle
 
     where = output_dir_to_scan(job)
     if where is None:
@@ -254,7 +254,7 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
       hfscale launch job.yaml --restart
     """
     from hfscale.launch.build import build_plan
-    from hfscale.launch.requeue import first_attempt, in_allocation_of
+    from hfscale.launch.recovery.requeue import first_attempt, in_allocation_of
     from hfscale.launch.spec import NOTHING_TO_TRAIN
     from hfscale.rules.script import extra_args_warnings
 
@@ -275,10 +275,10 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
         click.echo(f"hfscale: {' '.join(n for n in plan.notes if n.startswith(NOTHING_TO_TRAIN))}; nothing was started",
                    err=True)
         return
-    from hfscale.launch.console import Console
-    from hfscale.launch.execute import execute
-    from hfscale.launch.output_lock import Refused
-    from hfscale.launch.supervisor import supervise
+    from hfscale.launch.attempt.console import Console
+    from hfscale.launch.attempt.execute import execute
+    from hfscale.launch.attempt.output_lock import Refused
+    from hfscale.launch.recovery.supervisor import supervise
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
     try:
@@ -316,10 +316,10 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
               help="With --network: seconds of data each way per pair.")
 def preflight(config_file: str, timeout: float, network: bool, seconds: float) -> None:
     """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
-    from hfscale.launch.execute import run_probes
-    from hfscale.launch.preflight import evaluate, gpu_memory_hint, local_need, probes, refusal, render_table, verdict
+    from hfscale.launch.attempt.execute import run_probes
+    from hfscale.launch.preflight.probes import evaluate, gpu_memory_hint, local_need, probes, refusal, render_table, verdict
 
-    from hfscale.launch import network as net
+    from hfscale.launch.preflight import network as net
     job = _load(config_file)
     why = refusal(job) or (net.refusal(job) if network else None)
     if why:

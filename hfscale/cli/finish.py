@@ -23,7 +23,7 @@ from pathlib import Path
 from hfscale.checkpoints.resume import checkpoint_problem, checkpoints
 from hfscale.core.records import LauncherState, Rank0Metrics
 from hfscale.core.untrusted import Unreadable, printable
-from hfscale.launch.console import count_text, duration_text
+from hfscale.launch.attempt.console import count_text, duration_text
 from hfscale.launch.run_dir import read_metrics, read_state
 from hfscale.runs.registry import RunError, run_output_dir
 

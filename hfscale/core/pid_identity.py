@@ -104,7 +104,7 @@ def liveness(recorded: ProcessIdentity) -> Liveness:
 
 def job_processes(job_id: str) -> list[int]:
     """Processes on this host (as far as /proc shows) whose environment holds ``HFSCALE_JOB_ID=<job_id>``:
-    what a launch started, which outlives a launcher killed -9 (hfscale.launch.runners.stopping finds
+    what a launch started, which outlives a launcher killed -9 (hfscale.launch.node.stopping finds
     them the same way)."""
     want = f"HFSCALE_JOB_ID={job_id}".encode()
     found = []

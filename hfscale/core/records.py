@@ -47,7 +47,7 @@ RFC1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 HOST = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")
 RunState = Literal["running", "finished", "failed", "stopped", "hung", "preempted", "submitted"]
 Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
-# why an attempt of a job failed (hfscale.launch.recovery); port_busy: the master port was still held on
+# why an attempt of a job failed (hfscale.launch.recovery.policy); port_busy: the master port was still held on
 # node 0 when the attempt started (the job's own earlier attempt, or another process): no host's fault
 Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy"]
 
@@ -206,7 +206,7 @@ class WeightIndex(Record):
 
 
 class OutputLock(Record):
-    """``<output_dir>/_hfscale-lock.json`` (hfscale.launch.output_lock): the launch that trains into it."""
+    """``<output_dir>/_hfscale-lock.json`` (hfscale.launch.attempt.output_lock): the launch that trains into it."""
 
     job_id: JobId
     host: Host
@@ -218,7 +218,7 @@ class OutputLock(Record):
     started: Timestamp
     runner: Runner | None = None
     # the job's nodes stop themselves within this many seconds of its launcher's last heartbeat
-    # (hfscale.launch.runners.keeper); None: they do not (a lock of an older hfscale)
+    # (hfscale.launch.node.keeper); None: they do not (a lock of an older hfscale)
     stops_within_s: Annotated[int, BeforeValidator(_no_bool), Field(ge=0, le=3600)] | None = None
 
 
@@ -226,15 +226,15 @@ Hosts = Annotated[list[Host], Field(max_length=10_000)]
 
 
 class Replaced(Record):
-    """``spare`` took ``host``'s place at a relaunch (hfscale.launch.recovery.Replacement)."""
+    """``spare`` took ``host``'s place at a relaunch (hfscale.launch.recovery.policy.Replacement)."""
 
     host: Host
     spare: Host
 
 
 class TimelineEvent(Record):
-    """One line of ``<run dir>/timeline.jsonl`` (hfscale.launch.timeline): what happened to the attempts
-    of a job that recovers from failures (hfscale.launch.supervisor); hfscale.runs.goodput reads them."""
+    """One line of ``<run dir>/timeline.jsonl`` (hfscale.launch.recovery.timeline): what happened to the attempts
+    of a job that recovers from failures (hfscale.launch.recovery.supervisor); hfscale.runs.goodput reads them."""
 
     kind: Literal["launch", "failure", "stopped", "relaunch", "training", "gave_up", "finished"]
     attempt: Count

@@ -3,7 +3,7 @@
 ``build_plan`` computes what every runner shares once (run directory, generated files, the
 ranks' environment, what to do with existing checkpoints) and hands it to the runner of
 ``runner.type`` (hfscale.launch.runners). The plan is what ``--dry-run`` prints and what
-``hfscale.launch.execute`` runs: the same object, holding real values, shown with secrets as ``***``.
+``hfscale.launch.attempt.execute`` runs: the same object, holding real values, shown with secrets as ``***``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hfscale.config.envvars import MASK, deepspeed_env_file, host_secret, masked
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.yaml_source import dump
 from hfscale.core.shell import Secret
-from hfscale.launch.node_command import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
+from hfscale.launch.node.command import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
 from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.launch.runners import RUNNERS
 from hfscale.launch.runners.shared import Common

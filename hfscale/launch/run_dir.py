@@ -26,11 +26,11 @@ CLEANUP_FILE = "cleanup.json"  # the plan's cleanup, for ``hfscale stop`` of a r
 HANG_REPORT = "hang-report.txt"  # the hang watchdog's report
 SLURM_JOB_ID_FILE = "slurm_job_id"  # the id sbatch answered
 STOP_MARKER = "stopping"  # written when the launch stops the job: node lines that start later exit at once
-ATTEMPTS_DIR = "attempts"  # a relaunch (hfscale.launch.supervisor) moves the previous attempt's files here
-BEATS_DIR = "alive"  # the nodes' heartbeats, one file per host (hfscale.launch.beats)
+ATTEMPTS_DIR = "attempts"  # a relaunch (hfscale.launch.recovery.supervisor) moves the previous attempt's files here
+BEATS_DIR = "alive"  # the nodes' heartbeats, one file per host (hfscale.launch.attempt.beats)
 ORPHANED_DIR = "orphaned"  # <host>: that node stopped its job because its launcher's beat stopped
-LAUNCHER_BEAT = "launcher.beat"  # the launcher's heartbeat (hfscale.launch.beats.LauncherBeat)
-UNREACHED = "unreached"  # hosts a Slurm stop or stack dump could not launch on, a line each (hfscale.launch.settle)
+LAUNCHER_BEAT = "launcher.beat"  # the launcher's heartbeat (hfscale.launch.attempt.beats.LauncherBeat)
+UNREACHED = "unreached"  # hosts a Slurm stop or stack dump could not launch on, a line each (hfscale.launch.recovery.settle)
 _PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, ORPHANED_DIR, STOP_MARKER, HANG_REPORT,
                 UNREACHED, PLAN_FILE)
 
@@ -58,7 +58,7 @@ def write_run_dir(plan: LaunchPlan, record: str, attempt: int = 0) -> Path:
         private[CLEANUP_FILE] = json.dumps({"argv": c.real_argv(), "env": c.real_env(), "cwd": c.cwd}) + "\n"
     write_files(run_dir, private, mode=0o600)
     (run_dir / LOGS_DIR).mkdir(exist_ok=taken)
-    if plan.keeper is not None:  # the nodes' keepers write here (hfscale.launch.runners.keeper)
+    if plan.keeper is not None:  # the nodes' keepers write here (hfscale.launch.node.keeper)
         Path(plan.keeper.beats_dir).mkdir()
         Path(plan.keeper.orphaned_dir).mkdir()
     elif plan.follow is not None:

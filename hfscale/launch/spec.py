@@ -1,7 +1,7 @@
 """The launch plan: what ``hfscale launch`` will do, as one immutable value.
 
 The same object is printed by ``--dry-run`` (and written to ``plan.txt``) and run by
-``hfscale.launch.execute``: it holds real values once, and its ``render`` shows secrets as ``***``.
+``hfscale.launch.attempt.execute``: it holds real values once, and its ``render`` shows secrets as ``***``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ RunnerName = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # stream: run ``main`` and relay its output per node; submit: ``main`` hands the job to a scheduler
 # and returns; done: nothing to train (the newest checkpoint is at max_steps), nothing is started
 Mode = Literal["stream", "submit", "done"]
-LOCK_FILE = "_hfscale-lock.json"  # hfscale.launch.output_lock ("_": push_to_hub leaves it out)
+LOCK_FILE = "_hfscale-lock.json"  # hfscale.launch.attempt.output_lock ("_": push_to_hub leaves it out)
 EXIT_MARK = "HFSCALE_EXIT"  # every node's last line: "HFSCALE_EXIT rc=<launcher exit code>"
 NOTHING_TO_TRAIN = "nothing to train"
 
@@ -36,7 +36,7 @@ class Follow:
     """A detached launch (more hosts than ``runner.fanout``): ``main`` only starts every node, at
     most ``runner.fanout`` at a time, and returns; each node appends its output to
     ``logs_dir/<host>.log`` and rewrites ``beats_dir/<host>`` every ``beat_s`` seconds, on the
-    run directory's shared filesystem. hfscale then follows those files (hfscale.launch.follow): a host
+    run directory's shared filesystem. hfscale then follows those files (hfscale.launch.attempt.follow): a host
     whose heartbeat has not changed for ``lost_after_s`` seconds is lost."""
 
     hosts: tuple[str, ...]
@@ -48,7 +48,7 @@ class Follow:
 
 @dataclass(frozen=True)
 class Keeper:
-    """Each node's watch over its launcher (hfscale.launch.runners.keeper, hfscale.launch.beats): while
+    """Each node's watch over its launcher (hfscale.launch.node.keeper, hfscale.launch.attempt.beats): while
     the node's line runs, it rewrites ``beats_dir/<host>`` every ``beat_s`` seconds and reads
     ``launcher_beat`` (which the launch rewrites every ``launcher_beat_s`` seconds) every
     ``check_s``; when that has not changed for ``lost_after_s`` seconds (the launcher was killed,
@@ -68,7 +68,7 @@ class Keeper:
 
 @dataclass(frozen=True)
 class Watch:
-    """The hang watchdog (hfscale.launch.watchdog): each rank rewrites ``progress_dir/rank-<RANK>`` after
+    """The hang watchdog (hfscale.launch.attempt.watchdog): each rank rewrites ``progress_dir/rank-<RANK>`` after
     every optimizer step (hfscale.training.heartbeat). When no rank has finished a step for ``timeout``
     seconds (``first_step``: none at all since the start), hfscale runs the plan's ``dump`` on
     every node (each rank's Python stack into ``stacks_dir``), writes ``report`` naming the stuck
@@ -115,7 +115,7 @@ class LaunchPlan:
     kill: Command | None = None
     prepare: tuple[Command, ...] = ()  # run here, in order, after the run directory is made and before main
     # training.output_dir as this host sees it (None: not visible here); a streamed launch holds its
-    # lock (hfscale.launch.output_lock) from before anything starts to its end
+    # lock (hfscale.launch.attempt.output_lock) from before anything starts to its end
     output_dir: str | None = None
     stop_marker: str | None = None  # written before the cleanup runs: a node line that starts later exits at once
     told: tuple[str, ...] = ()  # lines the launch shows on the terminal before it starts (what resuming skipped)
@@ -129,7 +129,7 @@ class LaunchPlan:
 
     @property
     def lock(self) -> str | None:
-        """The output_dir lock this launch takes (hfscale.launch.output_lock), or None."""
+        """The output_dir lock this launch takes (hfscale.launch.attempt.output_lock), or None."""
         if self.output_dir is None or self.mode != "stream":
             return None
         return posixpath.join(self.output_dir, LOCK_FILE)

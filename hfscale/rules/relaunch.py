@@ -1,4 +1,4 @@
-"""The job a relaunch runs (hfscale.launch.supervisor): the same job on a subset of its hosts,
+"""The job a relaunch runs (hfscale.launch.recovery.supervisor): the same job on a subset of its hosts,
 derived and checked again by ``hfscale.rules.check`` (pure)."""
 
 from __future__ import annotations

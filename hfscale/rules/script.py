@@ -156,7 +156,7 @@ def _shards_only(job: "Job") -> str:
 
 
 def _watchdog_rules(job: "Job") -> tuple[Found, Found]:
-    """A plain script's steps reach the watchdog only through hfscale.training.heartbeat.step: hfscale.launch.watchdog
+    """A plain script's steps reach the watchdog only through hfscale.training.heartbeat.step: hfscale.launch.attempt.watchdog
     counts watchdog.first_step from the start (a job that never reports is stopped as "never finished
     a step"), watchdog.timeout only from the first step reported (a job that never reports is never
     judged). Kubernetes jobs are not watched."""

@@ -1,5 +1,5 @@
 """Goodput: how much of a run's time trained, and where the rest went (pure; it reads the
-hfscale.launch.timeline.Timeline it is given).
+hfscale.launch.recovery.timeline.Timeline it is given).
 
 From the events of ``timeline.jsonl`` (hfscale.core.records.TimelineEvent):
 
@@ -39,7 +39,7 @@ from hfscale.core.untrusted import printable
 
 if TYPE_CHECKING:
     from hfscale.core.records import TimelineEvent
-    from hfscale.launch.timeline import Timeline
+    from hfscale.launch.recovery.timeline import Timeline
 
 BUCKETS = ("start", "detection", "stop", "restart", "recompute", "other")
 MAX_NAMES = 8  # hosts named on a line; the rest are counted
@@ -195,8 +195,8 @@ def replacement_lines(t: "Timeline") -> list[str]:
 
 def requeue_lines(t: "Timeline") -> list[str]:
     """``requeued     its batch host node1 was lost; Slurm requeued job 1 (restart 1), at +31.0 s;
-    attempt 1 resumed``: a supervised Slurm job that requeued itself (hfscale.launch.requeue)."""
-    from hfscale.launch.requeue import REQUEUED
+    attempt 1 resumed``: a supervised Slurm job that requeued itself (hfscale.launch.recovery.requeue)."""
+    from hfscale.launch.recovery.requeue import REQUEUED
 
     t0 = _t0(t)
     out = [f"requeued     {printable(e.what or '', 300)}, at +{e.at - t0:.1f} s; attempt {e.attempt + 1} resumed"
@@ -223,7 +223,7 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
     """``hfscale status``'s lines for a job that recovers (none without a timeline): restarts,
     excluded hosts, goodput (``now``: the job still runs; ``last``: see ``goodput``)."""
     from hfscale.core.untrusted import Unreadable
-    from hfscale.launch.timeline import read_timeline
+    from hfscale.launch.recovery.timeline import read_timeline
 
     try:
         t = read_timeline(run_dir)

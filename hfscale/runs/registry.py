@@ -164,7 +164,7 @@ def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
 
 def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = None) -> Path:
     """training.output_dir as the ranks saw it: relative to runner.workdir, itself relative to the
-    launch directory (hfscale.launch.node_command.output_dir_to_scan): ``launch_cwd`` where state.json
+    launch directory (hfscale.launch.node.command.output_dir_to_scan): ``launch_cwd`` where state.json
     recorded it and that directory is still there (the output_dir under it, whether made yet or not:
     a folder of the same name elsewhere, this process's ./output, is not this run's); else the first
     of the recorded one, one inferred from the run directory's path and this process's whose
@@ -334,7 +334,7 @@ def print_log(path: Path, write: Callable[[bytes], object]) -> str | None:
 
 def follow_logs(run: Path, logs: list[Path], write: Callable[[str], object], poll_s: float = 0.5) -> None:
     """Write what ``logs`` hold, then what is appended, until the run is no longer running."""
-    from hfscale.launch.follow import LogTail
+    from hfscale.launch.attempt.follow import LogTail
 
     tail = LogTail({str(p): p for p in logs})
     prefix = {str(p): f"[{printable(p.stem, 80)}] " if len(logs) > 1 else "" for p in logs}

@@ -23,9 +23,9 @@ from typing import Any
 
 from hfscale.core.atomic_files import write_files
 from hfscale.core.untrusted import Unreadable
-from hfscale.launch.node_command import run_of
+from hfscale.launch.node.command import run_of
 from hfscale.launch.run_dir import CONFIG_COPY, PLAN_FILE
-from hfscale.launch.timeline import Timeline, read_timeline
+from hfscale.launch.recovery.timeline import Timeline, read_timeline
 from hfscale.runs.goodput import goodput, lines, timeline_lines
 from hfscale.runs.history import (MAX_RANK_LINES, METRICS_FILE, PER_RANK, TRAINER_STATE, ReportError, RunData, rank_stats,
                           read_run)
@@ -239,7 +239,7 @@ def _when(t: Any) -> str | None:
 def _other_launch(r: dict[str, Any], job: Any, t0: float | None, t1: float | None) -> bool:
     """Whether metrics record ``r`` was written by another launch than this run's: by its job id,
     else (written without one) by its time against the run's start and end."""
-    if "job" in r and isinstance(job, str):  # a relaunch's attempts are this run's (hfscale.launch.supervisor)
+    if "job" in r and isinstance(job, str):  # a relaunch's attempts are this run's (hfscale.launch.recovery.supervisor)
         return not isinstance(r["job"], str) or run_of(r["job"]) != run_of(job)
     t = _num(r.get("time"))
     return t is not None and ((t0 is not None and t < t0) or (t1 is not None and t > t1))
@@ -294,7 +294,7 @@ def _segments(t: Timeline, end: float) -> list[tuple[str, float, float]]:
 
 
 def _recovery(d: RunData) -> str:
-    """The timeline of a job that recovers (hfscale.launch.supervisor): a bar of its wall time by
+    """The timeline of a job that recovers (hfscale.launch.recovery.supervisor): a bar of its wall time by
     phase, goodput, and one line per failure and relaunch."""
     try:
         t = read_timeline(d.run_dir)

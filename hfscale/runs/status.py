@@ -1,8 +1,8 @@
 """What ``hfscale status`` prints of one run: its state, and for a run whose launcher died what its
-nodes did without it (hfscale.launch.beats), rank 0's numbers, each rank's step, the hang report,
+nodes did without it (hfscale.launch.attempt.beats), rank 0's numbers, each rank's step, the hang report,
 the recovery lines (hfscale.runs.goodput) and the tail of each node log (files only); for a run
 submitted to Slurm, how the job is doing or how it ended (``ask_slurm``: scontrol, sacct, its output
-file; the commands run through hfscale.launch.execute)."""
+file; the commands run through hfscale.launch.attempt.execute)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from hfscale.core.untrusted import Unreadable, printable, read_bytes
-from hfscale.launch.beats import launcher_silent, orphan
+from hfscale.launch.attempt.beats import launcher_silent, orphan
 from hfscale.launch.run_dir import HANG_REPORT
-from hfscale.launch.runners.keeper import LAUNCHER_LOST_S
-from hfscale.launch.runners.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol
+from hfscale.launch.node.keeper import LAUNCHER_LOST_S
+from hfscale.runs.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol
 from hfscale.runs.goodput import status_lines
 from hfscale.runs.registry import RunError, RunInfo, _steps, _when, log_files, rank_progress
 from hfscale.training.heartbeat import rank0_last_step
@@ -68,7 +68,7 @@ def status_text(i: RunInfo, scheduler: SlurmJob | str | None = None) -> str:
 
 def _orphan_said(i: RunInfo) -> str:
     """``: launcher gone, job running on 2 nodes since ...`` or ``: stopped after its launcher died
-    ...`` for a run whose launcher died (or, on another host, stopped beating: hfscale.launch.beats)."""
+    ...`` for a run whose launcher died (or, on another host, stopped beating: hfscale.launch.attempt.beats)."""
     now = time.time()
     if i.state not in ("died", "running"):
         return ""
@@ -114,10 +114,10 @@ def _slurm_times(i: RunInfo, j: SlurmJob) -> str:
 def ask_slurm(i: RunInfo) -> SlurmJob | str:
     """What Slurm says of submitted run ``i``: the controller's record (``scontrol show job``),
     else the accounting (``sacct``), else the job's own output file (its exit line, slurmstepd's
-    CANCELLED line); hfscale.launch.runners.slurm_state reads them. A string says why none told.
-    The commands are hfscale.runs.stop's, run by hfscale.launch.execute."""
+    CANCELLED line); hfscale.runs.slurm_state reads them. A string says why none told.
+    The commands are hfscale.runs.stop's, run by hfscale.launch.attempt.execute."""
     from hfscale.core.records import LOG_TAIL
-    from hfscale.launch.execute import run_probe
+    from hfscale.launch.attempt.execute import run_probe
     from hfscale.runs.stop import scheduler_command
 
     job = i.slurm_job

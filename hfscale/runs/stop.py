@@ -1,5 +1,5 @@
 """``hfscale stop`` and the scheduler commands about a run (files only; the commands run through
-hfscale.launch.execute).
+hfscale.launch.attempt.execute).
 
 Nothing read from a run directory is trusted: a pid is signalled only when it is provably the
 launcher recorded (hfscale.core.pid_identity), and what is run or handed to a scheduler (the recorded
@@ -28,12 +28,12 @@ STOP_WAIT_S = 120  # the launcher's stop: TERM, a grace period, KILL, on every n
 def scheduler_command(i: RunInfo, action: str) -> Command | None:
     """The scheduler command that stops (``stop``) or asks about a submitted run: ``state``, the
     controller's record (Slurm: ``scontrol show job``, kept MinJobAge after the end), ``accounting``
-    (Slurm: ``sacct``; hfscale.launch.runners.slurm_state reads both). What
+    (Slurm: ``sacct``; hfscale.runs.slurm_state reads both). What
     it hands to the scheduler comes from files this user alone could have written
     (hfscale.core.untrusted.read_trusted), checked by shape: a Slurm job id, the Kubernetes objects the
     launch created. Raises RunError naming the file and the reason."""
     from hfscale.launch.runners.kubernetes import MANIFESTS, deletion
-    from hfscale.launch.runners.slurm_state import sacct_argv
+    from hfscale.runs.slurm_state import sacct_argv
 
     try:
         if i.runner == "slurm" or i.slurm_job:
@@ -125,7 +125,7 @@ def stop(i: RunInfo, say: Callable[[str], object]) -> int:
 def _run_stop(i: RunInfo, cmd: Command, what: str, timeout: float) -> None:
     """Run the command that stops ``i`` (a scheduler's cancel, or the cleanup a launcher that died
     recorded: it stops the job's processes on every host), then record the run as stopped."""
-    from hfscale.launch.execute import run_probe
+    from hfscale.launch.attempt.execute import run_probe
 
     record_state(i.path, stop_requested=time.time())
     rc, out, err = run_probe(cmd, timeout=timeout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 
 from hfscale.core.shell import Command, Text, words
-from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.node.command import LaunchContext
 from hfscale.launch.runners.kubernetes_manifest import API_VERSION, CONFIG_DIR, LABEL, kubernetes_manifests, launcher_command, render_manifests
 from hfscale.launch.runners.shared import Common, Submitted, Unavailable
 from hfscale.launch.spec import LaunchPlan, NodeLaunch

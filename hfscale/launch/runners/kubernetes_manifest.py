@@ -26,7 +26,7 @@ values, so every ``$`` of a config value is written as ``$$`` (``k8s_literal``);
 own ``Var`` words (``$(MASTER_ADDR)``, ``$(MASTER_PORT)``, ``$(RANK)``, ``$(PET_RDZV_ENDPOINT)``,
 which the training operator sets in every pod) are left to expand. The settings a pod cannot
 honour (``runner.setup``, elastic with accelerate) are refused when the config is loaded
-(hfscale.rules.resolved); the launcher's argv comes from hfscale.launch.node_command, as for every runner.
+(hfscale.rules.resolved); the launcher's argv comes from hfscale.launch.node.command, as for every runner.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import yaml
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.config.yaml_source import Dumper
 from hfscale.core.shell import Cat, Secret, Var, Word, value
-from hfscale.launch.node_command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.node.command import LaunchContext, Rendezvous, launcher_argv
 from hfscale.rules.resolved import Job
 
 CONFIG_DIR = "/etc/hfscale"

@@ -1,15 +1,15 @@
 """Runner type local: the launcher on this node, started by a shell that first starts the node's
-keeper (hfscale.launch.runners.keeper) and then becomes the launcher (``exec``): the launcher's
+keeper (hfscale.launch.node.keeper) and then becomes the launcher (``exec``): the launcher's
 pid and exit status are the main process's, and a killed ``hfscale launch`` leaves no job
 training unwatched here either."""
 
 from __future__ import annotations
 
 from hfscale.core.shell import Assign, Command, Line, Sh, words
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
-from hfscale.launch.runners.keeper import HOST_VAR, keeper_line, keeper_of
+from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.node.keeper import HOST_VAR, keeper_line, keeper_of
 from hfscale.launch.runners.shared import Common
-from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 

@@ -10,7 +10,7 @@ its own name (pdsh's ``%h``: ranks never depend on pdsh's order), run ``runner.s
 launcher, print ``HFSCALE_EXIT rc=N``. Literal values are quoted and their ``%`` doubled for pdsh;
 only ``runner.setup`` runs as written. The line runs in a shell started with the job id in its
 environment; the cleanup stops exactly the processes whose environment holds it (TERM, then KILL
-after a grace period: hfscale.launch.runners.stopping), at most ``runner.fanout`` hosts at a time.
+after a grace period: hfscale.launch.node.stopping), at most ``runner.fanout`` hosts at a time.
 
 Up to ``runner.fanout`` hosts, the launch holds one ssh per host for the whole run and streams
 the output (attached). Beyond, one launch host cannot hold thousands of ssh sessions: pdsh
@@ -24,16 +24,16 @@ import posixpath
 from typing import NamedTuple
 
 from hfscale.config.envvars import host_env, host_secret
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import BEATS_DIR, LOGS_DIR, STOP_MARKER
 from hfscale.launch.spec import EXIT_MARK, Follow, LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
                      render, words)
-from hfscale.launch.runners.keeper import HOST_VAR, NODE_BEAT_S, keeper_line, keeper_of
+from hfscale.launch.node.keeper import HOST_VAR, NODE_BEAT_S, keeper_line, keeper_of
 from hfscale.launch.runners.shared import Common
-from hfscale.launch.runners.stopping import JOB_ID_VAR, STOP_GRACE_S, dump_script, stop_script
-from hfscale.launch.ssh import pdsh_argv
+from hfscale.launch.node.stopping import JOB_ID_VAR, STOP_GRACE_S, dump_script, stop_script
+from hfscale.launch.node.reach import pdsh_argv
 
 RANK_VAR = "HFSCALE_NODE_RANK"
 UNKNOWN_HOST_EXIT = 97
@@ -96,7 +96,7 @@ def node_script(before: Line, launcher: list[Word], marker: str, first: Line = L
 def fan_out(job_id: str, before: Line, launcher: list[Word], marker: str, keeper: Line) -> Line:
     """The one line pdsh sends to every host: a shell started with the job id in its environment
     (so that the stop finds it, and with it whatever ``runner.setup`` runs in it) starts the node's
-    keeper (hfscale.launch.runners.keeper), runs ``before`` and the launcher, and ends by printing the
+    keeper (hfscale.launch.node.keeper), runs ``before`` and the launcher, and ends by printing the
     launcher's exit code."""
     first = Line.of(Sh(f"export {HOST_VAR}="), PdshHost(glue=True), Sh(";", glue=True), keeper)
     node = node_script(before, launcher, marker, first=first, on_exit="kill $hb 2>/dev/null; ")
@@ -141,7 +141,7 @@ def launch(job: Job, c: Common, job_id: str, hosts: tuple[str, ...], before: Lin
 
 
 def kill_line(job_id: str, grace_s: int = STOP_GRACE_S) -> Line:
-    """The stop every host runs: this job's processes only (hfscale.launch.runners.stopping)."""
+    """The stop every host runs: this job's processes only (hfscale.launch.node.stopping)."""
     return Line((Sh(stop_script(job_id, grace_s)),), pdsh=True)
 
 

@@ -4,7 +4,7 @@
 RDMA device and locked memory with the infiniband/roce presets. Values are exported in the host
 shell and passed as ``-e NAME`` only, so they never sit on docker's argv. With no hosts the
 container runs on this node without pdsh. Cleanup removes the job's containers by label, then
-stops what is left of the job on the host (hfscale.launch.runners.stopping: ``runner.setup``, the docker
+stops what is left of the job on the host (hfscale.launch.node.stopping: ``runner.setup``, the docker
 client).
 """
 
@@ -14,15 +14,15 @@ import posixpath
 
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.core.shell import Cat, Command, Line, Sh, Var, Word, words
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import STOP_MARKER
 from hfscale.launch.runners import pdsh
-from hfscale.launch.runners.keeper import keeper_of
+from hfscale.launch.node.keeper import keeper_of
 from hfscale.launch.runners.local import here
 from hfscale.launch.runners.shared import Common
-from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
-from hfscale.launch.ssh import pdsh_argv
+from hfscale.launch.node.reach import pdsh_argv
 from hfscale.rules.resolved import Job
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from hfscale.core.shell import Command, Secret
-from hfscale.launch.node_command import LaunchContext
+from hfscale.launch.node.command import LaunchContext
 from hfscale.launch.spec import LaunchPlan, Watch
 from hfscale.rules.resolved import Job
 

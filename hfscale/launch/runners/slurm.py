@@ -10,12 +10,12 @@ from __future__ import annotations
 import posixpath
 
 from hfscale.core.shell import Command, Line, Secret, Sh, words
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import SLURM_JOB_ID_FILE
 from hfscale.launch.runners.shared import Common, Submitted, Unavailable
 from hfscale.launch.runners import slurm_step
 from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch, render_supervised
-from hfscale.launch.runners.stopping import dump_script, stop_script
+from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 

@@ -7,7 +7,7 @@ shell, which forwards it to the training step: the ranks save a checkpoint and s
 (hfscale.training.callbacks.PreemptionCallback), and with ``requeue: true`` the script requeues the job,
 which then resumes from that checkpoint. The script's last line, ``HFSCALE_EXIT rc=<exit code>
 time=<Unix time>``, is how ``hfscale status`` tells the job's end once Slurm no longer knows it
-(hfscale.launch.runners.slurm_state).
+(hfscale.runs.slurm_state).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ REQUEUE_LOG = "requeue.log"  # the watches' lines, in the run directory
 
 def watch_loop(run_dir: str) -> str:
     """Shell text one node runs for the whole job: every 10 s it reads the supervisor's heartbeat
-    (hfscale.launch.beats.LauncherBeat, rewritten every 5 s while an attempt runs and while the
+    (hfscale.launch.attempt.beats.LauncherBeat, rewritten every 5 s while an attempt runs and while the
     supervisor decides between two attempts); once it has seen one, a heartbeat unchanged for
     BATCH_HOST_LOST_S seconds means the batch host is lost: it says so in ``requeue.log`` and requeues the job."""
     beat, log = shlex.quote(posixpath.join(run_dir, LAUNCHER_BEAT)), shlex.quote(posixpath.join(run_dir, REQUEUE_LOG))

@@ -1,6 +1,6 @@
 """Runner slurm inside the job's own allocation, supervised (``recovery.max_restarts`` > 0): the batch
 script (hfscale.launch.runners.slurm_script) runs ``hfscale launch`` on the batch host, which
-supervises the job there (hfscale.launch.supervisor), and each attempt is one ``srun`` step over
+supervises the job there (hfscale.launch.recovery.supervisor), and each attempt is one ``srun`` step over
 that attempt's nodes (pure: the plan of one attempt, and the job on the allocation's hosts).
 
 - The allocation's hosts (``scontrol show hostnames "$SLURM_JOB_NODELIST"``, which the batch script
@@ -15,14 +15,14 @@ that attempt's nodes (pure: the plan of one attempt, and the job on the allocati
 - Each node runs pdsh's line (hfscale.launch.runners.pdsh): the stop marker, its rank by its own name
   (``$SLURMD_NODENAME``) from ``nodes.sh``, the environment from ``env.sh``, the keeper, the launcher
   and the exit line; its output goes through ``sed`` to get the ``<host>: `` prefix pdsh would
-  give, so hfscale.launch.node_lines reads it alike.
+  give, so hfscale.launch.attempt.node_lines reads it alike.
 - The keeper of each node watches the supervisor's heartbeat: when the batch host dies (the job
   runs on without its batch script under ``--no-kill``), the nodes requeue the job
   (``scontrol requeue``), which resumes from the newest complete checkpoint.
 - The stop (cleanup) and the stack dump reach each node by a step of their own (``--overlap``),
   one per node, so that a node Slurm lost does not keep the stop from the others; at most
   ``runner.fanout`` of them at once.
-- A probe of a host (hfscale.launch.preflight) is ``srun --nodelist=<host> --nodes=1`` instead of ssh.
+- A probe of a host (hfscale.launch.preflight.probes) is ``srun --nodelist=<host> --nodes=1`` instead of ssh.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from typing import Mapping
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.model import HostSpec
 from hfscale.core.shell import Command, Line, Script, Sh, Var, Word, and_then, words
-from hfscale.launch.node_command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
 from hfscale.launch.run_dir import STOP_MARKER, UNREACHED
-from hfscale.launch.runners.keeper import HOST_VAR, keeper_line, keeper_of
+from hfscale.launch.node.keeper import HOST_VAR, keeper_line, keeper_of
 from hfscale.launch.runners.pdsh import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
 from hfscale.launch.runners.shared import Common
-from hfscale.launch.runners.stopping import JOB_ID_VAR, dump_script, stop_script
+from hfscale.launch.node.stopping import JOB_ID_VAR, dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 
@@ -72,7 +72,7 @@ def host_names(text: str) -> tuple[str, ...]:
 def allocation_hosts(env: Mapping[str, str]) -> tuple[str, ...] | None:
     """The allocation's hosts a batch script written before ``HFSCALE_SLURM_HOSTS_FILE`` put in
     ``HFSCALE_SLURM_HOSTS`` (None: not inside a supervised batch script, or one that wrote the file:
-    hfscale.launch.requeue reads it)."""
+    hfscale.launch.recovery.requeue reads it)."""
     if not env.get(ALLOCATION_VAR) or HOSTS_VAR not in env or HOSTS_FILE_VAR in env:
         return None
     return host_names(env[HOSTS_VAR])
@@ -102,14 +102,14 @@ def srun_argv(hosts_file: str, n: int) -> list[str]:
     ``--overlap``: the previous attempt's step keeps its CPUs until every node of it has answered,
     and a node whose link is cut answers only once Slurm sets it DOWN (``SlurmdTimeout``, 300 s by
     default): a step that waited for free CPUs would wait that long (the supervisor has made sure
-    that the previous attempt's processes are gone: hfscale.launch.settle)."""
+    that the previous attempt's processes are gone: hfscale.launch.recovery.settle)."""
     return ["srun", "--overlap", f"--nodelist={hosts_file}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", "--unbuffered"]
 
 
 def still_allocated(hosts_file: str, wait: bool = True) -> str:
     """Shell text run before an attempt's step: a host of ``hosts_file`` Slurm took out of the
-    allocation (set DOWN under ``--no-kill``) is named as lost (hfscale.launch.node_lines), exit 3,
+    allocation (set DOWN under ``--no-kill``) is named as lost (hfscale.launch.attempt.node_lines), exit 3,
     instead of srun's "Requested node configuration is not available", which names none. One grep
     over both lists (fixed strings, whole lines): no per-host loop, no host list on a command line.
     ``wait``: first wait (at most PREVIOUS_STEP_S) for the previous attempt's step to end; not when
@@ -138,7 +138,7 @@ def on_each_node(hosts_file: str, script: str, fanout: int, unreached: str) -> C
     A host srun could not launch on (a cut link: "Communication connection failure" after Slurm's
     MessageTimeout, 10 s by default; a node Slurm set DOWN) is appended to ``unreached`` (the attempt's
     file in the run directory) and skipped by the later passes (the kill after the stack dump) and by
-    the supervisor's settle (hfscale.launch.settle): each pass would wait that long on it again."""
+    the supervisor's settle (hfscale.launch.recovery.settle): each pass would wait that long on it again."""
     u = shlex.quote(unreached)
     skip = Sh(f'declare -A gone; while read -r u; do gone[$u]=1; done 2>/dev/null < {u}; n=0; while read -r h; do '
               '[ -n "$h" ] && [ -z "${gone[$h]}" ] || continue; {')

@@ -44,7 +44,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         # rank 0's numbers start again with this start: the progress line counts its rate from here,
-        # and the previous start's tokens/s and ETA are gone (hfscale.launch.console.AttemptRate);
+        # and the previous start's tokens/s and ETA are gone (hfscale.launch.attempt.console.AttemptRate);
         # ``resumed``, before the progress file: the supervisor's step watch reads it when that moves
         progress.report(step=state.global_step, max_steps=state.max_steps, restart=restart_count(),
                         resumed=state.global_step)

@@ -22,7 +22,7 @@ from hfscale.launch.run_dir import ATTEMPTS_DIR, LAUNCHER_BEAT, read_state
 from hfscale.launch.runners.slurm_step import (ALLOCATION_VAR, HOSTS_FILE_VAR, HOSTS_TEXT_CAP, allocation_hosts,
                                               host_names, in_allocation, in_supervised_script)
 from hfscale.launch.runners.slurm_script import REQUEUE_LOG
-from hfscale.launch.timeline import append_event, read_timeline
+from hfscale.launch.recovery.timeline import append_event, read_timeline
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import rank0_last_step
 

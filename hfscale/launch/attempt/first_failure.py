@@ -2,7 +2,7 @@
 
 When a rank dies, the ranks waiting on it in a collective fail too (gloo's "Connection closed by
 peer", NCCL's remote error), and their node may report before the node that failed first. A
-failure marked ``lost_peer`` (hfscale.launch.node_lines) is therefore held for ``PEER_WAIT_S``: a
+failure marked ``lost_peer`` (hfscale.launch.attempt.node_lines) is therefore held for ``PEER_WAIT_S``: a
 failure of another node that did not just lose a peer is named instead; if none comes (or every
 node has reported, ``settle``), the held one is named, saying so.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from hfscale.launch.node_lines import Failure
+from hfscale.launch.attempt.node_lines import Failure
 
 PEER_WAIT_S = 5.0  # a node whose ranks only lost a peer waits this long for the node that failed first
 

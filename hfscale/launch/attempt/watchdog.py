@@ -1,8 +1,8 @@
 """The hang watchdog's judgement: is the job stuck, which rank holds it up, and the report.
 
 The ranks report their steps (hfscale.training.heartbeat); :class:`Watchdog` reads those files, timed by
-this host's clock (content compared, as hfscale.launch.follow does). When no rank has finished a step
-for ``timeout`` seconds, hfscale.launch.execute has every rank's Python stack written (py-spy, or
+this host's clock (content compared, as hfscale.launch.attempt.follow does). When no rank has finished a step
+for ``timeout`` seconds, hfscale.launch.attempt.execute has every rank's Python stack written (py-spy, or
 faulthandler through SIGUSR2) and :func:`analyze` names the stuck rank(s):
 
 - ranks that never reported a step;
@@ -13,7 +13,7 @@ faulthandler through SIGUSR2) and :func:`analyze` names the stuck rank(s):
   a loop); or the ranks in a different collective than most;
 - when every rank waits in the same collective, none: the cause is a lost peer or the network.
 
-Reads files only; hfscale.launch.execute runs the stack dump and stops the job.
+Reads files only; hfscale.launch.attempt.execute runs the stack dump and stops the job.
 """
 
 from __future__ import annotations

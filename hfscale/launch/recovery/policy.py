@@ -1,5 +1,5 @@
 """What to do after an attempt of a job failed (pure: no files, no processes, no clock; times are
-passed in). hfscale.launch.supervisor stops the job, asks :func:`decide`, and relaunches or gives up.
+passed in). hfscale.launch.recovery.supervisor stops the job, asks :func:`decide`, and relaunches or gives up.
 
 - Off: ``recovery.max_restarts: 0``.
 - At most ``max_restarts`` restarts within ``window`` seconds (the whole job when None).
@@ -18,7 +18,7 @@ passed in). hfscale.launch.supervisor stops the job, asks :func:`decide`, and re
   previous attempt or by another process) is no host's fault: no strike, no replacement, the same
   hosts again (the supervisor waits for the port first); held at ``BUG_REPEATS`` starts in a row
   before any step, the job gives up naming the port.
-- Hosts that did not answer after the stop (``lost``: hfscale.launch.settle; after a hang that named
+- Hosts that did not answer after the stop (``lost``: hfscale.launch.recovery.settle; after a hang that named
   no rank, the cut-off node) are replaced by a spare or left out, as a lost host is.
 - Hot spares (``recovery.spares``): a host the rules above would exclude, or one that failed with a
   strike when a spare that passed its probe is free, is replaced by that spare in its place (its node
@@ -270,7 +270,7 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
            lost: tuple[str, ...] = ()) -> Relaunch | GiveUp:
     """Record ``fault`` in ``history`` and say what to do: relaunch (on which hosts, and why) or
     give up (why). ``healthy_again``: excluded hosts that passed a probe since the last attempt.
-    ``lost``: other hosts of the attempt that did not answer after the stop (hfscale.launch.settle),
+    ``lost``: other hosts of the attempt that did not answer after the stop (hfscale.launch.recovery.settle),
     each replaced by a spare or left out, as a lost host is (below ``min_nodes``: give up)."""
     history.faults.append(fault)
     if policy.max_restarts <= 0:

@@ -1,5 +1,5 @@
 """``hfscale preflight --network``: which hosts measure each other when, and what the numbers say
-(pure). hfscale.launch.netcheck does the measuring on each host; hfscale.launch.execute runs it.
+(pure). hfscale.launch.netcheck does the measuring on each host; hfscale.launch.attempt.execute runs it.
 
 Up to ``ALL_PAIRS_MAX`` hosts every pair is measured, in rounds where each host meets one peer
 (the circle method: n-1 rounds); beyond, a ring (each host with its successor: 2-3 rounds), which
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hfscale.core.shell import Command, Ran, render, words
 from hfscale.launch.netcheck import MARK
-from hfscale.launch.ssh import ssh_argv
+from hfscale.launch.node.reach import ssh_argv
 from hfscale.rules.resolved import Job
 
 ALL_PAIRS_MAX = 16

@@ -10,10 +10,10 @@ only its launcher: a second launch asks whether anything of the holder's job sti
 
 - Its launcher, on the same host, boot and pid namespace: the process recorded, by pid and start
   time (hfscale.core.pid_identity). Elsewhere (another login node, a container): whether its
-  heartbeat in the run directory changes (hfscale.launch.beats), read on this host's clock.
+  heartbeat in the run directory changes (hfscale.launch.attempt.beats), read on this host's clock.
 - Its nodes: whether their heartbeats (``<run dir>/alive/<host>``, from each node's keeper) change,
   and the job's processes on this host. A job whose launcher is gone stops itself within the
-  lock's ``stops_within_s`` (hfscale.launch.runners.keeper): ``settle`` waits for that, saying so,
+  lock's ``stops_within_s`` (hfscale.launch.node.keeper): ``settle`` waits for that, saying so,
   before a launch plans its resume.
 - When the run directory cannot be read from here (or the lock is an older hfscale's): the lock's
   modification time against the file system's own clock (the mtime of a file just written beside
@@ -23,7 +23,7 @@ only its launcher: a second launch asks whether anything of the holder's job sti
 A live holder refuses the launch (LockHeld, exit 2, naming its job, host and pid, and the hosts
 where its job still runs); a dead one's lock is taken over, one taker at a time
 (``_hfscale-lock.json.take``, made with ``O_EXCL``), and the launch says so. Files only, no
-processes: hfscale.launch.execute takes it, touches it, releases it.
+processes: hfscale.launch.attempt.execute takes it, touches it, releases it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 
 from hfscale.core.pid_identity import ProcessIdentity, job_processes, liveness, this_process
 from hfscale.core.untrusted import Unreadable, parse_record, printable, read_bytes
-from hfscale.launch.beats import WATCH_S, watch
+from hfscale.launch.attempt.beats import WATCH_S, watch
 from hfscale.launch.spec import LOCK_FILE, LaunchPlan
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ _proven_dead: dict[tuple[str, str], tuple[float, str]] = {}
 def settle(output_dir: str | os.PathLike[str], echo: Callable[[str], None], sleep: Callable[[float], None] = time.sleep,
            clock: Callable[[], float] = time.monotonic, watch_s: float = WATCH_S) -> None:
     """Before a launch plans its resume: when ``output_dir``'s lock is held by a job whose launcher
-    is gone and whose nodes still run and stop themselves (hfscale.launch.runners.keeper), wait for
+    is gone and whose nodes still run and stop themselves (hfscale.launch.node.keeper), wait for
     them to stop (at most their ``stops_within_s`` and one look), saying so; the checkpoint they save
     on the way is then the one this launch resumes from. Returns at once otherwise: ``acquire``
     refuses a live holder and takes a dead one's lock. Takes nothing, writes nothing."""

@@ -6,7 +6,7 @@ runs while that line runs and, every ``check_s`` seconds:
 - rewrites ``<run dir>/alive/<host>`` every ``beat_s`` seconds (a counter, in place: ``1<>`` does
   not truncate), which tells a detached launch's follower and any later launch that the job still
   runs here;
-- reads the launcher's heartbeat (hfscale.launch.beats.LauncherBeat). When it has not changed for
+- reads the launcher's heartbeat (hfscale.launch.attempt.beats.LauncherBeat). When it has not changed for
   ``lost_after_s`` seconds (the launcher was killed -9, its login node rebooted), the keeper appends
   a line saying so to ``logs/<host>.log``, writes ``orphaned/<host>`` and stops the job on this
   node as the launcher's cleanup would (the runner's own stop: TERM, so the ranks save a checkpoint
@@ -23,11 +23,11 @@ import posixpath
 
 from hfscale.core.shell import Line, Script, Sh, quote
 from hfscale.launch.run_dir import BEATS_DIR, LAUNCHER_BEAT, LOGS_DIR, ORPHANED_DIR
-from hfscale.launch.runners.stopping import JOB_ID_VAR, STOP_GRACE_S
+from hfscale.launch.node.stopping import JOB_ID_VAR, STOP_GRACE_S
 from hfscale.launch.spec import Keeper
 
 HOST_VAR = "HFSCALE_HOST"  # set on the node before the keeper starts (hfscale.launch.runners.pdsh)
-LAUNCHER_BEAT_S = 5  # the launcher rewrites its beat this often (hfscale.launch.beats.LauncherBeat)
+LAUNCHER_BEAT_S = 5  # the launcher rewrites its beat this often (hfscale.launch.attempt.beats.LauncherBeat)
 NODE_BEAT_S = 10  # a node rewrites its beat this often
 KEEPER_CHECK_S = 5  # a node reads the launcher's beat this often
 LAUNCHER_LOST_S = 30  # a node stops its job when the launcher's beat has not changed for this long

@@ -1,6 +1,6 @@
 """Following a detached job through its run directory (hfscale.launch.spec.Follow): the nodes'
 output from ``logs/<host>.log`` and their heartbeats from ``alive/<host>``. Reads files only;
-hfscale.launch.execute drives it.
+hfscale.launch.attempt.execute drives it.
 
 Heartbeats are compared by content (a counter each node increments), timed by this host's clock:
 nodes' clocks never enter, and opening the file (close-to-open on NFS) sees the node's latest
@@ -108,7 +108,7 @@ class Follower:
 
 
 class Relay(Protocol):
-    """What following a detached job reports to (hfscale.launch.execute's running launch)."""
+    """What following a detached job reports to (hfscale.launch.attempt.execute's running launch)."""
 
     plan: LaunchPlan
     exited: set[str]

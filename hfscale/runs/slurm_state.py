@@ -1,6 +1,6 @@
 """What Slurm says of a submitted job, queued, running or ended (``squeue`` forgets a job once it
 ends), read from Slurm's own words (pure: the commands are hfscale.runs.stop's, run by
-hfscale.launch.execute):
+hfscale.launch.attempt.execute):
 
 * ``scontrol show job --oneliner <id>``: the controller's record, kept MinJobAge after the job
   ended (300 s by default; the test Slurm keeps it an hour). Pending, running and ended jobs alike.

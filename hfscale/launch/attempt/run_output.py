@@ -1,16 +1,16 @@
 """Where each line a running job prints goes (files only, no processes): to its node's log in the
-run directory, to the terminal, and into the nodes' state (hfscale.launch.node_lines), which says
-when a node failed; hfscale.launch.first_failure picks the failure to name."""
+run directory, to the terminal, and into the nodes' state (hfscale.launch.attempt.node_lines), which says
+when a node failed; hfscale.launch.attempt.first_failure picks the failure to name."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, TextIO
 
-from hfscale.launch.console import HOST_PREFIX
-from hfscale.launch.disk_full import Signs
-from hfscale.launch.first_failure import FirstFailure
-from hfscale.launch.node_lines import Failure, Nodes, parse
+from hfscale.launch.attempt.console import HOST_PREFIX
+from hfscale.launch.attempt.disk_full import Signs
+from hfscale.launch.attempt.first_failure import FirstFailure
+from hfscale.launch.attempt.node_lines import Failure, Nodes, parse
 from hfscale.launch.run_dir import LOGS_DIR
 
 
@@ -23,7 +23,7 @@ class RunOutput:
         self.echo = echo
         self.logs: dict[str, TextIO] = {h: open(run_dir / LOGS_DIR / f"{h}.log", "a", encoding="utf-8") for h in logs}
         self.nodes = Nodes()  # each host's state, from its lines
-        self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.launch.disk_full)
+        self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.launch.attempt.disk_full)
         self.first = FirstFailure(on_failure)  # the ranks a dead rank took down wait for it
 
     def route(self, line: str, failed: bool) -> None:

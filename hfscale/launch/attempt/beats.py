@@ -4,7 +4,7 @@
   every ``LAUNCHER_BEAT_S`` seconds while its job runs (``LauncherBeat``). In place, fixed width:
   no new block is needed, so a full disk does not silence it.
 - The nodes': ``<run dir>/alive/<host>``, a counter each node's keeper rewrites every
-  ``NODE_BEAT_S`` seconds while the node's line runs (hfscale.launch.runners.keeper, which holds these timings). The keeper
+  ``NODE_BEAT_S`` seconds while the node's line runs (hfscale.launch.node.keeper, which holds these timings). The keeper
   also reads the launcher's beat: unchanged for ``LAUNCHER_LOST_S`` seconds, it stops its node's
   job (TERM: the ranks save a checkpoint at their next step; KILL after the grace period) and
   writes ``<run dir>/orphaned/<host>``. A job whose launcher died (killed -9, its login node
@@ -13,7 +13,7 @@
 Beats are compared by content on the reader's clock (nodes' clocks never enter, and opening a file
 on NFS sees the writer's latest write). ``watch`` looks at a run directory for a while and says
 whether its launcher still beats, which nodes still beat, and which stopped themselves: what
-hfscale.launch.output_lock asks before it takes over a dead launch's lock, and what ``hfscale
+hfscale.launch.attempt.output_lock asks before it takes over a dead launch's lock, and what ``hfscale
 status`` shows. Files only, no processes; the run directory is read as untrusted (regular files,
 no link followed, capped).
 """
@@ -31,7 +31,7 @@ from typing import Callable
 
 from hfscale.core.untrusted import Unreadable, read_bytes, real_dir
 from hfscale.launch.run_dir import BEATS_DIR, LAUNCHER_BEAT, ORPHANED_DIR
-from hfscale.launch.runners.keeper import LAUNCHER_BEAT_S, LAUNCHER_LOST_S, NODE_BEAT_S
+from hfscale.launch.node.keeper import LAUNCHER_BEAT_S, LAUNCHER_LOST_S, NODE_BEAT_S
 
 WATCH_S = 2 * NODE_BEAT_S  # a node that did not beat for this long has stopped
 BEAT_CAP = 64

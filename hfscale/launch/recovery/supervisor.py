@@ -1,11 +1,11 @@
 """A job that heals itself (``recovery.max_restarts`` > 0): run the plan; on a rank failure, a lost
 node or a hang (the stop on every node is ``execute``'s, as for any launch), decide
-(hfscale.launch.recovery) whether to retry on the same hosts, exclude the host that failed, or give
+(hfscale.launch.recovery.policy) whether to retry on the same hosts, exclude the host that failed, or give
 up; probe the excluded hosts again (ssh + preflight) and admit a healthy one back; relaunch from
 the newest complete checkpoint (converted for another world size by the plan's own step), into the
 same run directory. Every failure, stop, relaunch and first step after it goes to the run's
-timeline (hfscale.launch.timeline), which ``hfscale status`` and ``report`` read. Starts no
-process itself: each attempt and each probe is ``hfscale.launch.execute``'s.
+timeline (hfscale.launch.recovery.timeline), which ``hfscale status`` and ``report`` read. Starts no
+process itself: each attempt and each probe is ``hfscale.launch.attempt.execute``'s.
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from hfscale.config.model import HostSpec
 from hfscale.core import exitcodes
 from hfscale.core.records import LOG_TAIL, TimelineEvent
 from hfscale.core.untrusted import Unreadable, read_bytes
-from hfscale.launch.beats import LauncherBeat
+from hfscale.launch.attempt.beats import LauncherBeat
 from hfscale.launch.build import build_plan
-from hfscale.launch import settle
-from hfscale.launch.execute import execute_attempt, run_probe, run_probes
-from hfscale.launch.node_command import LaunchContext
-from hfscale.launch.preflight import evaluate, local_need, probes
-from hfscale.launch.recovery import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
+from hfscale.launch.recovery import settle
+from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probes
+from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.preflight.probes import evaluate, local_need, probes
+from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
-from hfscale.launch.output_lock import Refused
-from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.launch.attempt.output_lock import Refused
+from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.run_dir import (ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, read_unreached,
                                    record_state)
 from hfscale.launch.spec import LaunchPlan, Outcome
-from hfscale.launch.timeline import append_event
+from hfscale.launch.recovery.timeline import append_event
 from hfscale.rules.relaunch import job_on
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
@@ -159,7 +159,7 @@ def supervise(job: Job, context: Callable[[Job, int], LaunchContext], echo_for: 
     Returns the exit code of the last attempt (0: finished). A signal during an attempt stops it
     as any launch's (``execute`` holds the handlers then); between attempts (nothing runs) it ends
     the supervision: no relaunch. ``first``: the number of the first attempt (a requeued Slurm job
-    goes on from its previous attempts, hfscale.launch.requeue)."""
+    goes on from its previous attempts, hfscale.launch.recovery.requeue)."""
     previous = {s: signal.signal(s, _stop_between_attempts) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     runs: list[str] = []
     gap: list[LauncherBeat] = []
@@ -318,7 +318,7 @@ def port_held(error: str) -> bool:
 
 def _after_stop(job: Job, current: Job, plan: LaunchPlan, grace: int, targets: tuple[str, ...], python: str,
                 say: Callable[[str], None] = lambda _: None) -> tuple[dict[str, settle.Settled | None], frozenset[str]]:
-    """At once: each host of the stopped attempt (``current``'s) settled (hfscale.launch.settle: its
+    """At once: each host of the stopped attempt (``current``'s) settled (hfscale.launch.recovery.settle: its
     processes gone, node 0's master port free; None: it did not answer, or the attempt's stop or stack
     dump could not reach it already), and ``targets`` (the job's spares, excluded hosts) probed."""
     order = tuple(h.host for h in current.hosts)

@@ -3,7 +3,7 @@
 
 ``probes`` builds one ssh command per host (a local shell for one local node); ``evaluate``
 turns their outputs into a table and a list of failures naming each host. Running the probes
-is ``hfscale.launch.execute.run_probes``' job.
+is ``hfscale.launch.attempt.execute.run_probes``' job.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.core.shell import Command, Ran, render, words
 from hfscale.launch.runners.slurm_step import probe_argv
-from hfscale.launch.ssh import ssh_argv
+from hfscale.launch.node.reach import ssh_argv
 from hfscale.rules.resolved import Job
 
 PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")

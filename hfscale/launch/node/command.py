@@ -27,9 +27,9 @@ _ATTEMPT = re.compile(r"-r[0-9]{1,6}$")  # a relaunch's job id: <the run's job i
 
 
 def attempt_id(job_id: str, attempt: int) -> str:
-    """The job id of attempt ``attempt`` of a run (hfscale.launch.supervisor): the run's own for the
+    """The job id of attempt ``attempt`` of a run (hfscale.launch.recovery.supervisor): the run's own for the
     first, ``<id>-r<n>`` after: a relaunch's processes must not carry the id the previous attempt's
-    stop still kills by (hfscale.launch.runners.stopping)."""
+    stop still kills by (hfscale.launch.node.stopping)."""
     return job_id if attempt == 0 else f"{job_id}-r{attempt}"
 
 
@@ -50,7 +50,7 @@ class LaunchContext:
     output: OutputScan | None = None  # the checkpoints in training.output_dir (output_dir_to_scan)
     restart: bool = False  # --restart: move the checkpoints aside and start at step 0
     run_id: str | None = None  # a relaunch's: the run directory's job id (job_id is the attempt's)
-    # a relaunch's: hosts of the previous attempt that did not answer after its stop (hfscale.launch.settle);
+    # a relaunch's: hosts of the previous attempt that did not answer after its stop (hfscale.launch.recovery.settle);
     # a Slurm step of theirs cannot end before Slurm notices them, so the next step does not wait for it
     unreachable: tuple[str, ...] = ()
 

@@ -7,7 +7,7 @@ state machine over them: each host goes ``silent`` -> ``talking`` (it printed a 
 ``exited`` (it printed its exit line), and ``Nodes.see`` says which event is the job's failure.
 A failure is ``lost_peer`` when the host's ranks printed the error a collective raises when another
 rank died (gloo's "Connection closed by peer", NCCL's remote error): most likely a victim, not the
-cause. ``hfscale.launch.execute`` feeds it the lines and acts on the ``Failure``.
+cause. ``hfscale.launch.attempt.execute`` feeds it the lines and acts on the ``Failure``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Literal, Union
 
 from hfscale.core import exitcodes
 from hfscale.core.exitcodes import signal_name
-from hfscale.launch.console import HOST_PREFIX
+from hfscale.launch.attempt.console import HOST_PREFIX
 from hfscale.launch.spec import EXIT_MARK
 
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")

@@ -1,11 +1,11 @@
 """The only module that starts processes: it runs launch plans and preflight probes.
 
 A plan runs its ``prepare`` steps, then one local process (pdsh, docker, the launcher) whose
-output is logged per node, shown (hfscale.launch.console) and watched: a failing node, a signal, that
-process killed by someone else, or the hang watchdog (hfscale.launch.watchdog) runs the plan's cleanup
+output is logged per node, shown (hfscale.launch.attempt.console) and watched: a failing node, a signal, that
+process killed by someone else, or the hang watchdog (hfscale.launch.attempt.watchdog) runs the plan's cleanup
 on every node (TERM, then KILL after a grace period). A host ssh cannot reach, or loses, shows up
 in the same stream (pdsh reports ssh's exit code 255): exit code 3 naming the host. A detached
-launch (more hosts than runner.fanout) is followed through the run directory (hfscale.launch.follow)."""
+launch (more hosts than runner.fanout) is followed through the run directory (hfscale.launch.attempt.follow)."""
 
 from __future__ import annotations
 
@@ -24,18 +24,18 @@ from hfscale.core import exitcodes
 from hfscale.core.atomic_files import write_files
 from hfscale.core.exitcodes import signal_name
 from hfscale.core.shell import Command, Ran
-from hfscale.launch.beats import LauncherBeat
-from hfscale.launch.console import Console, follow_progress, never_raises
-from hfscale.launch.disk_full import told
-from hfscale.launch.follow import follow_detached
-from hfscale.launch.node_lines import Failure
-from hfscale.launch.output_lock import hold
-from hfscale.launch.run_output import RunOutput
+from hfscale.launch.attempt.beats import LauncherBeat
+from hfscale.launch.attempt.console import Console, follow_progress, never_raises
+from hfscale.launch.attempt.disk_full import told
+from hfscale.launch.attempt.follow import follow_detached
+from hfscale.launch.attempt.node_lines import Failure
+from hfscale.launch.attempt.output_lock import hold
+from hfscale.launch.attempt.run_output import RunOutput
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
-from hfscale.launch.runners.stopping import STOP_GRACE_S
+from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.spec import LaunchPlan, Outcome, Watch
-from hfscale.launch.watchdog import Watchdog, conclude
+from hfscale.launch.attempt.watchdog import Watchdog, conclude
 
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the stop runs again this often
@@ -205,7 +205,7 @@ def execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = 
 
 def execute_attempt(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None = None,
                     attempt: int = 0) -> Outcome:
-    """``execute``, saying how it ended. ``attempt`` > 0: a relaunch by hfscale.launch.supervisor
+    """``execute``, saying how it ended. ``attempt`` > 0: a relaunch by hfscale.launch.recovery.supervisor
     into the same run directory (the previous attempt's files move to attempts/<n>/)."""
     runs: list[_Run] = []
     rc = _execute(plan, record, echo, attempt, runs)
@@ -252,7 +252,7 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
             return exitcodes.BAD_INPUT
         launcher = {k: v for k, v in this_launcher().items() if not (attempt and k == "started")}  # the run's start
         record_state(run_dir, **launcher, state="running", job_id=plan.job_id, runner=plan.runner)
-        if plan.keeper is not None:  # while it beats, the nodes' keepers let their job run (hfscale.launch.beats)
+        if plan.keeper is not None:  # while it beats, the nodes' keepers let their job run (hfscale.launch.attempt.beats)
             beat = LauncherBeat(run_dir, echo)
         rc = 0
         for step in plan.prepare:
@@ -351,7 +351,7 @@ def _stream(run: _Run) -> int:
 
 
 def _watch(run: _Run, watch: Watch) -> None:
-    """The hang watchdog (hfscale.launch.watchdog): read the ranks' progress until the run ends; on a
+    """The hang watchdog (hfscale.launch.attempt.watchdog): read the ranks' progress until the run ends; on a
     hang, have every rank's stack written, write the report, and stop the job (exit code 4)."""
     dog = Watchdog(watch, time.monotonic())
     while not run.ended.wait(min(WATCH_POLL_S, max(0.5, watch.timeout / 4))):

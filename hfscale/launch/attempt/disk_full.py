@@ -3,7 +3,7 @@
 A rank that runs out of space while saving a checkpoint rarely says so: torch's serializer
 reports ``RuntimeError: basic_ios::clear: iostream error`` or ``unexpected pos 4544 vs 4436``,
 ``PytorchStreamWriter failed writing file``; only Python's own writes say ``[Errno 28] No space
-left on device``. hfscale.launch.execute feeds every output line to :class:`Signs`; when the job failed
+left on device``. hfscale.launch.attempt.execute feeds every output line to :class:`Signs`; when the job failed
 and a sign was seen, :func:`told` gives the launch's last lines: what failed, the bytes free
 where the checkpoints go, the newest complete checkpoint, and what a relaunch does. Files only
 (statvfs and the checkpoint folders), no processes.

@@ -1,9 +1,9 @@
 """Between two attempts of a job that heals itself: has the stop taken on every node, which nodes
 answer at all, and is the master port free again (pure: the probes and what their answers mean;
-hfscale.launch.execute runs them, hfscale.launch.supervisor acts on them).
+hfscale.launch.attempt.execute runs them, hfscale.launch.recovery.supervisor acts on them).
 
 A stop sends TERM and returns at once (its KILL follows after the grace period, in the background:
-hfscale.launch.runners.stopping), and under Slurm the step's srun returns once its tasks' shells
+hfscale.launch.node.stopping), and under Slurm the step's srun returns once its tasks' shells
 ended, while their torchrun may still be shutting down. An attempt started at once would find the
 previous one's torchrun still holding the master port on node 0 (``EADDRINUSE``: no host's fault),
 or its clients would join the dying store; the previous attempt's ranks could still be writing the
@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hfscale.core.shell import Command, Ran, render, words
-from hfscale.launch.preflight import reach_argv
-from hfscale.launch.runners.stopping import JOB_ID_VAR
+from hfscale.launch.preflight.probes import reach_argv
+from hfscale.launch.node.stopping import JOB_ID_VAR
 from hfscale.rules.resolved import Job
 
 MARK = "HFSCALE_SETTLE"
