@@ -52,7 +52,7 @@ def timed(cmd: list[str], cwd: Path) -> float:
 
 def longest_argument(path: Path, tmp: Path) -> tuple[int, int]:
     sys.path.insert(0, str(ROOT))
-    from hfscale.launch.node.command import LaunchContext
+    from hfscale.launch.context import LaunchContext
     from hfscale.rules.config_file import load_job
     from hfscale.launch.build import build_plan
 

@@ -28,6 +28,16 @@ CONFIG_ONLY = ["hfscale.cli.commands", "hfscale.rules.config_file", "hfscale.cli
 # before it, never one after it (every import counts: top level, inside functions, TYPE_CHECKING).
 LAYERS = ["core", "config", "checkpoints", "rules", "render", "training", "launch", "runs", "memory", "cli"]
 MAX_TOP_LEVEL = 12  # entries directly in hfscale/: __init__.py, __main__.py and the layers
+# hfscale.launch in rooms that follow a launch, lowest first: a module of hfscale.launch imports its own
+# room and the ones before it, never one after it. "top": what every room reads (the plan value, the
+# context, the run directory; netcheck runs alone on the hosts); build takes a config through a runner.
+LAUNCH_ROOMS = ["top", "node", "runners", "build", "preflight", "attempt", "recovery"]
+LAUNCH_TOP = {"hfscale.launch", "hfscale.launch.spec", "hfscale.launch.context", "hfscale.launch.run_dir",
+              "hfscale.launch.netcheck"}
+# what a runner may import of runners/: the interface, and the runners' own renderers (no runner borrows
+# another runner's module: what two runners share is node/'s)
+RUNNER_SHARED = {"hfscale.launch.runners.shared", "hfscale.launch.runners.slurm_step",
+                 "hfscale.launch.runners.slurm_script", "hfscale.launch.runners.kubernetes_manifest"}
 
 
 def modules() -> dict[str, Path]:
@@ -220,3 +230,39 @@ def test_no_import_cycles_counting_type_checking_imports():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def launch_room(module: str) -> str:
+    if module in LAUNCH_TOP:
+        return "top"
+    room = module.split(".")[2]
+    assert room in LAUNCH_ROOMS, f"{module} is in no room of hfscale.launch (LAUNCH_ROOMS)"
+    return room
+
+
+def test_launch_rooms_import_only_their_own_or_earlier_ones():
+    offenders = []
+    for module, path in MODULES.items():
+        if not module.startswith("hfscale.launch"):
+            continue
+        mine = LAUNCH_ROOMS.index(launch_room(module))
+        for imported, line in all_imports(module, path).items():
+            if not imported.startswith("hfscale.launch") or imported == module:
+                continue
+            theirs = LAUNCH_ROOMS.index(launch_room(imported))
+            if theirs > mine:
+                offenders.append(f"{module}:{line} ({LAUNCH_ROOMS[mine]}) imports {imported} ({LAUNCH_ROOMS[theirs]})")
+            if launch_room(module) == "attempt" and launch_room(imported) == "preflight":
+                offenders.append(f"{module}:{line}: attempt/ runs probes, it does not import preflight/")
+            if (launch_room(module) == launch_room(imported) == "runners" and module != "hfscale.launch.runners"
+                    and imported not in RUNNER_SHARED):
+                offenders.append(f"{module}:{line} borrows from another runner, {imported}")
+    assert offenders == []
+
+
+def test_the_launch_rooms_are_what_this_test_reads():
+    rooms = {launch_room(m) for m in MODULES if m.startswith("hfscale.launch")}
+    assert rooms == set(LAUNCH_ROOMS)
+    for room in LAUNCH_ROOMS[1:]:
+        if room != "build":
+            assert f"hfscale.launch.{room}" in MODULES, room  # a package, whose __init__ says what it may import

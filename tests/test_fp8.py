@@ -24,7 +24,8 @@ from conftest import job_of
 from hfscale.cli.importing.importer import import_configs, read_source
 from hfscale.config.errors import ConfigError
 from hfscale.core.atomic_files import write_files
-from hfscale.launch.node.command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.context import LaunchContext
+from hfscale.launch.node.command import Rendezvous, launcher_argv
 from hfscale.memory.estimate import Setting, estimate
 from hfscale.memory.model_shape import shape_of
 from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE, render_artifacts

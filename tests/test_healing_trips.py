@@ -18,9 +18,9 @@ from hfscale.checkpoints.lineage import LINEAGE_FILE, begin_lineage, read_lineag
 from hfscale.checkpoints.resume import decide as resume_decision, scan_output
 from hfscale.config.errors import ConfigError
 from hfscale.core.shell import Ran
-from hfscale.launch.recovery import settle
 from hfscale.launch.build import INCOMPLETE_DIR, build_plan
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.context import LaunchContext
+from hfscale.launch.recovery import settle
 from hfscale.launch.recovery.policy import Fault, GiveUp, History, Policy, Relaunch, decide, last_error
 from hfscale.launch.recovery.supervisor import port_held
 from hfscale.rules.config_file import load_job

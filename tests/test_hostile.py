@@ -20,7 +20,7 @@ import yaml
 from hfscale.config.errors import ConfigError
 from hfscale.config.model import HfscaleConfig
 from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.context import LaunchContext
 from hfscale.launch.runners.kubernetes_manifest import k8s_literal
 from hfscale.rules.config_file import load_text
 

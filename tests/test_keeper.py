@@ -15,7 +15,7 @@ from conftest import job_pids
 from hfscale.core.shell import Line, Sh, render
 from hfscale.launch.attempt.beats import LauncherBeat
 from hfscale.launch.node.keeper import keeper_line, keeper_of
-from hfscale.launch.runners.pdsh import node_script
+from hfscale.launch.node.line import node_script
 from hfscale.launch.node.stopping import stop_script
 from hfscale.launch.spec import Keeper
 

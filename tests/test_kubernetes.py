@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hfscale.launch.build import resolved_config_yaml
-from hfscale.launch.node.command import LaunchContext, rank_env
+from hfscale.launch.context import LaunchContext
+from hfscale.launch.node.command import rank_env
 from hfscale.render.artifacts import render_artifacts
 from hfscale.launch.runners.kubernetes_manifest import (
     CONFIG_DIR,

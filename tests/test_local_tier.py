@@ -164,7 +164,7 @@ def test_restart_moves_the_lineage_aside_with_the_checkpoints(tmp_path: Path):
     (out / tier.LINEAGE_FILE).write_text('{"lineage": "0123456789abcdef"}\n')
     assert scan_output(out, 2).lineage is True
     from hfscale.launch.build import build_plan
-    from hfscale.launch.node.command import LaunchContext
+    from hfscale.launch.context import LaunchContext
 
     job = job_text(tmp_path, local_checkpoints={"every": 5, "dir": "/nvme"})
     ctx = LaunchContext.of(str(tmp_path), "/usr/bin/python3", "20261126-120000-abcdef", {},

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from hfscale.core.pid_identity import this_process
-from hfscale.launch.attempt import beats, output_lock
-from hfscale.runs.goodput import goodput
-from hfscale.launch.recovery.timeline import Timeline
 from hfscale.core.records import TimelineEvent
+from hfscale.launch.attempt import beats, output_lock
+from hfscale.launch.recovery.timeline import Timeline
+from hfscale.runs.goodput import goodput
 
 JOB, NEW = "20261126-000001-aaaaaa", "20261126-000002-bbbbbb"
 WATCH = 1.5  # the tests' look at the heartbeats (the product's: beats.WATCH_S)

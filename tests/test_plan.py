@@ -15,7 +15,8 @@ import pytest
 
 from hfscale.core.shell import Command, Line, Sh, render
 from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.context import LaunchContext
+from hfscale.launch.node.command import Rendezvous, launcher_argv
 from hfscale.launch.node.keeper import keeper_line, keeper_of
 from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import Follow, Keeper, Watch

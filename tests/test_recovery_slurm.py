@@ -39,8 +39,8 @@ import yaml
 
 from cluster import kill_node_at_once, leftover_processes, run_on
 from conftest import ROOT
-from hfscale.launch.runners.slurm_script import BATCH_HOST_LOST_S, REQUEUE_LOG
 from hfscale.launch.recovery.timeline import read_timeline
+from hfscale.launch.runners.slurm_script import BATCH_HOST_LOST_S, REQUEUE_LOG
 from test_orphans_cluster import SLOW
 from test_recovery_cluster import largest_loss_difference, node_env
 

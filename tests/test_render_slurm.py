@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.context import LaunchContext
 
 from conftest import job_of
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.context import LaunchContext
 from hfscale.launch.recovery.requeue import in_allocation_of
 from hfscale.rules.config_file import load_job
 

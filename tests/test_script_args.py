@@ -11,7 +11,7 @@ import pytest
 
 from hfscale.config.errors import ConfigError
 from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.context import LaunchContext
 from hfscale.launch.runners.kubernetes_manifest import launcher_command
 from hfscale.rules.trainer_args import (
     TrainerArg,

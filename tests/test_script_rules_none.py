@@ -9,10 +9,10 @@ import textwrap
 import pytest
 
 from hfscale.config.errors import ConfigError
-from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext
-from hfscale.launch.spec import Watch
 from hfscale.launch.attempt.watchdog import Watchdog
+from hfscale.launch.build import build_plan
+from hfscale.launch.context import LaunchContext
+from hfscale.launch.spec import Watch
 from hfscale.render.deepspeed import deepspeed_config
 
 from conftest import job_of, run_cli

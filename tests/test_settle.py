@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 
-from hfscale.launch.recovery import settle
 from hfscale.launch.attempt.execute import run_probes
+from hfscale.launch.recovery import settle
 from hfscale.rules.config_file import load_text
 
 JOB = "20261128-130000-abcdef-r2"

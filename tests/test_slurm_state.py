@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.runs.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol, slurm_time
 from hfscale.runs.registry import RunInfo
+from hfscale.runs.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol, slurm_time
 
 DATA = Path(__file__).parent / "data" / "slurm_state"
 

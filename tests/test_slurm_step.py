@@ -13,13 +13,13 @@ import pytest
 from conftest import job_of
 from hfscale.config.errors import ConfigError
 from hfscale.core.records import TimelineEvent
-from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext
 from hfscale.launch.attempt.node_lines import Nodes, SrunSaid, parse
+from hfscale.launch.build import build_plan
+from hfscale.launch.context import LaunchContext
 from hfscale.launch.preflight.probes import probes
 from hfscale.launch.recovery.requeue import attempts_made, first_attempt, in_allocation_of
-from hfscale.launch.runners.slurm_step import allocation_hosts
 from hfscale.launch.recovery.timeline import append_event, read_timeline
+from hfscale.launch.runners.slurm_step import allocation_hosts
 from hfscale.runs.goodput import goodput, requeue_lines
 
 JOB_ID = "20261122-120000-abcdef"

@@ -11,7 +11,7 @@ import yaml
 
 from hfscale.core.shell import Ran
 from hfscale.launch.build import build_plan
-from hfscale.launch.node.command import LaunchContext, attempt_id, run_of
+from hfscale.launch.context import LaunchContext, attempt_id, run_of
 from hfscale.launch.run_dir import write_run_dir
 from hfscale.launch.spec import Outcome
 from hfscale.rules.config_file import load_job

@@ -12,9 +12,9 @@ import subprocess
 import sys
 import textwrap
 
-from hfscale.launch.build import build_plan
 from hfscale.launch.attempt.console import Console
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.build import build_plan
+from hfscale.launch.context import LaunchContext
 
 from conftest import job_of, run_cli
 

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from hfscale.launch.spec import Watch
 from hfscale.launch.attempt.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
+from hfscale.launch.spec import Watch
 from hfscale.training.heartbeat import Progress, read_progress
 
 PYSPY_WAITING = """Process 11655: python -u probe.py

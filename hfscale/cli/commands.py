@@ -15,8 +15,7 @@ import click
 from hfscale import __version__
 from hfscale.cli.runs import RUN_COMMANDS
 from hfscale.config.errors import ConfigError
-from hfscale.core.exitcodes import BAD_INPUT as EXIT_BAD_INPUT
-from hfscale.core.exitcodes import UNREACHABLE as EXIT_UNREACHABLE
+from hfscale.core.exitcodes import BAD_INPUT as EXIT_BAD_INPUT, UNREACHABLE as EXIT_UNREACHABLE
 from hfscale.core.untrusted import printable
 
 
@@ -184,7 +183,7 @@ def _context(job, extra_args: tuple[str, ...], restart: bool, job_id: str | None
     import secrets
     import time
 
-    from hfscale.launch.node.command import LaunchContext, output_dir_to_scan
+    from hfscale.launch.context import LaunchContext, output_dir_to_scan
     from hfscale.checkpoints.resume import scan_output
 
     job_id = job_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -202,7 +201,7 @@ def _settle(job) -> None:
     import signal
 
     from hfscale.core.exitcodes import signal_name
-    from hfscale.launch.node.command import output_dir_to_scan
+    from hfscale.launch.context import output_dir_to_scan
     from hfscale.launch.attempt.output_lock import settle
 
     where = output_dir_to_scan(job)

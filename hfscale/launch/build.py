@@ -20,10 +20,10 @@ from hfscale.config.envvars import MASK, deepspeed_env_file, host_secret, masked
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.yaml_source import dump
 from hfscale.core.shell import Secret
-from hfscale.launch.node.command import CONFIG_COPY, LaunchContext, output_dir_to_scan, rank_env, watched
+from hfscale.launch.context import Common, LaunchContext, output_dir_to_scan
+from hfscale.launch.node.command import CONFIG_COPY, rank_env, watched
 from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.launch.runners import RUNNERS
-from hfscale.launch.runners.shared import Common
 from hfscale.launch.spec import NOTHING_TO_TRAIN, LaunchPlan, Watch
 from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
 from hfscale.rules.resolved import Job
@@ -135,7 +135,7 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
     runner = RUNNERS[r.type]
     base = r.run_dir if os.path.isabs(r.run_dir) else posixpath.join(ctx.cwd, r.run_dir)
     run_dir = posixpath.normpath(posixpath.join(base, f"{job.config.name}-{ctx.run_id or ctx.job_id}"))
-    rank_dir = runner.rank_dir or run_dir
+    rank_dir = runner.RANK_DIR or run_dir
     problems = extra_args_problems(job, ctx.extra_args, posixpath.join(rank_dir, DEEPSPEED_FILE))
     if problems:
         raise ConfigError(job.source, problems)

@@ -83,7 +83,7 @@ def read_cleanup(run_dir: str | Path) -> Command:
 
 def mark_stopping(marker: str | Path) -> str | None:
     """Write the stop marker (``<run dir>/stopping``): a node line that starts from now on starts
-    nothing (hfscale.launch.runners.pdsh). Why it could not be written, or None."""
+    nothing (hfscale.launch.node.line). Why it could not be written, or None."""
     try:
         Path(marker).touch()
     except OSError as e:

@@ -164,7 +164,7 @@ def _launch_cwd(run_dir: Path, run_dir_setting: str) -> Path | None:
 
 def output_dir_of(run_dir: Path, cfg: dict[str, Any], launch_cwd: str | None = None) -> Path:
     """training.output_dir as the ranks saw it: relative to runner.workdir, itself relative to the
-    launch directory (hfscale.launch.node.command.output_dir_to_scan): ``launch_cwd`` where state.json
+    launch directory (hfscale.launch.context.output_dir_to_scan): ``launch_cwd`` where state.json
     recorded it and that directory is still there (the output_dir under it, whether made yet or not:
     a folder of the same name elsewhere, this process's ./output, is not this run's); else the first
     of the recorded one, one inferred from the run directory's path and this process's whose

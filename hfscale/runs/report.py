@@ -23,9 +23,9 @@ from typing import Any
 
 from hfscale.core.atomic_files import write_files
 from hfscale.core.untrusted import Unreadable
-from hfscale.launch.node.command import run_of
-from hfscale.launch.run_dir import CONFIG_COPY, PLAN_FILE
+from hfscale.launch.context import run_of
 from hfscale.launch.recovery.timeline import Timeline, read_timeline
+from hfscale.launch.run_dir import CONFIG_COPY, PLAN_FILE
 from hfscale.runs.goodput import goodput, lines, timeline_lines
 from hfscale.runs.history import (MAX_RANK_LINES, METRICS_FILE, PER_RANK, TRAINER_STATE, ReportError, RunData, rank_stats,
                           read_run)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from hfscale.core.untrusted import Unreadable, printable, read_bytes
 from hfscale.launch.attempt.beats import launcher_silent, orphan
-from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.launch.node.keeper import LAUNCHER_LOST_S
-from hfscale.runs.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol
+from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.runs.goodput import status_lines
 from hfscale.runs.registry import RunError, RunInfo, _steps, _when, log_files, rank_progress
+from hfscale.runs.slurm_state import SlurmJob, parse_output, parse_sacct, parse_scontrol
 from hfscale.training.heartbeat import rank0_last_step
 
 

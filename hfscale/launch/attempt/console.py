@@ -19,13 +19,12 @@ from typing import Callable, Literal, TextIO
 
 from hfscale.core.records import Rank0Metrics
 from hfscale.core.untrusted import Unreadable
+from hfscale.launch.attempt.node_lines import HOST_PREFIX
 from hfscale.launch.run_dir import read_metrics
 
 PROGRESS_POLL_S = 1.0
 PROGRESS_EVERY_S = 30.0  # without a terminal (a CI log, nohup) the line is printed this often
 
-# "host: " as pdsh prefixes a node's lines (pdsh's own lines: "pdsh@launcher: host: ")
-HOST_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): ")
 _RANK = re.compile(r"^\[(?:default)?rank\d+\]: ?")
 _WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; an indented source line follows
 # the same behind a progress bar: tqdm ends its bar with no newline, so a warning printed while it

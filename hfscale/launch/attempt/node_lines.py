@@ -18,9 +18,10 @@ from typing import Literal, Union
 
 from hfscale.core import exitcodes
 from hfscale.core.exitcodes import signal_name
-from hfscale.launch.attempt.console import HOST_PREFIX
 from hfscale.launch.spec import EXIT_MARK
 
+# "host: " as pdsh prefixes a node's lines (pdsh's own lines: "pdsh@launcher: host: ")
+HOST_PREFIX = re.compile(r"^(?:pdsh@[^:]+: )?(?P<host>[A-Za-z0-9][\w.-]*): ")
 _EXIT = re.compile(rf"^(?P<host>[^\s:]+): {EXIT_MARK} rc=(?P<rc>\d+)$")
 # pdsh's report of a host's ssh: its exit code, or the signal that killed it
 _PDSH_ENDED = re.compile(r"^pdsh@[^:]+: (?P<host>[^\s:]+): \S+ "

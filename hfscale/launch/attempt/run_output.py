@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, TextIO
 
-from hfscale.launch.attempt.console import HOST_PREFIX
 from hfscale.launch.attempt.disk_full import Signs
 from hfscale.launch.attempt.first_failure import FirstFailure
-from hfscale.launch.attempt.node_lines import Failure, Nodes, parse
+from hfscale.launch.attempt.node_lines import HOST_PREFIX, Failure, Nodes, parse
 from hfscale.launch.run_dir import LOGS_DIR
 
 

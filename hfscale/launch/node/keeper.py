@@ -1,6 +1,6 @@
 """Each node's keeper: the node's own watch over its launcher (pure: shell text for the plans).
 
-Started in the background by a node's line before its launcher (hfscale.launch.runners.pdsh), it
+Started in the background by a node's line before its launcher (hfscale.launch.node.line), it
 runs while that line runs and, every ``check_s`` seconds:
 
 - rewrites ``<run dir>/alive/<host>`` every ``beat_s`` seconds (a counter, in place: ``1<>`` does
@@ -26,7 +26,7 @@ from hfscale.launch.run_dir import BEATS_DIR, LAUNCHER_BEAT, LOGS_DIR, ORPHANED_
 from hfscale.launch.node.stopping import JOB_ID_VAR, STOP_GRACE_S
 from hfscale.launch.spec import Keeper
 
-HOST_VAR = "HFSCALE_HOST"  # set on the node before the keeper starts (hfscale.launch.runners.pdsh)
+HOST_VAR = "HFSCALE_HOST"  # set on the node before the keeper starts (hfscale.launch.node.line)
 LAUNCHER_BEAT_S = 5  # the launcher rewrites its beat this often (hfscale.launch.attempt.beats.LauncherBeat)
 NODE_BEAT_S = 10  # a node rewrites its beat this often
 KEEPER_CHECK_S = 5  # a node reads the launcher's beat this often

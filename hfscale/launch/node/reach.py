@@ -1,9 +1,11 @@
-"""ssh as hfscale uses it, one owner for its options: the port, the user, the connect timeout,
-keep-alives and never a password prompt, for single hosts (``ssh``) and the fan-out (``pdsh -R
-ssh``)."""
+"""How hfscale reaches a node: ssh, one owner for its options (the port, the user, the connect
+timeout, keep-alives and never a password prompt) for single hosts (``ssh``) and the fan-out
+(``pdsh -R ssh``); an srun step on a host of a Slurm allocation (``probe_argv``); this host
+(``here``); and a probe's way to a host (``reach_argv``)."""
 
 from __future__ import annotations
 
+from hfscale.core.shell import Command, Line, Sh
 from hfscale.rules.resolved import Job
 
 
@@ -37,3 +39,21 @@ def pdsh_argv(job: Job, hosts_file: str, fanout: int) -> tuple[list[str], tuple[
     if r.ssh_user:
         argv += ["-l", r.ssh_user]
     return argv, (("PDSH_SSH_ARGS_APPEND", " ".join(_options(job))),)
+
+
+def probe_argv(host: str) -> list[str]:
+    """The start of a probe of ``host`` (its command follows, as one shell line), instead of ssh: a step
+    of its own, named so that the next attempt does not wait for one on a node that did not answer."""
+    return ["srun", "--overlap", "--job-name=hfscale-probe", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
+            "--quiet", "bash", "-c"]
+
+
+def here(script: str | Line) -> Command:
+    """Shell text (or a line) run on this node."""
+    return Command(("bash", "-c", script if isinstance(script, Line) else Line((Sh(script),))))
+
+
+def reach_argv(job: Job, host: str) -> list[str]:
+    """How a probe reaches ``host`` (its shell line follows): ssh, or for the hosts of a Slurm
+    allocation (hfscale.launch.runners.slurm_step, whose probe is ``probe_argv``) an ``srun`` step on the host."""
+    return probe_argv(host) if job.scheduled else ssh_argv(job, host)

@@ -18,8 +18,7 @@ from hfscale.checkpoints.local_room import size_text, step_need
 from hfscale.config.base import size_bytes
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.core.shell import Command, Ran, render, words
-from hfscale.launch.runners.slurm_step import probe_argv
-from hfscale.launch.node.reach import ssh_argv
+from hfscale.launch.node.reach import reach_argv
 from hfscale.rules.resolved import Job
 
 PACKAGES = ("torch", "transformers", "deepspeed", "accelerate")
@@ -96,12 +95,6 @@ def refusal(job: Job) -> str | None:
         return (f"preflight checks hosts over ssh; with runner {job.config.runner.type} the scheduler picks the "
                 "nodes (use its own tools, e.g. sinfo or kubectl get nodes)")
     return None
-
-
-def reach_argv(job: Job, host: str) -> list[str]:
-    """How a probe reaches ``host`` (its shell line follows): ssh, or for the hosts of a Slurm
-    allocation (hfscale.launch.runners.slurm_step) an ``srun`` step on the host."""
-    return probe_argv(host) if job.scheduled else ssh_argv(job, host)
 
 
 def probes(job: Job, python: str) -> dict[str, Command]:

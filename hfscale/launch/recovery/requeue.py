@@ -21,8 +21,8 @@ from hfscale.core.untrusted import Unreadable, read_text
 from hfscale.launch.run_dir import ATTEMPTS_DIR, LAUNCHER_BEAT, read_state
 from hfscale.launch.runners.slurm_step import (ALLOCATION_VAR, HOSTS_FILE_VAR, HOSTS_TEXT_CAP, allocation_hosts,
                                               host_names, in_allocation, in_supervised_script)
-from hfscale.launch.runners.slurm_script import REQUEUE_LOG
 from hfscale.launch.recovery.timeline import append_event, read_timeline
+from hfscale.launch.runners.slurm_script import REQUEUE_LOG
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import rank0_last_step
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hfscale.core.shell import Command, Ran, render, words
-from hfscale.launch.preflight.probes import reach_argv
+from hfscale.launch.node.reach import reach_argv
 from hfscale.launch.node.stopping import JOB_ID_VAR
 from hfscale.rules.resolved import Job
 

@@ -24,19 +24,19 @@ from hfscale.core import exitcodes
 from hfscale.core.records import LOG_TAIL, TimelineEvent
 from hfscale.core.untrusted import Unreadable, read_bytes
 from hfscale.launch.attempt.beats import LauncherBeat
-from hfscale.launch.build import build_plan
-from hfscale.launch.recovery import settle
 from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probes
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.build import build_plan
+from hfscale.launch.context import LaunchContext
 from hfscale.launch.preflight.probes import evaluate, local_need, probes
+from hfscale.launch.recovery import settle
 from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
 from hfscale.launch.attempt.output_lock import Refused
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.run_dir import (ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, read_unreached,
                                    record_state)
-from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.launch.recovery.timeline import append_event
+from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.rules.relaunch import job_on
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import PROGRESS_DIR, read_progress

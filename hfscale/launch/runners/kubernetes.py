@@ -12,9 +12,9 @@ from __future__ import annotations
 import posixpath
 
 from hfscale.core.shell import Command, Text, words
-from hfscale.launch.node.command import LaunchContext
+from hfscale.launch.context import Common, LaunchContext
 from hfscale.launch.runners.kubernetes_manifest import API_VERSION, CONFIG_DIR, LABEL, kubernetes_manifests, launcher_command, render_manifests
-from hfscale.launch.runners.shared import Common, Submitted, Unavailable
+from hfscale.launch.runners.shared import Submitted, Unavailable
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 
@@ -85,22 +85,3 @@ def deletion(text: str, job_id: str) -> str:
     if not out:
         raise ValueError("no Kubernetes objects in it")
     return dump_all(out)
-
-
-class KubernetesRunner:
-    """runner.type kubernetes: a PyTorchJob applied with kubectl."""
-
-    name = "kubernetes"
-    rank_dir: str | None = RANK_DIR
-
-    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
-        return plan(job, ctx, common)
-
-    def probe(self, plan: LaunchPlan) -> Command | None:
-        return probe(plan)
-
-    def unavailable(self, plan: LaunchPlan) -> Unavailable:
-        return unavailable(plan)
-
-    def submitted(self, plan: LaunchPlan, stdout: str) -> Submitted:
-        return submitted(plan, stdout)

@@ -41,7 +41,8 @@ import yaml
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.config.yaml_source import Dumper
 from hfscale.core.shell import Cat, Secret, Var, Word, value
-from hfscale.launch.node.command import LaunchContext, Rendezvous, launcher_argv
+from hfscale.launch.context import LaunchContext
+from hfscale.launch.node.command import Rendezvous, launcher_argv
 from hfscale.rules.resolved import Job
 
 CONFIG_DIR = "/etc/hfscale"

@@ -6,12 +6,16 @@ training unwatched here either."""
 from __future__ import annotations
 
 from hfscale.core.shell import Assign, Command, Line, Sh, words
-from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.launch.context import Common, LaunchContext
+from hfscale.launch.node.command import default_rendezvous, launcher_argv
+from hfscale.launch.node.controls import controls
 from hfscale.launch.node.keeper import HOST_VAR, keeper_line, keeper_of
-from hfscale.launch.runners.shared import Common
-from hfscale.launch.node.stopping import dump_script, stop_script
+from hfscale.launch.node.reach import here
+from hfscale.launch.node.stopping import stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
+
+RANK_DIR: str | None = None  # the ranks read the generated files in the run directory
 
 LOG = "local"
 
@@ -24,24 +28,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     keeper = keeper_line(keeper_of(c.run_dir), Line((Sh(stop_script(ctx.job_id)),)))
     line = Line.of(Sh("export"), Assign(HOST_VAR, host), Sh(";", glue=True), keeper, Sh("exec"), words(argv))
     main = Command(("bash", "-c", line), tuple(c.env.items()), c.workdir)  # type: ignore[arg-type]
-    cleanup = here(stop_script(ctx.job_id))
-    dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
-    kill = here(stop_script(ctx.job_id, grace_s=0)) if c.watch else None
+    cleanup, dump, kill = controls(here, ctx.job_id, c.watch, c.python)
     return LaunchPlan(ctx.job_id, "local", c.run_dir, c.files, (NodeLaunch(host, 0, words(argv)),), (host,), main,
                       cleanup, c.mode, c.notes, moves=c.moves, watch=c.watch, dump=dump,  # type: ignore[arg-type]
                       keeper=keeper_of(c.run_dir), kill=kill)
-
-
-def here(script: str) -> Command:
-    """Shell text run on this node."""
-    return Command(("bash", "-c", Line((Sh(script),))))
-
-
-class LocalRunner:
-    """runner.type local: the ranks on this machine."""
-
-    name = "local"
-    rank_dir: str | None = None
-
-    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
-        return plan(job, ctx, common)

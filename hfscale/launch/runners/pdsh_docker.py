@@ -14,16 +14,18 @@ import posixpath
 
 from hfscale.config.envvars import RDMA_PRESETS
 from hfscale.core.shell import Cat, Command, Line, Sh, Var, Word, words
-from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
-from hfscale.launch.run_dir import STOP_MARKER
-from hfscale.launch.runners import pdsh
+from hfscale.launch.context import Common, LaunchContext
+from hfscale.launch.node.command import default_rendezvous, launcher_argv
+from hfscale.launch.node.controls import controls
 from hfscale.launch.node.keeper import keeper_of
-from hfscale.launch.runners.local import here
-from hfscale.launch.runners.shared import Common
-from hfscale.launch.node.stopping import dump_script, stop_script
+from hfscale.launch.node.line import HOSTS_FILE, RANK_VAR, hosts_file, launch, prelude, private_files
+from hfscale.launch.node.reach import here, pdsh_argv
+from hfscale.launch.node.stopping import stop_script
+from hfscale.launch.run_dir import STOP_MARKER
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
-from hfscale.launch.node.reach import pdsh_argv
 from hfscale.rules.resolved import Job
+
+RANK_DIR: str | None = None  # the ranks read the generated files in the run directory
 
 
 def docker_argv(job: Job, env_names: list[str], rank: Word, workdir: str, launcher: list[Word], job_id: str
@@ -57,7 +59,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     d = cfg.runner.docker
     assert d is not None
     hosts = tuple(h.host for h in job.hosts)
-    names = [*c.env, *(k for values in cfg.env.per_host.values() for k in values), pdsh.RANK_VAR]
+    names = [*c.env, *(k for values in cfg.env.per_host.values() for k in values), RANK_VAR]
     names = list(dict.fromkeys(names))
 
     def node_argv(rank: Word) -> list[Word]:
@@ -66,38 +68,25 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
 
     if not hosts:  # one local node in a container, no pdsh
         argv = node_argv("0")
-        main = Command(tuple(argv), (*c.env.items(), (pdsh.RANK_VAR, "0")), c.workdir)  # type: ignore[arg-type]
+        main = Command(tuple(argv), (*c.env.items(), (RANK_VAR, "0")), c.workdir)  # type: ignore[arg-type]
         cleanup = Command((d.binary, "rm", "-f", f"hfscale-{ctx.job_id}-0"))
         # the container's processes are this host's too: their stacks are dumped from here
-        dump = here(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
+        dump = controls(here, ctx.job_id, c.watch, c.python).dump
         return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, c.files, (NodeLaunch("local", 0, words(argv)),),
                           ("local",), main, cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
                           watch=c.watch, dump=dump)
-    listing = posixpath.join(c.run_dir, pdsh.HOSTS_FILE)
+    listing = posixpath.join(c.run_dir, HOSTS_FILE)
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
                    Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))))
-    main, logs, follow = pdsh.launch(job, c, ctx.job_id, hosts, pdsh.prelude(job, c), node_argv(Var(pdsh.RANK_VAR)),
+    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), node_argv(Var(RANK_VAR)),
                                      remove)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
-    cleanup = Command((*stop, Line(remove.items, pdsh=True)), stop_env)
-    dump = Command((*stop, Line((Sh(dump_script(ctx.job_id, c.watch.stacks_dir, c.python)),), pdsh=True)),
-                   stop_env) if c.watch else None
-    # after a hang: the containers go at once (docker rm -f kills), then what is left of the job on the host
-    kill = Command((*stop, Line((*remove.items[:-1], Sh(stop_script(ctx.job_id, grace_s=0))), pdsh=True)),
-                   stop_env) if c.watch else None
+    # the containers go first (docker rm -f kills), then what is left of the job on the host
+    cleanup, dump, kill = controls(lambda line: Command((*stop, Line(line.items, pdsh=True)), stop_env), ctx.job_id,
+                                   c.watch, c.python, first=remove.items[:-1])
     nodes = tuple(NodeLaunch(h, i, words(node_argv(str(i)))) for i, h in enumerate(hosts))
-    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, pdsh.hosts_file(hosts)), nodes, logs, main,
+    return LaunchPlan(ctx.job_id, "pdsh_docker", c.run_dir, (*c.files, hosts_file(hosts)), nodes, logs, main,
                       cleanup, c.mode, c.notes, moves=c.moves,  # type: ignore[arg-type]
-                      private=pdsh.private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump,
+                      private=private_files(job, c, hosts), follow=follow, watch=c.watch, dump=dump,
                       stop_marker=posixpath.join(c.run_dir, STOP_MARKER), keeper=keeper_of(c.run_dir), kill=kill)
-
-
-class PdshDockerRunner:
-    """runner.type pdsh_docker: pdsh, each node's ranks in a container."""
-
-    name = "pdsh_docker"
-    rank_dir: str | None = None
-
-    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
-        return plan(job, ctx, common)

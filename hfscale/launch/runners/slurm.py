@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import posixpath
 
-from hfscale.core.shell import Command, Line, Secret, Sh, words
-from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
+from hfscale.core.shell import Command, Line, Secret, words
+from hfscale.launch.context import Common, LaunchContext
+from hfscale.launch.node.command import default_rendezvous, launcher_argv
+from hfscale.launch.node.controls import controls
 from hfscale.launch.run_dir import SLURM_JOB_ID_FILE
-from hfscale.launch.runners.shared import Common, Submitted, Unavailable
 from hfscale.launch.runners import slurm_step
+from hfscale.launch.runners.shared import Submitted, Unavailable
 from hfscale.launch.runners.slurm_script import MASTER, NODE_RANK, SCRIPT, render_sbatch, render_supervised
-from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
+
+RANK_DIR: str | None = None  # the ranks read the generated files in the run directory
 
 EXIT_NO_SCHEDULER = 3  # sbatch is not installed here: the job could not be handed over
 
@@ -44,10 +47,8 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     if inside:
         main, mode = Command(("bash", script), secret), "stream"  # the script changes to the workdir itself
         notes += (f"inside Slurm allocation {inside}: the script runs here with srun, not submitted",)
-        cleanup = on_every_node(job.num_nodes, stop_script(ctx.job_id))
         watch = c.watch
-        dump = on_every_node(job.num_nodes, dump_script(ctx.job_id, c.watch.stacks_dir, c.python)) if c.watch else None
-        kill = on_every_node(job.num_nodes, stop_script(ctx.job_id, grace_s=0)) if c.watch else None
+        cleanup, dump, kill = controls(lambda line: on_every_node(job.num_nodes, line), ctx.job_id, c.watch, c.python)
     else:
         main, mode = Command(("sbatch", "--parsable", script), secret), "submit"  # the workdir is the nodes\' one
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, (NodeLaunch(None, None, words(launcher)),), ("slurm",),
@@ -71,15 +72,14 @@ def _submit_supervised(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                       moves=c.moves)
 
 
-def on_every_node(nodes: int, script: str) -> Command:
-    """Shell text run on every node of the allocation, as a step beside the job's own (``--overlap``):
+def on_every_node(nodes: int, line: Line) -> Command:
+    """A shell line run on every node of the allocation, as a step beside the job's own (``--overlap``):
     the stop, the stack dump.
 
     A batch job's steps end with the job, but inside an allocation that outlives the launch (an
     interactive ``salloc``) a step whose srun was killed keeps running until the allocation ends:
     measured on the test Slurm, torchrun and its ranks were still there 40 s later."""
-    return Command(("srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--quiet", "bash", "-c",
-                    Line((Sh(script),))))
+    return Command(("srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--quiet", "bash", "-c", line))
 
 
 def probe(plan: LaunchPlan) -> None:
@@ -97,22 +97,3 @@ def submitted(plan: LaunchPlan, stdout: str) -> Submitted:
     """(files to record, what to say) after sbatch --parsable printed ``<job id>[;cluster]``."""
     job = stdout.strip().split(";")[0]
     return Submitted({SLURM_JOB_ID_FILE: job + "\n"}, f"hfscale: submitted Slurm job {job}; output in {plan.run_dir}/slurm-{job}.out")
-
-
-class SlurmRunner:
-    """runner.type slurm: an sbatch script handed to Slurm."""
-
-    name = "slurm"
-    rank_dir: str | None = None
-
-    def plan(self, job: Job, ctx: LaunchContext, common: Common) -> LaunchPlan:
-        return plan(job, ctx, common)
-
-    def probe(self, plan: LaunchPlan) -> Command | None:
-        return probe(plan)
-
-    def unavailable(self, plan: LaunchPlan) -> Unavailable:
-        return unavailable(plan)
-
-    def submitted(self, plan: LaunchPlan, stdout: str) -> Submitted:
-        return submitted(plan, stdout)

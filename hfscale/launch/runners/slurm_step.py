@@ -12,7 +12,7 @@ that attempt's nodes (pure: the plan of one attempt, and the job on the allocati
   --kill-on-bad-exit=1`` (a path: Slurm reads the hosts from the file, so no host list rides on a
   command line at 10,000 nodes): a failure ends the step, not the allocation (the batch script
   asks for ``--no-kill``, so a node Slurm loses leaves the allocation and the job goes on without it).
-- Each node runs pdsh's line (hfscale.launch.runners.pdsh): the stop marker, its rank by its own name
+- Each node runs the node line (hfscale.launch.node.line): the stop marker, its rank by its own name
   (``$SLURMD_NODENAME``) from ``nodes.sh``, the environment from ``env.sh``, the keeper, the launcher
   and the exit line; its output goes through ``sed`` to get the ``<host>: `` prefix pdsh would
   give, so hfscale.launch.attempt.node_lines reads it alike.
@@ -36,12 +36,13 @@ from typing import Mapping
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.model import HostSpec
 from hfscale.core.shell import Command, Line, Script, Sh, Var, Word, and_then, words
-from hfscale.launch.node.command import LaunchContext, default_rendezvous, launcher_argv
-from hfscale.launch.run_dir import STOP_MARKER, UNREACHED
+from hfscale.launch.context import Common, LaunchContext
+from hfscale.launch.node.command import default_rendezvous, launcher_argv
+from hfscale.launch.node.controls import controls
 from hfscale.launch.node.keeper import HOST_VAR, keeper_line, keeper_of
-from hfscale.launch.runners.pdsh import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
-from hfscale.launch.runners.shared import Common
-from hfscale.launch.node.stopping import JOB_ID_VAR, dump_script, stop_script
+from hfscale.launch.node.line import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
+from hfscale.launch.node.stopping import JOB_ID_VAR, stop_script
+from hfscale.launch.run_dir import STOP_MARKER, UNREACHED
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
 from hfscale.rules.resolved import Job
 
@@ -125,15 +126,8 @@ def still_allocated(hosts_file: str, wait: bool = True) -> str:
             'allocation (set DOWN: its slurmd stopped answering)"; exit 3; fi; fi;')
 
 
-def probe_argv(host: str) -> list[str]:
-    """The start of a probe of ``host`` (its command follows, as one shell line), instead of ssh: a step
-    of its own, named so that the next attempt does not wait for one on a node that did not answer."""
-    return ["srun", "--overlap", "--job-name=hfscale-probe", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
-            "--quiet", "bash", "-c"]
-
-
-def on_each_node(hosts_file: str, script: str, fanout: int, unreached: str) -> Command:
-    """``script`` on each host of ``hosts_file``, a step of its own on each (``--overlap``: beside the
+def on_each_node(hosts_file: str, line: Line, fanout: int, unreached: str) -> Command:
+    """``line`` on each host of ``hosts_file``, a step of its own on each (``--overlap``: beside the
     job's step), at most ``fanout`` at once, each given up on after STEP_STOP_S: the stop, the stack dump.
     A host srun could not launch on (a cut link: "Communication connection failure" after Slurm's
     MessageTimeout, 10 s by default; a node Slurm set DOWN) is appended to ``unreached`` (the attempt's
@@ -144,7 +138,7 @@ def on_each_node(hosts_file: str, script: str, fanout: int, unreached: str) -> C
               '[ -n "$h" ] && [ -z "${gone[$h]}" ] || continue; {')
     each = Line.of(Sh(f'timeout {STEP_STOP_S} srun --overlap --job-name=hfscale-stop --nodelist="$h" --nodes=1 '
                       '--ntasks=1 --quiet bash -c'),
-                   Script(Line((Sh(script),))), Sh(f'</dev/null >/dev/null 2>&1 || [ $? = 124 ] || echo "$h" >> {u}; }} &'))
+                   Script(line), Sh(f'</dev/null >/dev/null 2>&1 || [ $? = 124 ] || echo "$h" >> {u}; }} &'))
     line = Line.of(skip, each,
                    Sh(f'n=$((n + 1)); [ "$n" -lt {int(fanout)} ] || {{ wait -n; n=$((n - 1)); }}; done <'), hosts_file,
                    Sh("; wait; true", glue=True))
@@ -182,9 +176,8 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                                           words(step), Sh("bash -c"),
                                           Script(node_line(job, c, ctx.job_id, launcher)))))
     unreached = posixpath.join(c.run_dir, UNREACHED)
-    dump = on_each_node(listing, dump_script(ctx.job_id, c.watch.stacks_dir, c.python), fanout, unreached) \
-        if c.watch else None
-    kill = on_each_node(listing, stop_script(ctx.job_id, grace_s=0), fanout, unreached) if c.watch else None
+    cleanup, dump, kill = controls(lambda line: on_each_node(listing, line, fanout, unreached), ctx.job_id, c.watch,
+                                   c.python)
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
                                                        default_rendezvous(job, str(i)))))
                   for i, h in enumerate(hosts))
@@ -193,7 +186,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                                                                        if job.spares else ""),)
     files = (*c.files, (STEP_HOSTS_FILE, "".join(h + "\n" for h in hosts)))
     return LaunchPlan(ctx.job_id, "slurm", c.run_dir, files, nodes, hosts, main,
-                      on_each_node(listing, stop_script(ctx.job_id), fanout, unreached),
+                      cleanup,
                       c.mode, notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
                       watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
                       keeper=keeper_of(c.run_dir), kill=kill)
