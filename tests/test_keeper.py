@@ -5,14 +5,21 @@ namespace cluster with the product's timings: tests/test_orphans_cluster.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
+import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import job_pids
 from hfscale.core.shell import Line, Sh, render
+from hfscale.launch.run_dir import BEAT_ADDR
 from hfscale.launch.attempt.beats import LauncherBeat
 from hfscale.launch.node.keeper import keeper_line, keeper_of
 from hfscale.launch.node.line import node_script
@@ -98,3 +105,80 @@ def test_a_line_that_ends_takes_its_keeper_with_it_and_nothing_is_stopped(tmp_pa
         assert not list((run / "orphaned").iterdir()) and (run / "alive" / "node0").exists()
     finally:
         beat.stop()
+
+
+# ---- the heartbeat line (hfscale.launch.attempt.beat_server): the keeper hears its launcher over TCP ----------
+
+SERVER = ("import sys, time\nfrom hfscale.launch.attempt.beat_server import BeatServer\n"
+          "s = BeatServer.start(sys.argv[1], 1, print)\nprint('listening', s.port, flush=True)\ntime.sleep(600)\n")
+
+
+def lined(run: Path, lost_after: int = 3) -> Keeper:
+    k = short(run, lost_after)
+    return dataclasses.replace(k, beat_addr=str(run / BEAT_ADDR))
+
+
+def launcher_process(run: Path) -> subprocess.Popen:
+    """A launcher's heartbeat line in a process of its own (a launcher to kill -9 or freeze)."""
+    p = subprocess.Popen([sys.executable, "-c", SERVER, str(run)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().startswith("listening")
+    return p
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_a_node_on_the_line_stops_its_job_when_its_launcher_is_killed_or_frozen(tmp_path, how):
+    """Killed -9: its kernel closes the line, the node stops at once. Frozen (SIGSTOP: a host that
+    stops answering, no close): after lost_after_s. While the launcher answers, the node writes
+    nothing in the run directory after its first beat."""
+    run = made(tmp_path)
+    k = lined(run)
+    server = launcher_process(run)
+    node = start(run, k, ["sleep", "300"])
+    try:
+        wait(lambda: len(job_pids(JOB)) >= 3 and (run / "alive" / "node0").exists(), 10, "the node's line")
+        first = (run / "alive" / "node0").stat().st_mtime_ns
+        time.sleep(k.lost_after_s + 2)  # the launcher answers: nothing stops, no file is rewritten
+        assert node.poll() is None and len(job_pids(JOB)) >= 3
+        assert (run / "alive" / "node0").stat().st_mtime_ns == first
+        assert not (run / "logs" / "node0.log").exists()  # no "no heartbeat line" note: it is on the line
+        os.kill(server.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        took = wait(lambda: not job_pids(JOB), k.lost_after_s + 3 * k.check_s + 5, "the job to stop itself")
+        print(f"{how}: the job stopped itself {took:.1f} s after its launcher")
+        log = (run / "logs" / "node0.log").read_text()
+        if how == "killed":
+            assert took < 2 * k.check_s + 1.5, took  # heard at once, not after lost_after_s
+            assert "node0: the launcher closed its heartbeat line: the launcher is gone" in log
+        else:
+            assert took >= k.lost_after_s - k.check_s, took
+            assert "node0: the launcher has not answered on its heartbeat line for 3 s: the launcher is gone" in log
+            assert (run / "alive" / "node0").stat().st_mtime_ns != first  # silent launcher: the file beats again
+        assert (run / "orphaned" / "node0").read_text().strip().isdigit()
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        os.kill(server.pid, signal.SIGCONT)
+        server.wait()
+        for pid in job_pids(JOB):
+            os.kill(pid, 9)
+
+
+def test_a_node_that_cannot_reach_the_line_says_so_and_reads_the_file(tmp_path):
+    run = made(tmp_path)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (run / BEAT_ADDR).write_text(f"{port} {'0' * 32} 127.0.0.1\n")
+    beat = LauncherBeat(run, print, every=0.5)
+    node = start(run, lined(run), ["sleep", "300"])
+    try:
+        wait(lambda: (run / "logs" / "node0.log").exists(), 10, "the note")
+        assert f"no heartbeat line to the launcher at 127.0.0.1 port {port}; this node reads launcher.beat" in \
+            (run / "logs" / "node0.log").read_text()
+        first = (run / "alive" / "node0").read_text()
+        time.sleep(5)  # longer than lost_after: the file beats, the launcher's file beats, nothing stops
+        assert node.poll() is None and (run / "alive" / "node0").read_text() != first
+        beat.stop()
+        wait(lambda: not job_pids(JOB), 3 + 3 + 5, "the job to stop itself")
+    finally:
+        beat.stop()
+        for pid in job_pids(JOB):
+            os.kill(pid, 9)

@@ -17,7 +17,7 @@ from hfscale.core.shell import Command, Line, Sh, render
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.node.command import Rendezvous, launcher_argv
-from hfscale.launch.node.keeper import keeper_line, keeper_of
+from hfscale.launch.node.keeper import LOCAL_REACH, keeper_line, keeper_of
 from hfscale.launch.node.stopping import dump_script, stop_script
 from hfscale.launch.spec import Follow, Keeper, Watch
 
@@ -42,9 +42,9 @@ def test_local_accelerate_plan_exact():
                 "--module hfscale.training.run_script --plain train.py --epochs 2")
     # a shell starts the node's keeper (it stops the job when the launcher's heartbeat stops), then
     # becomes the launcher: its pid and exit status are main's
-    keeper = render(keeper_line(keeper_of(RUN), Line((Sh(stop_script("20261122-120000-abcdef")),))), False)
+    keeper = render(keeper_line(keeper_of(RUN, LOCAL_REACH), Line((Sh(stop_script("20261122-120000-abcdef")),))), False)
     assert plan.main.real_argv() == ["bash", "-c", f"export HFSCALE_HOST=local; {keeper} exec {launcher}"]
-    assert render(plan.nodes[0].command) == launcher and plan.keeper == keeper_of(RUN)
+    assert render(plan.nodes[0].command) == launcher and plan.keeper == keeper_of(RUN, LOCAL_REACH)
     assert plan.main.cwd == "/work"
     assert dict(plan.main.env) == {
         "HFSCALE_JOB_ID": "20261122-120000-abcdef",
@@ -153,8 +153,12 @@ def test_pdsh_plan_exact():
     assert plan.kill.argv[:-1] == plan.cleanup.argv[:-1]  # the same fan-out
     assert plan.kill.real_argv()[-1] == stop_script("20261122-120000-abcdef", grace_s=0)
     assert plan.keeper == Keeper(f"{RUN}/launcher.beat", f"{RUN}/alive", f"{RUN}/orphaned", f"{RUN}/logs", 5, 10, 5, 30,
-                                 50)
-    assert (f"launcher heartbeat: {RUN}/launcher.beat, every 5 s\n  each node: heartbeat every 10 s into {RUN}/alive/"
+                                 50, f"{RUN}/beat.addr", '"${SSH_CONNECTION%% *}"')
+    assert (f"each node: a beat every 5 s on the launcher's heartbeat line (a TCP connection to this host, its port in "
+            f"{RUN}/beat.addr); when it closes, or the launcher has not answered for 30 s, the node stops its job") \
+        in plan.render()
+    assert f"launcher heartbeat: {RUN}/launcher.beat, every 5 s\n  each node: a beat every 5 s" in plan.render()
+    assert (f"A node that cannot reach it:\n  each node: heartbeat every 10 s into {RUN}/alive/"
             "<host>; when the launcher's has not changed for 30 s, the node stops its job") in plan.render()
 
 

@@ -49,10 +49,12 @@ class Follow:
 @dataclass(frozen=True)
 class Keeper:
     """Each node's watch over its launcher (hfscale.launch.node.keeper, hfscale.launch.attempt.beats): while
-    the node's line runs, it rewrites ``beats_dir/<host>`` every ``beat_s`` seconds and reads
-    ``launcher_beat`` (which the launch rewrites every ``launcher_beat_s`` seconds) every
-    ``check_s``; when that has not changed for ``lost_after_s`` seconds (the launcher was killed,
-    its host lost), the node stops its job as the cleanup would (TERM, then KILL) and writes
+    the node's line runs, it beats and hears its launcher over a TCP line to the launch
+    (``beat_addr``, hfscale.launch.attempt.beat_server) every ``check_s`` seconds, or, where that line cannot
+    be had, rewrites ``beats_dir/<host>`` every ``beat_s`` seconds and reads ``launcher_beat``
+    (which the launch rewrites every ``launcher_beat_s`` seconds) every ``check_s``. When the line
+    closes, or the launcher is silent for ``lost_after_s`` seconds (the launcher was killed, its
+    host lost), the node stops its job as the cleanup would (TERM, then KILL) and writes
     ``orphaned_dir/<host>``. A job whose launcher died ends within ``stops_within_s`` seconds."""
 
     launcher_beat: str
@@ -64,6 +66,8 @@ class Keeper:
     check_s: int
     lost_after_s: int
     stops_within_s: int
+    beat_addr: str = ""  # the launcher's heartbeat line (hfscale.launch.attempt.beat_server): "" none, the file only
+    reach: str = ""  # shell text: the launcher's address as the node sees it ("" the address in beat_addr)
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,12 @@ class LaunchPlan:
                     f"a host silent for {f.lost_after_s} s is lost"]
         if self.keeper is not None:
             k = self.keeper
-            out += [f"launcher heartbeat: {k.launcher_beat}, every {k.launcher_beat_s} s",
-                    f"  each node: heartbeat every {k.beat_s} s into {posixpath.join(k.beats_dir, '<host>')}; when the "
+            out += [f"launcher heartbeat: {k.launcher_beat}, every {k.launcher_beat_s} s"]
+            if k.beat_addr:
+                out += [f"  each node: a beat every {k.check_s} s on the launcher's heartbeat line (a TCP connection "
+                        f"to this host, its port in {k.beat_addr}); when it closes, or the launcher has not answered "
+                        f"for {k.lost_after_s} s, the node stops its job (as on failure). A node that cannot reach it:"]
+            out += [f"  each node: heartbeat every {k.beat_s} s into {posixpath.join(k.beats_dir, '<host>')}; when the "
                     f"launcher's has not changed for {k.lost_after_s} s, the node stops its job (as on failure) and "
                     f"writes {posixpath.join(k.orphaned_dir, '<host>')}: a job whose launcher died ends within "
                     f"{k.stops_within_s} s"]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from hfscale.core.untrusted import Unreadable, read_bytes, real_dir
+from hfscale.launch.attempt.beat_server import BeatServer, remove_addr
 from hfscale.launch.run_dir import BEATS_DIR, LAUNCHER_BEAT, ORPHANED_DIR
 from hfscale.launch.node.keeper import LAUNCHER_BEAT_S, LAUNCHER_LOST_S, NODE_BEAT_S
 
@@ -80,6 +81,23 @@ class LauncherBeat:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+class LaunchBeats:
+    """The launcher's side of its job's heartbeats while the job runs: ``file`` (launcher.beat, for a
+    later launch and the nodes off the line) and ``line`` (hfscale.launch.attempt.beat_server; None when the
+    plan's keepers have no line or no socket could be opened here)."""
+
+    def __init__(self, run_dir: str | Path, hosts: int, with_line: bool, echo: Callable[[str], None]):
+        self.run_dir = run_dir
+        self.file = LauncherBeat(run_dir, echo)
+        self.line = BeatServer.start(run_dir, hosts, echo) if with_line else None
+
+    def stop(self) -> None:
+        if self.line is not None:  # the nodes' keepers hear the line close: their job has ended by now
+            remove_addr(self.run_dir)
+            self.line.stop()
+        self.file.stop()
 
 
 @dataclass(frozen=True)

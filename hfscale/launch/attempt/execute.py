@@ -1,11 +1,11 @@
 """The only module that starts processes: it runs launch plans and preflight probes.
 
-A plan runs its ``prepare`` steps, then one local process (pdsh, docker, the launcher) whose
-output is logged per node, shown (hfscale.launch.attempt.console) and watched: a failing node, a signal, that
-process killed by someone else, or the hang watchdog (hfscale.launch.attempt.watchdog) runs the plan's cleanup
-on every node (TERM, then KILL after a grace period). A host ssh cannot reach, or loses, shows up
-in the same stream (pdsh reports ssh's exit code 255): exit code 3 naming the host. A detached
-launch (more hosts than runner.fanout) is followed through the run directory (hfscale.launch.attempt.follow)."""
+A plan runs its ``prepare`` steps, then one local process (pdsh, docker, the launcher) whose output is logged
+per node, shown (hfscale.launch.attempt.console) and watched: a failing node, a signal, that process killed by someone
+else, or the hang watchdog (hfscale.launch.attempt.watchdog) runs the plan's cleanup on every node (TERM, then KILL
+after a grace period). A host ssh cannot reach, or loses, shows up in the same stream (pdsh reports ssh's exit
+code 255): exit code 3 naming the host. A detached launch (more hosts than runner.fanout) is followed through
+the run directory (hfscale.launch.attempt.follow)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hfscale.core import exitcodes
 from hfscale.core.atomic_files import write_files
 from hfscale.core.exitcodes import signal_name
 from hfscale.core.shell import Command, Ran
-from hfscale.launch.attempt.beats import LauncherBeat
+from hfscale.launch.attempt.beats import LaunchBeats
 from hfscale.launch.attempt.console import Console, follow_progress, never_raises
 from hfscale.launch.attempt.disk_full import told
 from hfscale.launch.attempt.follow import follow_detached
@@ -51,10 +51,10 @@ def _env(cmd: Command) -> dict[str, str]:
 class _Run:
     """Bookkeeping for one running plan: logs, first failure, stopping once."""
 
-    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None], signals: list[int]):
-        self.plan = plan
+    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None], signals: list[int],
+                 beats: LaunchBeats | None = None):  # the launcher's heartbeats: its file and line
+        self.plan, self.beats, self.echo = plan, beats, echo
         self._signals = signals  # execute's signal handler appends the first stop signal here
-        self.echo = echo
         self.out = RunOutput(plan.logs, plan.runner, run_dir, echo, self._node_failed)
         self.failure: tuple[str, int] | None = None  # (where, exit code) of the first failure
         self.what, self.failed_at = "", 0.0  # what was said of it, and when
@@ -253,7 +253,7 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
         launcher = {k: v for k, v in this_launcher().items() if not (attempt and k == "started")}  # the run's start
         record_state(run_dir, **launcher, state="running", job_id=plan.job_id, runner=plan.runner)
         if plan.keeper is not None:  # while it beats, the nodes' keepers let their job run (hfscale.launch.attempt.beats)
-            beat = LauncherBeat(run_dir, echo)
+            beat = LaunchBeats(run_dir, len(plan.nodes), bool(plan.keeper.beat_addr), echo)
         rc = 0
         for step in plan.prepare:
             if (rc := _prepare(step, run_dir, echo)) or signalled:
@@ -263,7 +263,7 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
         elif plan.mode == "submit":
             rc = submit(plan, run_dir, echo)
         else:
-            run = _Run(plan, run_dir, echo, signalled)
+            run = _Run(plan, run_dir, echo, signalled, beat)
             runs.append(run)
             shower = threading.Thread(target=follow_progress, daemon=True, args=(
                 run_dir, run.ended, console.progress, console.tty)) if console and console.mode != "quiet" else None
@@ -339,7 +339,7 @@ def _stream(run: _Run) -> int:
         run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
     if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
         run.following = True  # main only started the nodes: its process group is gone
-        follow_detached(run, run.plan.follow)
+        follow_detached(run, run.plan.follow, run.beats.line if run.beats is not None else None)
         if run.signalled is None:
             run.out.first.settle()
     run.finish()

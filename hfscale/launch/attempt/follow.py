@@ -13,15 +13,18 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Iterable, Protocol
 
 from hfscale.core import exitcodes
 from hfscale.core.untrusted import Unreadable, open_regular, read_bytes
+from hfscale.launch.attempt.beat_server import BeatServer
 from hfscale.launch.spec import Follow, LaunchPlan
 
 FOLLOW_POLL_S = 1.0  # a detached job's logs are read this often
 READ_LIMIT = 1 << 20  # per host and round: one chatty host cannot stall the others
 BEAT_CAP = 64  # a heartbeat file holds a counter
+LOGS_PER_POLL = 256  # with the nodes on the heartbeat line: the logs looked at per poll, in turn, beside
+# those whose line just closed (a node's line ends: its exit line is read within a poll)
 
 
 class LogTail:
@@ -33,12 +36,13 @@ class LogTail:
         self._offset = dict.fromkeys(paths, 0)
         self._partial = dict.fromkeys(paths, b"")
 
-    def lines(self) -> list[tuple[str, str]]:
-        """(name, line) for every complete line written since the last call; files in the order
-        they last changed, so that of two nodes failing within one poll the one that failed first
-        is named (its exit line is its log's last write)."""
+    def lines(self, names: Iterable[str] | None = None) -> list[tuple[str, str]]:
+        """(name, line) for every complete line written since the last call (to ``names``' files
+        only, when given); files in the order they last changed, so that of two nodes failing
+        within one poll the one that failed first is named (its exit line is its log's last write)."""
         batches: list[tuple[int, str, list[tuple[str, str]]]] = []
-        for name, path in self._paths.items():
+        for name in self._paths if names is None else names:
+            path = self._paths[name]
             try:  # one lstat per file and poll, as before: opened only when it grew
                 if os.lstat(path).st_size <= self._offset[name]:
                     continue
@@ -72,23 +76,44 @@ class LogTail:
 
 
 class Follower:
-    """New lines and silent hosts of a detached job, polled."""
+    """New lines and silent hosts of a detached job, polled. ``line``: the launch's heartbeat line
+    (hfscale.launch.attempt.beat_server): a node on it is heard there, and its log is read in turn
+    (``LOGS_PER_POLL`` a poll) and as soon as its line closes; the others through the run
+    directory's beat files, their logs every poll."""
 
-    def __init__(self, follow: Follow, now: float):
-        self.follow = follow
+    def __init__(self, follow: Follow, now: float, line: BeatServer | None = None):
+        self.follow, self.line = follow, line
         self._tail = LogTail({h: Path(follow.logs_dir) / f"{h}.log" for h in follow.hosts})
         self._beats = {h: Path(follow.beats_dir) / h for h in follow.hosts}
         self._beat: dict[str, tuple[bytes | None, float]] = {h: (None, now) for h in follow.hosts}
+        self._turn = 0
+        self._read_closed: set[str] = set()
 
-    def lines(self) -> list[tuple[str, str]]:
+    def lines(self, every: bool = False) -> list[tuple[str, str]]:
         """(host, line) for every complete line the nodes wrote since the last call (LogTail.lines)."""
-        return self._tail.lines()
+        hosts = self.follow.hosts
+        if every or self.line is None or len(hosts) <= LOGS_PER_POLL:
+            return self._tail.lines()
+        on_line, closed = self.line.last_seen(), self.line.closed()
+        turn = hosts[self._turn:self._turn + LOGS_PER_POLL]
+        self._turn = (self._turn + LOGS_PER_POLL) % len(hosts)
+        fresh = [h for h in closed if h not in self._read_closed and h in self._beats]
+        self._read_closed.update(fresh)
+        off_line = [h for h in hosts if h not in on_line] if len(on_line) < len(hosts) else []
+        return self._tail.lines(dict.fromkeys((*fresh, *turn, *off_line)))
 
     def silent(self, now: float, done: set[str]) -> list[str]:
-        """Hosts not in ``done`` whose heartbeat has not changed for ``lost_after_s`` seconds."""
+        """Hosts not in ``done`` not heard for ``lost_after_s`` seconds: on the line, no beat (or
+        their line closed without their exit line); else, their beat file unchanged."""
         lost = []
+        on_line = self.line.last_seen() if self.line is not None else {}
+        closed = self.line.closed() if self.line is not None else {}
         for host, path in self._beats.items():
             if host in done:
+                continue
+            if host in on_line:
+                if now - closed.get(host, on_line[host]) >= self.follow.lost_after_s:
+                    lost.append(host)
                 continue
             try:
                 content: bytes | None = read_bytes(path, BEAT_CAP)
@@ -102,9 +127,9 @@ class Follower:
         return lost
 
     def ever_beat(self, host: str) -> bool:
-        """Whether ``host``'s heartbeat file was ever seen (never: its line did not start there, or
+        """Whether ``host``'s heartbeat was ever seen (never: its line did not start there, or
         it cannot see the run directory)."""
-        return self._beat[host][0] is not None
+        return self._beat[host][0] is not None or (self.line is not None and host in self.line.last_seen())
 
 
 class Relay(Protocol):
@@ -124,15 +149,15 @@ class Relay(Protocol):
     def finish(self) -> None: ...
 
 
-def follow_detached(run: Relay, follow: Follow) -> None:
+def follow_detached(run: Relay, follow: Follow, line: BeatServer | None = None) -> None:
     """Relay a detached job's output and exit lines from the run directory until every host has
     exited, one failed or went silent, or a signal came."""
-    follower = Follower(follow, time.monotonic())
+    follower = Follower(follow, time.monotonic(), line)
     next_check = time.monotonic() + follow.beat_s / 2
     everyone = set(follow.hosts)
     while True:
-        for host, line in follower.lines():
-            run.route(f"{host}: {line}")
+        for host, text in follower.lines():
+            run.route(f"{host}: {text}")
         if run.failure is not None or run.signalled is not None:
             break
         if run.exited >= everyone:
@@ -151,5 +176,5 @@ def follow_detached(run: Relay, follow: Follow) -> None:
         time.sleep(FOLLOW_POLL_S)
     # once the stop is done, relay what the other nodes wrote meanwhile (their ends)
     run.finish()
-    for host, line in follower.lines():
-        run.route(f"{host}: {line}")
+    for host, text in follower.lines(every=True):
+        run.route(f"{host}: {text}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import posixpath
 
 from hfscale.core.shell import Line, Script, Sh, quote
-from hfscale.launch.run_dir import BEATS_DIR, LAUNCHER_BEAT, LOGS_DIR, ORPHANED_DIR
+from hfscale.launch.run_dir import BEAT_ADDR, BEATS_DIR, LAUNCHER_BEAT, LOGS_DIR, ORPHANED_DIR
 from hfscale.launch.node.stopping import JOB_ID_VAR, STOP_GRACE_S
 from hfscale.launch.spec import Keeper
 
@@ -34,13 +34,33 @@ LAUNCHER_LOST_S = 30  # a node stops its job when the launcher's beat has not ch
 # from the launcher's last beat to the job's last process on every node: noticed after LAUNCHER_LOST_S
 # (+ one check), then TERM, KILL after the grace period, and a few seconds of slack
 SELF_STOP_S = LAUNCHER_LOST_S + KEEPER_CHECK_S + STOP_GRACE_S + 5
+CONNECT_S = 5  # the heartbeat line's connect and its first answer, each at most
+SSH_REACH = '"${SSH_CONNECTION%% *}"'  # the launcher's address as a node reached by ssh sees it
+SRUN_REACH = '"$SLURM_LAUNCH_NODE_IPADDR"'  # ... and one whose line srun started
+LOCAL_REACH = "127.0.0.1"  # ... and this host's own line (runner.type local)
 
 
-def keeper_of(run_dir: str) -> Keeper:
-    """The keeper of a job whose run directory is ``run_dir`` (which every node sees)."""
+def keeper_of(run_dir: str, reach: str = SSH_REACH) -> Keeper:
+    """The keeper of a job whose run directory is ``run_dir`` (which every node sees); ``reach``:
+    shell text for the launcher's address as a node sees it."""
     return Keeper(posixpath.join(run_dir, LAUNCHER_BEAT), posixpath.join(run_dir, BEATS_DIR),
                   posixpath.join(run_dir, ORPHANED_DIR), posixpath.join(run_dir, LOGS_DIR), LAUNCHER_BEAT_S,
-                  NODE_BEAT_S, KEEPER_CHECK_S, LAUNCHER_LOST_S, SELF_STOP_S)
+                  NODE_BEAT_S, KEEPER_CHECK_S, LAUNCHER_LOST_S, SELF_STOP_S, posixpath.join(run_dir, BEAT_ADDR), reach)
+
+
+def _line_open(k: Keeper, log: str) -> str:
+    """Shell text: connect to the launcher's heartbeat line on fd 3 (``tcp=1``), or say once in
+    the node's log why not (``tcp=0``: the files instead). The connect is tried first with a bound
+    (bash's own /dev/tcp has none: a dropped SYN would wait minutes)."""
+    if not k.beat_addr:
+        return ""
+    said = (f"hfscale: $(date '+%F %T') ${HOST_VAR}: no heartbeat line to the launcher at $ip port $port; this node "
+            f"reads {posixpath.basename(k.launcher_beat)} in the run directory instead")
+    return (f"if read -r port tok addr < {quote(k.beat_addr)} 2>/dev/null; then ip={k.reach or '$addr'}; ip=${{ip:-$addr}}; "
+            f"if timeout {CONNECT_S} bash -c ': <\"/dev/tcp/$1/$2\"' _ \"$ip\" \"$port\" 2>/dev/null "
+            f'&& exec 3<>"/dev/tcp/$ip/$port" 2>/dev/null; then '
+            f"printf 'HFSBEAT1 %s %s\\n' \"$tok\" \"${HOST_VAR}\" >&3 2>/dev/null; read -r -t {CONNECT_S} -u 3 ack; fi; "
+            f'if [ "$ack" = ok ]; then tcp=1; else exec 3<&- 3>&-; echo "{said}" >> {log}; fi; fi; ')
 
 
 def keeper_line(k: Keeper, stop: Line) -> Line:
@@ -52,17 +72,30 @@ def keeper_line(k: Keeper, stop: Line) -> Line:
     orphan = f"{quote(k.orphaned_dir)}/{host}"
     log = f"{quote(k.logs_dir)}/{host}.log"
     every = max(1, k.beat_s // k.check_s)
-    said = (f"hfscale: $(date '+%F %T') ${HOST_VAR}: the launcher's heartbeat ({posixpath.basename(k.launcher_beat)} "
-            f"in the run directory) has not changed for {k.lost_after_s} s: the launcher is gone (killed, or its host "
+    said = (f"hfscale: $(date '+%F %T') ${HOST_VAR}: the launcher$why: the launcher is gone (killed, or its host "
             f"lost); stopping this node's job (TERM: the ranks save a checkpoint at their next step; KILL after "
             f"{STOP_GRACE_S} s)")
+    silent = (f"has not answered on its heartbeat line for {k.lost_after_s} s" if k.beat_addr else "")
+    stale = (f"'s heartbeat ({posixpath.basename(k.launcher_beat)} in the run directory) has not changed for "
+             f"{k.lost_after_s} s")
+    # the line: a byte sent each check, its answer awaited; then a wait for the line's close (the launcher
+    # killed: its kernel closes the socket, heard at once). Silent for lost_after_s: its host is gone.
+    line_check = (f"r=0; printf b >&3 2>/dev/null || r=1; [ $r = 1 ] || {{ read -r -t {k.check_s} -N 1 -u 3 c; r=$?; }}; "
+                  f"if [ $r = 0 ]; then same=0; read -r -t {k.check_s} -N 1 -u 3 c; r=$?; "
+                  f"if [ $r != 0 ] && [ $r -le 128 ]; then same={k.lost_after_s}; why=' closed its heartbeat line'; fi; "
+                  f"elif [ $r -gt 128 ]; then same=$((same + {k.check_s})); why=' {silent}'; "
+                  f"printf '%012d\\n' $((n + 2)) 1<> {beat}; "
+                  f"else same={k.lost_after_s}; why=' closed its heartbeat line'; fi; ")
+    file_check = (f"if [ $((n % {every})) = 0 ]; then printf '%012d\\n' $((n / {every} + 1)) 1<> {beat}; fi; "
+                  f"c=$(head -c 64 {quote(k.launcher_beat)} 2>/dev/null); "
+                  f'if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; else same=$((same + {k.check_s})); '
+                  f'why="{stale}"; fi; ')
     # the trap kills its jobs (the sleep), not only itself: a TERM between 'sleep &' and 'wait' would leave it
-    loop = (f"( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; last=; same=0; "
+    loop = (f"( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; last=; same=0; tcp=0; why=; "
+            f"printf '%012d\\n' 0 1<> {beat}; {_line_open(k, log)}"
             f"while kill -0 $$ 2>/dev/null; do "
-            f"if [ $((n % {every})) = 0 ]; then printf '%012d\\n' $((n / {every} + 1)) 1<> {beat}; fi; "
-            f"c=$(head -c 64 {quote(k.launcher_beat)} 2>/dev/null); "
-            f'if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; else same=$((same + {k.check_s})); fi; '
+            f"if [ $tcp = 1 ]; then {line_check}else {file_check}fi; "
             f"if [ $same -ge {k.lost_after_s} ]; then "
             f'echo "{said}" >> {log}; date +%s > {orphan}; env -u {JOB_ID_VAR} bash -c')
-    return Line.of(Sh(loop), Script(stop), Sh(f"; exit 0; fi; n=$((n + 1)); sleep {k.check_s} & wait $!; done ) "
-                                              "</dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
+    return Line.of(Sh(loop), Script(stop), Sh(f"; exit 0; fi; n=$((n + 1)); [ $tcp = 1 ] || {{ sleep {k.check_s} & "
+                                              "wait $!; }; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))

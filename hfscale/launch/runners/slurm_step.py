@@ -39,7 +39,7 @@ from hfscale.core.shell import Command, Line, Script, Sh, Var, Word, and_then, w
 from hfscale.launch.context import Common, LaunchContext
 from hfscale.launch.node.command import default_rendezvous, launcher_argv
 from hfscale.launch.node.controls import controls
-from hfscale.launch.node.keeper import HOST_VAR, keeper_line, keeper_of
+from hfscale.launch.node.keeper import HOST_VAR, SRUN_REACH, keeper_line, keeper_of
 from hfscale.launch.node.line import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
 from hfscale.launch.node.stopping import JOB_ID_VAR, stop_script
 from hfscale.launch.run_dir import STOP_MARKER, UNREACHED
@@ -158,7 +158,7 @@ def node_line(job: Job, c: Common, job_id: str, launcher: list[Word]) -> Line:
     before = and_then(Line.of(Sh("cd"), c.workdir), Line.of(Sh("."), posixpath.join(c.run_dir, ENV_FILE)),
                       Line.of(Sh("."), posixpath.join(c.run_dir, NODES_FILE)),
                       Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
-    keeper = keeper_line(keeper_of(c.run_dir), Line((Sh(requeue_and_stop(job_id)),)))
+    keeper = keeper_line(keeper_of(c.run_dir, SRUN_REACH), Line((Sh(requeue_and_stop(job_id)),)))
     prefix = Line((Sh(f'export {HOST_VAR}="${NODE_NAME_VAR}"; exec > >(exec env -u {JOB_ID_VAR} sed -u '
                       f'"s/^/${HOST_VAR}: /") 2>&1;'),))
     node = node_script(before, launcher, posixpath.join(c.run_dir, STOP_MARKER), first=Line.of(prefix, keeper),
@@ -189,4 +189,4 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
                       cleanup,
                       c.mode, notes, moves=c.moves, private=private_files(job, c, hosts),  # type: ignore[arg-type]
                       watch=c.watch, dump=dump, stop_marker=posixpath.join(c.run_dir, STOP_MARKER),
-                      keeper=keeper_of(c.run_dir), kill=kill)
+                      keeper=keeper_of(c.run_dir, SRUN_REACH), kill=kill)
