@@ -70,7 +70,7 @@ def one(tmp: Path, mode: str, rank: int, step: int, port: int) -> dict:
 
 
 def poll_cost(ranks: int) -> float:
-    from hfscale.launch.spec import Watch
+    from hfscale.launch.spec import HangWatch
     from hfscale.launch.attempt.watchdog import Watchdog
 
     with tempfile.TemporaryDirectory() as d:
@@ -78,7 +78,7 @@ def poll_cost(ranks: int) -> float:
         folder.mkdir()
         for r in range(ranks):
             (folder / f"rank-{r}").write_text(f"100 {1000 + r} node{r // 8}\n")
-        dog = Watchdog(Watch(str(folder), "", "", 600, None, ranks), now=0)
+        dog = Watchdog(HangWatch(str(folder), "", "", 600, None, ranks), now=0)
         t0 = time.perf_counter()
         dog.poll(1)
         return time.perf_counter() - t0

@@ -275,7 +275,7 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
         pytest.skip("needs root (mknod, chown); CI is root")
     from hfscale.launch.attempt import beats, output_lock
     from hfscale.launch.attempt.follow import Follower, LogTail
-    from hfscale.launch.spec import Follow, Watch
+    from hfscale.launch.spec import Follow, HangWatch
     from hfscale.launch.attempt.watchdog import Watchdog, read_flight, read_stacks
 
     run, out = tmp_path / "run", tmp_path / "out"
@@ -306,7 +306,7 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
             output_lock.release(taken)
         except output_lock.LockHeld as e:
             assert "in use by job" in str(e) or "cannot be read" in str(e)
-        dog = Watchdog(Watch(str(run / "progress"), str(run / "stacks"), str(run / "r.txt"), 5, None, 1), 0.0)
+        dog = Watchdog(HangWatch(str(run / "progress"), str(run / "stacks"), str(run / "r.txt"), 5, None, 1), 0.0)
         dog.poll(1.0)
         from hfscale.core.records import TEXT_CAP
 
@@ -317,7 +317,7 @@ def test_what_a_launch_reads_back_is_read_as_safely(tmp_path, variant):
         follow.lines()
         follow.silent(100.0, set())
         LogTail({"x": run / "logs" / "node0.log"}).lines()
-        seen = beats.watch(run, 0.3)  # what a later launch and status read of a died job's heartbeats
+        seen = beats.observe(run, 0.3)  # what a later launch and status read of a died job's heartbeats
         assert seen is not None and not seen.launcher_beats and seen.running == ()
         assert beats.orphan(run, time.time()) is None or beats.orphan(run, time.time()).running in ((), ("node0",))
     finally:

@@ -22,12 +22,12 @@ from hfscale.launch.recovery.timeline import Timeline
 from hfscale.runs.goodput import goodput
 
 JOB, NEW = "20261126-000001-aaaaaa", "20261126-000002-bbbbbb"
-WATCH = 1.5  # the tests' look at the heartbeats (the product's: beats.WATCH_S)
+WATCH = 1.5  # the tests' look at the heartbeats (the product's: beats.OBSERVE_S)
 
 
 @pytest.fixture
 def short_watch(monkeypatch):
-    monkeypatch.setattr(output_lock, "watch", lambda run_dir, seconds, launcher=True: beats.watch(run_dir, WATCH, launcher))
+    monkeypatch.setattr(output_lock, "observe", lambda run_dir, seconds, launcher=True: beats.observe(run_dir, WATCH, launcher))
 
 
 class Node:
@@ -160,10 +160,10 @@ def test_watch_reads_a_hostile_run_directory_without_hanging_or_following_links(
     (run / "alive" / "node1").write_bytes(b"9" * 10_000_000)  # too big: skipped
     (run / "alive" / "..hidden").write_text("1")
     t0 = time.monotonic()
-    seen = beats.watch(run, 1.0)
+    seen = beats.observe(run, 1.0)
     assert seen is not None and not seen.launcher_beats and seen.running == () and time.monotonic() - t0 < 5
     assert beats.look(run).nodes == {} and beats.look(run).launcher is None
-    assert beats.watch(tmp_path / "missing", 1.0) is None
+    assert beats.observe(tmp_path / "missing", 1.0) is None
 
 
 def test_goodput_counts_the_steps_a_job_trained_after_its_launcher_died():

@@ -19,7 +19,7 @@ from hfscale.launch.context import LaunchContext
 from hfscale.launch.node.command import Rendezvous, launcher_argv
 from hfscale.launch.node.keeper import LOCAL_REACH, keeper_line, keeper_of
 from hfscale.launch.node.stopping import dump_script, stop_script
-from hfscale.launch.spec import Follow, Keeper, Watch
+from hfscale.launch.spec import Follow, Keeper, HangWatch
 
 from conftest import job_of, job_pids
 
@@ -62,7 +62,7 @@ def test_local_accelerate_plan_exact():
     assert "while [ $n -lt 0 ]" in stop_script("x", grace_s=0) and "while [ $n -lt 10 ]" in stop_script("x")
     assert plan.dump.real_argv() == ["bash", "-c", dump_script("20261122-120000-abcdef", f"{RUN}/stacks",
                                                                "/opt/py/bin/python")]
-    assert plan.watch == Watch(f"{RUN}/progress", f"{RUN}/stacks", f"{RUN}/hang-report.txt", 600, None, 2)
+    assert plan.watch == HangWatch(f"{RUN}/progress", f"{RUN}/stacks", f"{RUN}/hang-report.txt", 600, None, 2)
     assert plan.logs == ("local",)
     assert [name for name, _ in plan.files] == [
         "accelerate_config.yaml", "ds_config.json", "config.yaml", ".deepspeed_env"]

@@ -1,4 +1,4 @@
-"""The progress line across a restart (hfscale.launch.attempt.console.follow_progress, AttemptRate): the rate
+"""The progress line across a restart (hfscale.launch.attempt.console.show_progress, AttemptRate): the rate
 and the ETA count only rank 0's current start, never the stop and the restart. Rank 0's numbers
 are fed as they would be read from progress/metrics.json, on a fake clock; no process starts."""
 
@@ -13,7 +13,7 @@ from hfscale.launch.attempt import console
 
 
 def shown(monkeypatch, seen: list[tuple[float, M]]) -> list[str]:
-    """The lines follow_progress shows (as on a terminal) for rank 0's numbers read at these times."""
+    """The lines show_progress shows (as on a terminal) for rank 0's numbers read at these times."""
     feed = list(seen)
     clock = [0.0]
 
@@ -28,7 +28,7 @@ def shown(monkeypatch, seen: list[tuple[float, M]]) -> list[str]:
     monkeypatch.setattr(console, "read_metrics", read_metrics)
     monkeypatch.setattr(console, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     lines: list[str] = []
-    console.follow_progress("run", Done(), lines.append, tty=True)  # type: ignore[arg-type]
+    console.show_progress("run", Done(), lines.append, tty=True)  # type: ignore[arg-type]
     return lines
 
 

@@ -12,7 +12,7 @@ from hfscale.config.errors import ConfigError
 from hfscale.launch.attempt.watchdog import Watchdog
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
-from hfscale.launch.spec import Watch
+from hfscale.launch.spec import HangWatch
 from hfscale.render.deepspeed import deepspeed_config
 
 from conftest import job_of, run_cli
@@ -173,8 +173,8 @@ def test_the_rules_match_how_the_watchdog_judges_a_job_that_reports_nothing(tmp_
     the first reported step: such a job is never judged (so a timeout alone is a warning)."""
     (tmp_path / "progress").mkdir()
 
-    def watch(timeout: int, first_step: int | None) -> Watch:
-        return Watch(str(tmp_path / "progress"), str(tmp_path / "stacks"), str(tmp_path / "r.txt"), timeout,
+    def watch(timeout: int, first_step: int | None) -> HangWatch:
+        return HangWatch(str(tmp_path / "progress"), str(tmp_path / "stacks"), str(tmp_path / "r.txt"), timeout,
                      first_step, 2)
 
     assert Watchdog(watch(5, 8), now=0).poll(8) == "no rank finished a step in the first 8 s"

@@ -80,7 +80,7 @@ def test_the_step_watch_counts_from_the_step_rank_0_resumed_from(tmp_path: Path)
     steps, done = supervisor.Steps(), threading.Event()
     (run / "progress" / "metrics.json").write_text(json.dumps({"step": 25, "resumed": 25, "time": time.time()}))
     (run / "progress" / "rank-0").write_text("25 4242 node0 1\n")
-    watch = threading.Thread(target=supervisor._watch_attempt,
+    watch = threading.Thread(target=supervisor._time_steps,
                              args=(str(run), 0, 10, steps, done, lambda: None, lambda s, t, r: started.append((s, r))))
     watch.start()
     try:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from hfscale.launch.attempt.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
-from hfscale.launch.spec import Watch
+from hfscale.launch.spec import HangWatch
 from hfscale.training.heartbeat import Progress, read_progress
 
 PYSPY_WAITING = """Process 11655: python -u probe.py
@@ -82,8 +82,8 @@ def test_every_rank_in_the_same_collective_names_none():
     assert v.stuck == () and v.line == "every rank waits in all_reduce at step 4: a lost peer or the network"
 
 
-def _watch(tmp_path, timeout=60, first_step=None) -> Watch:
-    return Watch(str(tmp_path / "progress"), str(tmp_path / "stacks"), str(tmp_path / "r.txt"), timeout, first_step, 2)
+def _watch(tmp_path, timeout=60, first_step=None) -> HangWatch:
+    return HangWatch(str(tmp_path / "progress"), str(tmp_path / "stacks"), str(tmp_path / "r.txt"), timeout, first_step, 2)
 
 
 def _write(tmp_path, rank: int, step: int) -> None:
@@ -152,7 +152,7 @@ def test_a_thousand_ranks(tmp_path):
     for r in range(1000):
         _write(tmp_path, r, 1)
     _write(tmp_path, 999, 2)
-    dog = Watchdog(Watch(str(tmp_path / "progress"), "", "", 60, None, 1000), now=0)
+    dog = Watchdog(HangWatch(str(tmp_path / "progress"), "", "", 60, None, 1000), now=0)
     assert dog.poll(1) is None
     assert len(dog.ranks) == 1000 and dog.ranks[999].step == 2 and dog.ranks[0].step == 1
 

@@ -24,7 +24,7 @@ from hfscale.launch.context import Common, LaunchContext, output_dir_to_scan
 from hfscale.launch.node.command import CONFIG_COPY, rank_env, watched
 from hfscale.launch.run_dir import HANG_REPORT
 from hfscale.launch.runners import RUNNERS
-from hfscale.launch.spec import NOTHING_TO_TRAIN, LaunchPlan, Watch
+from hfscale.launch.spec import NOTHING_TO_TRAIN, LaunchPlan, HangWatch
 from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
 from hfscale.rules.resolved import Job
 from hfscale.rules.script import extra_args_problems
@@ -158,7 +158,7 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
             notes.append(f".deepspeed_env leaves out {', '.join(left_out)} (secret, or a value DeepSpeed's "
                          "launcher would pass to the shell unsafely)")
     w = job.config.watchdog
-    watch = None if not watched(job, ctx) or w.timeout is None else Watch(
+    watch = None if not watched(job, ctx) or w.timeout is None else HangWatch(
         posixpath.join(run_dir, PROGRESS_DIR), posixpath.join(run_dir, STACKS_DIR),
         posixpath.join(run_dir, HANG_REPORT), w.timeout, w.first_step, job.world_size)
     common = Common(run_dir, rank_dir, r.workdir or ctx.cwd, r.python or ctx.python, env, tuple(files.items()),

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from hfscale.checkpoints.resume import OutputScan
 from hfscale.core.shell import Secret
-from hfscale.launch.spec import Watch
+from hfscale.launch.spec import HangWatch
 from hfscale.rules.resolved import Job
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
@@ -86,7 +86,7 @@ class Common:
     notes: tuple[str, ...]
     moves: tuple[tuple[str, str], ...]
     done: bool
-    watch: Watch | None = None  # the hang watchdog, for runners hfscale follows to the end
+    watch: HangWatch | None = None  # the hang watchdog, for runners hfscale follows to the end
 
     @property
     def mode(self) -> str:

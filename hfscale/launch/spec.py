@@ -71,7 +71,7 @@ class Keeper:
 
 
 @dataclass(frozen=True)
-class Watch:
+class HangWatch:
     """The hang watchdog (hfscale.launch.attempt.watchdog): each rank rewrites ``progress_dir/rank-<RANK>`` after
     every optimizer step (hfscale.training.heartbeat). When no rank has finished a step for ``timeout``
     seconds (``first_step``: none at all since the start), hfscale runs the plan's ``dump`` on
@@ -113,7 +113,7 @@ class LaunchPlan:
     moves: tuple[tuple[str, str], ...] = ()
     private: tuple[tuple[str, Text], ...] = ()
     follow: Follow | None = None
-    watch: Watch | None = None
+    watch: HangWatch | None = None
     dump: Command | None = None  # writes every rank's stack into watch.stacks_dir, on every node
     # the cleanup after a hang: the same stop with no grace (stuck ranks cannot save); None: ``cleanup``
     kill: Command | None = None

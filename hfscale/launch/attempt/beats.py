@@ -11,7 +11,7 @@
   rebooted) therefore ends by itself within ``SELF_STOP_S`` seconds instead of training unwatched.
 
 Beats are compared by content on the reader's clock (nodes' clocks never enter, and opening a file
-on NFS sees the writer's latest write). ``watch`` looks at a run directory for a while and says
+on NFS sees the writer's latest write). ``observe`` looks at a run directory for a while and says
 whether its launcher still beats, which nodes still beat, and which stopped themselves: what
 hfscale.launch.attempt.output_lock asks before it takes over a dead launch's lock, and what ``hfscale
 status`` shows. Files only, no processes; the run directory is read as untrusted (regular files,
@@ -34,7 +34,7 @@ from hfscale.launch.attempt.beat_server import BeatServer, remove_addr
 from hfscale.launch.run_dir import BEATS_DIR, LAUNCHER_BEAT, ORPHANED_DIR
 from hfscale.launch.node.keeper import LAUNCHER_BEAT_S, LAUNCHER_LOST_S, NODE_BEAT_S
 
-WATCH_S = 2 * NODE_BEAT_S  # a node that did not beat for this long has stopped
+OBSERVE_S = 2 * NODE_BEAT_S  # a node that did not beat for this long has stopped
 BEAT_CAP = 64
 MAX_NODES = 100_000  # beat files read from one alive/ folder; more are not looked at
 _HOST_FILE = re.compile(r"^[A-Za-z0-9_.:-]{1,255}$")
@@ -149,8 +149,8 @@ def look(run_dir: str | Path, nodes: bool = True) -> Seen | None:
 
 
 @dataclass(frozen=True)
-class Watched:
-    """What ``watch`` saw: whether the launcher's beat changed, the hosts whose beat changed (their
+class Observed:
+    """What ``observe`` saw: whether the launcher's beat changed, the hosts whose beat changed (their
     job runs there), and those that stopped their job themselves (``orphaned/``)."""
 
     launcher_beats: bool
@@ -159,9 +159,9 @@ class Watched:
     seconds: float  # how long it looked
 
 
-def watch(run_dir: str | Path, seconds: float = WATCH_S, launcher: bool = True,
+def observe(run_dir: str | Path, seconds: float = OBSERVE_S, launcher: bool = True,
           sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic
-          ) -> Watched | None:
+          ) -> Observed | None:
     """Look at ``run_dir``'s beats for up to ``seconds`` (the launcher's every second, the nodes'
     every ``NODE_BEAT_S / 2``), returning as soon as the launcher's or a node's beat changes.
     ``launcher`` False: the launcher is known to be gone, only the nodes are watched. None when the
@@ -181,14 +181,14 @@ def watch(run_dir: str | Path, seconds: float = WATCH_S, launcher: bool = True,
         if seen is None:
             return None
         if launcher and seen.launcher is not None and seen.launcher != first.launcher:
-            return Watched(True, (), seen.orphaned, clock() - t0)
+            return Observed(True, (), seen.orphaned, clock() - t0)
         if read_nodes:
             last_nodes = clock()
             moved = tuple(sorted(h for h, c in seen.nodes.items() if first.nodes.get(h) != c))
             if moved:
-                return Watched(False, moved, seen.orphaned, clock() - t0)
+                return Observed(False, moved, seen.orphaned, clock() - t0)
     final = look(run_dir, nodes=False)
-    return Watched(False, (), final.orphaned if final else first.orphaned, clock() - t0)
+    return Observed(False, (), final.orphaned if final else first.orphaned, clock() - t0)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ progress bar too), the Trainer's log dicts (the progress line shows them) and hf
 markers (``HFSCALE_TRAIN``, ``HFSCALE_EXIT``) stay in the node logs (``<run dir>/logs``), which always
 get every line. ``--verbose`` shows every line as well; ``--quiet`` only errors and failures.
 
-No processes here: ``execute`` calls a Console for each line and runs ``follow_progress`` in a
+No processes here: ``execute`` calls a Console for each line and runs ``show_progress`` in a
 thread.
 """
 
@@ -198,7 +198,7 @@ class AttemptRate:
         return (step - s0) / (now - t0) if now > t0 and step > s0 else None
 
 
-def follow_progress(run_dir: str | Path, done: threading.Event, show: Callable[[str], None], tty: bool) -> None:
+def show_progress(run_dir: str | Path, done: threading.Event, show: Callable[[str], None], tty: bool) -> None:
     """Until ``done`` (and once more then): read rank 0's numbers each second and ``show`` the line
     when it changes (without a terminal: the first, then at most every PROGRESS_EVERY_S, and the
     last). The ETA rank 0 did not report comes from the rate of its current start (``AttemptRate``)."""

@@ -25,7 +25,7 @@ from hfscale.core.atomic_files import write_files
 from hfscale.core.exitcodes import signal_name
 from hfscale.core.shell import Command, Ran
 from hfscale.launch.attempt.beats import LaunchBeats
-from hfscale.launch.attempt.console import Console, follow_progress, never_raises
+from hfscale.launch.attempt.console import Console, show_progress, never_raises
 from hfscale.launch.attempt.disk_full import told
 from hfscale.launch.attempt.follow import follow_detached
 from hfscale.launch.attempt.node_lines import Failure
@@ -34,7 +34,7 @@ from hfscale.launch.attempt.run_output import RunOutput
 from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
 from hfscale.launch.node.stopping import STOP_GRACE_S
-from hfscale.launch.spec import LaunchPlan, Outcome, Watch
+from hfscale.launch.spec import LaunchPlan, Outcome, HangWatch
 from hfscale.launch.attempt.watchdog import Watchdog, conclude
 
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
@@ -265,7 +265,7 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
         else:
             run = _Run(plan, run_dir, echo, signalled, beat)
             runs.append(run)
-            shower = threading.Thread(target=follow_progress, daemon=True, args=(
+            shower = threading.Thread(target=show_progress, daemon=True, args=(
                 run_dir, run.ended, console.progress, console.tty)) if console and console.mode != "quiet" else None
             if shower is not None:  # rank 0 reports into <run dir>/progress, watchdog on or off
                 shower.start()
@@ -326,7 +326,7 @@ def _stream(run: _Run) -> int:
     watcher = threading.Thread(target=run.watch_main, daemon=True)
     watcher.start()
     if run.plan.watch is not None:
-        threading.Thread(target=_watch, args=(run, run.plan.watch), daemon=True).start()
+        threading.Thread(target=_watch_for_hang, args=(run, run.plan.watch), daemon=True).start()
     assert run.proc.stdout is not None
     for line in run.proc.stdout:
         run.route(line.rstrip("\n"))
@@ -350,7 +350,7 @@ def _stream(run: _Run) -> int:
     return rc
 
 
-def _watch(run: _Run, watch: Watch) -> None:
+def _watch_for_hang(run: _Run, watch: HangWatch) -> None:
     """The hang watchdog (hfscale.launch.attempt.watchdog): read the ranks' progress until the run ends; on a
     hang, have every rank's stack written, write the report, and stop the job (exit code 4)."""
     dog = Watchdog(watch, time.monotonic())

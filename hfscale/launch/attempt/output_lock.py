@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 
 from hfscale.core.pid_identity import ProcessIdentity, job_processes, liveness, this_process
 from hfscale.core.untrusted import Unreadable, parse_record, printable, read_bytes
-from hfscale.launch.attempt.beats import WATCH_S, watch
+from hfscale.launch.attempt.beats import OBSERVE_S, observe
 from hfscale.launch.spec import LOCK_FILE, LaunchPlan
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ def _hosts(hosts: tuple[str, ...] | list[str]) -> str:
 
 
 def judge(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: float = STALE_S,
-          watch_s: float = WATCH_S) -> Verdict:
+          watch_s: float = OBSERVE_S) -> Verdict:
     """Whether the holder ``rec`` (None: a lock that cannot be read, judged by its age alone) still
     runs: its launcher, or any node of its job (the module's docstring)."""
     if rec is None:
@@ -119,7 +119,7 @@ def judge(rec: "OutputLock | None", lock_mtime: float, fs_now: float, stale_s: f
     dead_here = "its launcher is gone (no process with that pid and start time) and nothing of its job runs here"
     if state == "gone" and not here and rec.runner in ("local", None):
         return Verdict(False, dead_here)
-    seen = watch(rec.run_dir, watch_s, launcher=state != "gone") if rec.stops_within_s is not None else None
+    seen = observe(rec.run_dir, watch_s, launcher=state != "gone") if rec.stops_within_s is not None else None
     if seen is None:  # the run directory is not visible here, or an older launch's (its nodes never stop themselves)
         if here:
             return Verdict(True, f"its launcher is gone, but its job's processes still run here (pids "
@@ -275,7 +275,7 @@ _proven_dead: dict[tuple[str, str], tuple[float, str]] = {}
 
 
 def settle(output_dir: str | os.PathLike[str], echo: Callable[[str], None], sleep: Callable[[float], None] = time.sleep,
-           clock: Callable[[], float] = time.monotonic, watch_s: float = WATCH_S) -> None:
+           clock: Callable[[], float] = time.monotonic, watch_s: float = OBSERVE_S) -> None:
     """Before a launch plans its resume: when ``output_dir``'s lock is held by a job whose launcher
     is gone and whose nodes still run and stop themselves (hfscale.launch.node.keeper), wait for
     them to stop (at most their ``stops_within_s`` and one look), saying so; the checkpoint they save

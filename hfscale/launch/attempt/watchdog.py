@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 from hfscale.core.atomic_files import write_files
 from hfscale.core.records import FLIGHT_CAP, TEXT_CAP
 from hfscale.core.untrusted import Unreadable, read_bytes, read_json
-from hfscale.launch.spec import Watch
+from hfscale.launch.spec import HangWatch
 from hfscale.training.heartbeat import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
 
 _PYSPY = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)$")
@@ -38,7 +38,7 @@ COLLECTIVE_FILES = ("torch/distributed/distributed_c10d.py", "deepspeed/comm/")
 class Watchdog:
     """Steps seen per rank, and when each last changed."""
 
-    def __init__(self, watch: Watch, now: float):
+    def __init__(self, watch: HangWatch, now: float):
         self.watch = watch
         self.started = now
         self.ranks: dict[int, Progress] = {}

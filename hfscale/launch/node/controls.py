@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 
 from hfscale.core.shell import Command, Item, Line, Sh
 from hfscale.launch.node.stopping import dump_script, stop_script
-from hfscale.launch.spec import Watch
+from hfscale.launch.spec import HangWatch
 
 
 class Controls(NamedTuple):
@@ -24,7 +24,7 @@ class Controls(NamedTuple):
     kill: Command | None
 
 
-def controls(reach: Callable[[Line], Command], job_id: str, watch: Watch | None, python: str,
+def controls(reach: Callable[[Line], Command], job_id: str, watch: HangWatch | None, python: str,
              first: tuple[Item, ...] = ()) -> Controls:
     """The stop, stack dump and kill of job ``job_id`` on every node ``reach`` runs a line on."""
     cleanup = reach(Line((*first, Sh(stop_script(job_id)))))

@@ -67,7 +67,7 @@ def _ready(run_dir: str, attempt: int) -> bool:
     return os.path.lexists(os.path.join(run_dir, ATTEMPTS_DIR, str(attempt - 1), PLAN_FILE))
 
 
-def _watch_attempt(run_dir: str, attempt: int, after: int, steps: Steps, done: threading.Event,
+def _time_steps(run_dir: str, attempt: int, after: int, steps: Steps, done: threading.Event,
                    ready: Callable[[], None], started: Callable[[int, float, int | None], None]) -> None:
     """Until the attempt ends: ``ready`` once its run directory is in place, then rank 0's step
     (progress/rank-0, written at every step), read every WATCH_STEPS_S and timed on this host's
@@ -238,7 +238,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
                 _event(run_dir, **launch)
             launched.set()
 
-        watcher = threading.Thread(target=_watch_attempt, daemon=True, args=(
+        watcher = threading.Thread(target=_time_steps, daemon=True, args=(
             run_dir, attempt, resume or 0, steps, done, ready,
             lambda s, t, r: _event(run_dir, kind="training", attempt=n, at=t, step=s, resume_step=r)))
         watcher.start()
