@@ -2,7 +2,8 @@
 launch plans and preflight probes) and what reads the running job: ``run_output`` and
 ``node_lines`` (its lines, typed), ``first_failure``, ``disk_full``, ``console`` (the terminal),
 ``follow`` (a detached job, through the run directory), ``watchdog`` (hangs), ``beats`` (the
-launcher's and the nodes' heartbeats), ``beat_server`` (the launcher's end of the nodes' heartbeat line) and ``output_lock`` (one launch per output_dir).
+launcher's and the nodes' heartbeats), ``beat_server`` (the launcher's end of the nodes' heartbeat
+line) and ``output_lock`` (one launch per output_dir).
 
 May import the layers below hfscale.launch, the top modules of hfscale.launch (spec, context,
 run_dir, build), node/ and runners/ (execute asks a scheduler's runner what its answers mean); never
