@@ -20,7 +20,7 @@ import pytest
 from conftest import job_pids
 from hfscale.core.shell import Line, Sh, render
 from hfscale.launch.run_dir import BEAT_ADDR
-from hfscale.launch.attempt.beats import LauncherBeat
+from hfscale.launch.attempt.beats import LauncherBeat, LaunchBeats
 from hfscale.launch.node.keeper import keeper_line, keeper_of
 from hfscale.launch.node.line import node_script
 from hfscale.launch.node.stopping import stop_script
@@ -180,5 +180,33 @@ def test_a_node_that_cannot_reach_the_line_says_so_and_reads_the_file(tmp_path):
         wait(lambda: not job_pids(JOB), 3 + 3 + 5, "the job to stop itself")
     finally:
         beat.stop()
+        for pid in job_pids(JOB):
+            os.kill(pid, 9)
+
+
+def test_an_attempt_that_ends_sends_its_nodes_back_to_the_file_not_to_a_stop(tmp_path):
+    """The line closed by an attempt's end (the launch says so first) is not the launcher's death: a
+    node the stop did not reach (a slurmd-less node under Slurm, whose keeper's stop requeues the job)
+    watches launcher.beat again, which the next attempt rewrites, and stops only when that stops."""
+    run = made(tmp_path)
+    k = lined(run)
+    beats = LaunchBeats(run, 1, True, print)
+    beats.file.stop()
+    beats.file = LauncherBeat(run, print, every=0.5)  # beats faster than the short keeper's lost_after
+    node = start(run, k, ["sleep", "300"])
+    try:
+        wait(lambda: len(job_pids(JOB)) >= 3 and beats.line is not None and beats.line.last_seen(), 10, "the line")
+        assert beats.line is not None
+        beats.line.stop()  # the attempt ends; the launcher lives on: its file beats
+        time.sleep(k.lost_after_s + 2)
+        assert node.poll() is None and len(job_pids(JOB)) >= 3
+        assert not (run / "orphaned" / "node0").exists()
+        beats.file.stop()  # now the launcher is gone
+        took = wait(lambda: not job_pids(JOB), k.lost_after_s + 3 * k.check_s + 5, "the job to stop itself")
+        assert took >= k.lost_after_s - k.check_s
+        assert "launcher's heartbeat (launcher.beat in the run directory) has not changed for 3 s" in \
+            (run / "logs" / "node0.log").read_text()
+    finally:
+        beats.stop()
         for pid in job_pids(JOB):
             os.kill(pid, 9)

@@ -11,7 +11,11 @@ and this server answers each with one byte:
   launcher was killed: its kernel closes its sockets) stops the node's job at once, answers that
   stop for ``lost_after_s`` (its host lost, frozen) stop it then;
 - the launcher learns that each node lives from the bytes it receives (``last_seen``); a closed
-  connection means the node's line ended (its keeper goes with it), or its keeper died.
+  connection means the node's line ended (its keeper goes with it), or its keeper died;
+- an attempt that ends says so before it closes the line (``x``): a keeper still running then (its
+  node was not reached by the stop: a slurmd-less node) watches ``launcher.beat`` again, which the
+  next attempt rewrites, instead of taking the close for its launcher's death (under Slurm that
+  requeues the job).
 
 A keeper that cannot connect or is not answered ``ok`` (a firewall, no room for more connections
 here) watches ``launcher.beat`` in the run directory instead, as before this line existed; so do
@@ -128,10 +132,13 @@ class BeatServer:
             return dict(self._closed)
 
     def stop(self) -> None:
+        """The attempt is over: each keeper is told so (``x``), then the line closes."""
         self._done.set()
         self._thread.join(5)
         for conn in list(self._conns.values()):
             with contextlib.suppress(OSError):
+                if conn.host is not None:
+                    conn.sock.send(b"x")
                 conn.sock.close()
         self._conns.clear()
         with contextlib.suppress(OSError):

@@ -80,9 +80,14 @@ def keeper_line(k: Keeper, stop: Line) -> Line:
              f"{k.lost_after_s} s")
     # the line: a byte sent each check, its answer awaited; then a wait for the line's close (the launcher
     # killed: its kernel closes the socket, heard at once). Silent for lost_after_s: its host is gone.
+    # An "x" on the line: the launch ended its attempt (not its death): back to the file, which the next
+    # attempt rewrites (a node the stop did not reach must not take the close for a dead launcher).
+    back = "tcp=0; same=0; exec 3<&- 3>&-; "
     line_check = (f"r=0; printf b >&3 2>/dev/null || r=1; [ $r = 1 ] || {{ read -r -t {k.check_s} -N 1 -u 3 c; r=$?; }}; "
-                  f"if [ $r = 0 ]; then same=0; read -r -t {k.check_s} -N 1 -u 3 c; r=$?; "
-                  f"if [ $r != 0 ] && [ $r -le 128 ]; then same={k.lost_after_s}; why=' closed its heartbeat line'; fi; "
+                  f'if [ $r = 0 ] && [ "$c" = x ]; then {back}'
+                  f"elif [ $r = 0 ]; then same=0; read -r -t {k.check_s} -N 1 -u 3 c; r=$?; "
+                  f'if [ $r = 0 ] && [ "$c" = x ]; then {back}'
+                  f"elif [ $r != 0 ] && [ $r -le 128 ]; then same={k.lost_after_s}; why=' closed its heartbeat line'; fi; "
                   f"elif [ $r -gt 128 ]; then same=$((same + {k.check_s})); why=' {silent}'; "
                   f"printf '%012d\\n' $((n + 2)) 1<> {beat}; "
                   f"else same={k.lost_after_s}; why=' closed its heartbeat line'; fi; ")
