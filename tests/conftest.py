@@ -35,29 +35,11 @@ UNIT_MODULES = frozenset({
     "test_tiers", "test_validation", "test_spares", "test_local_tier", "test_async_save_unit", "test_healing_trips",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
-SLURM_FIXTURES = frozenset({"slurm2", "make_slurm"})
-# The suite runs in four lanes at once (pytest-xdist, one worker each), as the tests mostly wait (ssh
-# keep-alives, watchdogs, keepers, Slurm's timeouts) on this 2-core machine:
-# - slurm: the tests on a Slurm cluster, one cluster at a time (slurmctld, munge);
-# - cluster: the tests on the other namespace clusters (each its own subnet, hfscale's launcher here);
-# - local and local2: every other test that starts processes, one after another in each lane. Many
-#   trainings use master_port 29500: the local2 lane runs in a network namespace of its own (loopback
-#   only; ``_lane_network``), so the two local lanes' ports never meet.
-# Unit tests start nothing and run wherever a worker is free.
-LANE_SLURM, LANE_CLUSTER, LANE_LOCAL, LANE_LOCAL2 = "slurm", "cluster", "local", "local2"
-# the local2 lane's modules: about half of the local lanes' time (the durations CI prints)
-LOCAL2_MODULES = frozenset({"test_async_save", "test_examples", "test_third_party_scripts", "test_user_script",
-                            "test_hangs_user_script", "test_beat_server"})
-
-
-def lane_of(item: pytest.Item) -> str:
-    """The lane of a test that is not a unit test."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    if SLURM_FIXTURES & fixtures:
-        return LANE_SLURM
-    if CLUSTER_FIXTURES & fixtures:
-        return LANE_CLUSTER
-    return LANE_LOCAL2 if item.path.stem in LOCAL2_MODULES else LANE_LOCAL
+# The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,
+# whose nodes have network stacks of their own and mostly wait (ssh keep-alives, watchdogs, keepers),
+# and every other test that starts processes, one after another on this machine's own ports (many
+# trainings use master_port 29500). Unit tests start nothing and run wherever a worker is free.
+LANE_CLUSTER, LANE_LOCAL = "cluster", "local"
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -69,8 +51,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.cluster)
     unit = item.path.stem in UNIT_MODULES
     item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
-    if not unit:  # four lanes under pytest-xdist (pyproject: -n 4 --dist loadgroup); unit tests go where there is room
-        item.add_marker(pytest.mark.xdist_group(lane_of(item)))
+    if not unit:  # two lanes under pytest-xdist (pyproject: -n 2 --dist loadgroup); unit tests go where there is room
+        item.add_marker(pytest.mark.xdist_group(LANE_CLUSTER if cluster else LANE_LOCAL))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -78,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
     version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
     if getattr(config.option, "dist", "no") == "loadgroup" and version >= (9, 2):
         raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's loadgroup sets item._nodeid, which "
-                                "pytest 9.2 no longer reads, so the lanes would mix (two Slurm clusters at once, "
+                                "pytest 9.2 no longer reads, so the two lanes would mix (two Slurm clusters at once, "
                                 "trainings on one port); install pytest<9.2 (setup.cfg's test extra), or run with -n 0")
 
 
@@ -177,57 +159,9 @@ def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, floa
         return found
 
 
-_LIBC = None
-_NETNS: dict[str, int] = {}  # "root" and "local2": this worker's network namespaces, opened once
-CLONE_NEWNET = 0x40000000
-
-
-def _enter_netns(name: str) -> None:
-    """Move this thread (the worker's, which starts every process of its tests) into its ``name``
-    network namespace: "local2" is made on first use (unshare, loopback up), "root" is where the
-    worker started."""
-    import ctypes
-
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _NETNS["root"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        _NETNS["now"] = _NETNS["root"]
-    if _NETNS["now"] == _NETNS.get(name, -1):
-        return
-    if name not in _NETNS:
-        if _LIBC.unshare(CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) for the local2 lane")
-        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-        import socket
-
-        try:  # this host's name resolves here too (gloo binds to it): its addresses on loopback
-            own = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
-        except OSError:
-            own = set()
-        for address in sorted(own - {"127.0.0.1", "::1"}):
-            subprocess.run(["ip", "addr", "add", address, "dev", "lo"], check=False, capture_output=True)
-        _NETNS[name] = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    elif _LIBC.setns(_NETNS[name], CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), f"setns to the {name} network namespace")
-    _NETNS["now"] = _NETNS[name]
-
-
-@pytest.fixture(autouse=True)
-def _lane_network(request: pytest.FixtureRequest) -> None:
-    """A local2 test runs in the worker's own network namespace, every other test where the worker
-    started (a worker runs unit tests of any lane between its lane's tests)."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    group = request.node.get_closest_marker("xdist_group")
-    want = "local2" if group is not None and group.args[:1] == (LANE_LOCAL2,) else "root"
-    if want != "root" or _NETNS:
-        _enter_netns(want)
-
-
 @pytest.fixture(autouse=True)
 def _reference_in_the_local_lane(request: pytest.FixtureRequest) -> None:
-    """Under pytest-xdist's lanes, the local lane's first test computes the uninterrupted run when a
+    """Under pytest-xdist's two lanes, the local lane's first test computes the uninterrupted run when a
     cluster test of this session will compare with it: the cluster lane, the critical path, then finds
     it done (about 45 s it no longer spends) instead of running it itself."""
     group = request.node.get_closest_marker("xdist_group")
