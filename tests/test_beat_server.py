@@ -266,7 +266,7 @@ def test_heartbeats_at_10000_nodes_cost_the_shared_file_system_next_to_nothing(t
           f"  the silent node noticed after {took:.1f} s (lost_after 10 s): {r_after.failure}")
     assert per_keeper[False] > 0.15  # the file keeper: a read every 5 s, a write every 10 s
     assert per_keeper[True] == 0  # on the line: nothing in the run directory while the launcher answers
-    assert before > NODES  # every log looked at every second, every beat file every 5 s
+    assert before > 10 * after  # every log looked at every poll (a second when it keeps up), every beat file every 5 s
     assert after < 2 * LOGS_PER_POLL  # the logs in turn, LOGS_PER_POLL a second; no beat file read
     assert r_after.failure is not None and r_after.failure[0] == "n07777" and "no heartbeat for 10 s" in r_after.failure[2]
     assert took < 10 + NODE_BEAT_S / 2 + 3  # a lost node noticed within lost_after and one check

@@ -128,7 +128,7 @@ def test_pdsh_plan_exact():
     # the node's keeper: stops the node's job (as the cleanup does) when the launcher's heartbeat stops
     keeper = render(keeper_line(keeper_of(RUN), Line((Sh(stop_script("20261122-120000-abcdef")),))), False, pdsh=True)
     assert keeper.startswith("( trap ") and keeper.endswith(" & hb=$!;")
-    assert f"head -c 64 {RUN}/launcher.beat" in keeper and f" 1<> {RUN}/alive/\"$HFSCALE_HOST\";" in keeper
+    assert f"head -c 64 {RUN}/launcher.beat" in keeper and f"b={RUN}/alive/\"$HFSCALE_HOST\";" in keeper
     assert "env -u HFSCALE_JOB_ID bash -c " + shlex.quote(stop_script("20261122-120000-abcdef")) in keeper
     # a line that starts after a stop (a slow ssh) finds the stop marker and starts nothing
     node = (f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node started'; exit 143; }}; "

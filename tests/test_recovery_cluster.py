@@ -34,6 +34,8 @@ from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.recovery.timeline import read_timeline
+from hfscale.runs.goodput import start_parts_text
+from hfscale.training.heartbeat import PHASES
 
 pytestmark = pytest.mark.slow
 FLAKY = str(ROOT / "tests" / "scripts" / "flaky_host.py")
@@ -204,6 +206,16 @@ def test_a_job_heals_around_a_killed_a_frozen_and_a_cut_off_node(make_cluster, t
     assert relaunches[-1].hosts == ["node0", "node1"] and relaunches[-1].excluded == ["node2"]
     assert relaunches[-1].world_size == 2 and relaunches[-1].accumulation == 3
     assert "ds_to_universal" in output  # the 3-rank checkpoint converted for 2 ranks
+    # every start's parts (issue 38, item 4), in order, from its launch to its first step: the 3 restarts too
+    starts = [e for e in timeline.events if e.kind == "training"]
+    assert len(starts) == len(relaunches) + 1
+    for e in starts:
+        assert e.phases is not None and list(e.phases) == list(PHASES), e
+        launched = next(x.at for x in timeline.events if x.kind in ("launch", "relaunch") and x.attempt == e.attempt)
+        print(f"attempt {e.attempt}: step {e.step} {e.at - launched:.1f} s after its launch: "
+              + start_parts_text(e.phases))
+        assert 0 < sum(e.phases.values()) <= e.at - launched + 2  # marked on the nodes' clock, this machine's
+        assert e.phases["imports"] > 1.0  # torch, transformers, deepspeed: seconds on this machine
     worst = largest_loss_difference(out, MAX_STEPS, want)  # every step logged, against the reference
     print(f"healed in {took:.0f} s; largest loss difference over {MAX_STEPS} steps: {worst:.2e}")
     assert worst < 1e-3

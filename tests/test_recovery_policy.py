@@ -354,3 +354,53 @@ def test_the_step_the_ranks_resumed_from_counts_over_the_planned_one():
     assert planned.lost["recompute"] == 17.0  # what the relaunch's plan alone says
     assert timeline_lines(Timeline(events))[1].endswith(
         "relaunch  on the same hosts, resuming from step 10 (the ranks resumed from step 25)")
+
+
+# ---- a start's parts (issue 38, item 4): rank 0's marks -> the "training" event -> status ----------------
+
+def test_a_starts_parts_come_from_rank_0s_marks_in_order(tmp_path):
+    from hfscale.runs.goodput import start_parts_text, timeline_lines
+    from hfscale.launch.recovery.timeline import start_parts
+    from hfscale.training.heartbeat import PHASES, parts
+
+    t0 = 1_795_000_000.0
+    marks = {"process": t0 + 1.5, "imports": t0 + 8.0, "model": t0 + 8.5, "checkpoint": t0 + 10.0,
+             "data": t0 + 10.25, "first_step": t0 + 11.0}
+    got = parts(marks, t0)
+    # engine not marked: its time is inside the checkpoint's part; the launch's part is the process start
+    assert got == {"process": 1.5, "imports": 6.5, "model": 0.5, "checkpoint": 1.5, "data": 0.25, "first_step": 0.75}
+    assert list(got) == [p for p in PHASES if p in got] and sum(got.values()) == 11.0
+    assert "process" not in parts(marks, None) and parts({"data": t0}, t0 + 5) == {"data": 0.0}  # clocks apart: never < 0
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    (progress / "metrics.json").write_text(json.dumps({"phases": marks, "step": 3}))
+    assert start_parts(tmp_path, t0) == got
+    assert start_parts_text(got) == ("process start 1.5 s, imports 6.5 s, model 0.5 s, checkpoint load 1.5 s, "
+                                     "data fast-forward 0.2 s, first step 0.8 s")
+    for bad in ({"phases": {"bogus": t0}}, {"phases": {"data": "soon"}}, {"phases": [1, 2]}, {"phases": {"data": 1e300}}):
+        (progress / "metrics.json").write_text(json.dumps(bad))  # hostile: no parts, no exception
+        assert start_parts(tmp_path, t0) is None
+    (progress / "metrics.json").write_text("{")
+    assert start_parts(tmp_path, t0) is None
+    events = (TimelineEvent(kind="launch", attempt=0, at=t0),
+              TimelineEvent(kind="training", attempt=1, at=t0 + 20, step=7, phases=got))
+    assert timeline_lines(Timeline(events))[-1] == (
+        "+20.0 s  attempt 1  training  step 7 after 11.0 s: process start 1.5 s, imports 6.5 s, model 0.5 s, "
+        "checkpoint load 1.5 s, data fast-forward 0.2 s, first step 0.8 s")
+
+
+def test_rank_0_marks_each_part_once_and_other_ranks_nothing(tmp_path, monkeypatch):
+    from hfscale.training import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_state", {})
+    monkeypatch.setenv("HFSCALE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    heartbeat.phase("model")
+    assert not (tmp_path / "progress" / "metrics.json").exists()
+    monkeypatch.setenv("RANK", "0")
+    heartbeat.phase("model", at=100.0)
+    heartbeat.phase("model", at=200.0)  # the first mark stays
+    heartbeat.phase("nonsense")
+    marks = json.loads((tmp_path / "progress" / "metrics.json").read_text())["phases"]
+    assert marks["model"] == 100.0 and set(marks) == {"process", "model"}
+    assert abs(marks["process"] - heartbeat.process_started()) < 0.05  # this process's own start, from /proc

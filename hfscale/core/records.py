@@ -78,6 +78,11 @@ Text = Annotated[str, Field(max_length=4096)]
 NoNul = Annotated[str, Field(pattern=r"^[^\x00]*$")]  # a process cannot take a NUL in argv or env
 NoNulText = Annotated[NoNul, Field(max_length=4096)]
 Host = Annotated[str, Field(pattern=HOST.pattern)]
+# a start's parts (hfscale.training.heartbeat.PHASES): rank 0's marks, and a restart's parts in seconds
+Phase = Literal["process", "imports", "model", "engine", "checkpoint", "data", "first_step"]
+PhaseMarks = Annotated[dict[Phase, Timestamp], Field(max_length=7)]
+Seconds = Annotated[float, BeforeValidator(_no_bool), Field(ge=0, le=1e7, allow_inf_nan=False)]
+PhaseSeconds = Annotated[dict[Phase, Seconds], Field(max_length=7)]
 JobId = Annotated[str, Field(pattern=JOB_ID.pattern)]
 BootId = Annotated[str, Field(pattern=r"^[0-9a-f-]{36}$")]  # /proc/sys/kernel/random/boot_id
 
@@ -125,6 +130,7 @@ class Rank0Metrics(Record):
     # the step rank 0 resumed from at its start (the Trainer's global_step at train begin): a local
     # checkpoint restored by the ranks may be newer than the one the launch planned
     resumed: Count | None = None
+    phases: PhaseMarks | None = None  # when each part of this start ended (hfscale.training.heartbeat.phase)
 
 
 class CleanupRecord(Record):
@@ -254,3 +260,4 @@ class TimelineEvent(Record):
     world_size: Count | None = None
     accumulation: Count | None = None
     step_time: Annotated[float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)] | None = None  # s/step
+    phases: PhaseSeconds | None = None  # training: this start's parts, from its launch to its first step

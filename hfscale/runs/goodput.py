@@ -175,7 +175,20 @@ def _event_line(e: "TimelineEvent", t0: float, resumed: int | None = None) -> st
         text += f", world {e.world_size}" if e.world_size is not None else ""
         text += f", accumulation {e.accumulation}" if e.accumulation is not None else ""
         return f"{head}  {text}"
+    if e.kind == "training" and e.phases:
+        where = f"step {e.step}" if e.step is not None else "its first step"
+        return f"{head}  {where} after {sum(e.phases.values()):.1f} s: " + start_parts_text(e.phases)
     return f"{head}  {printable(e.what or '', 1000)}".rstrip()
+
+
+PART_NAMES = {"process": "process start", "imports": "imports", "model": "model", "engine": "engine and process group",
+              "checkpoint": "checkpoint load", "data": "data fast-forward", "first_step": "first step"}
+
+
+def start_parts_text(phases: "dict[str, float]") -> str:
+    """``process start 2.1 s, imports 7.6 s, ...``: the parts of a start, in order (a part a start did
+    not mark is inside the next one)."""
+    return ", ".join(f"{PART_NAMES[k]} {v:.1f} s" for k, v in phases.items() if k in PART_NAMES)
 
 
 def _t0(t: "Timeline") -> float:
@@ -205,13 +218,14 @@ def requeue_lines(t: "Timeline") -> list[str]:
 
 
 def timeline_lines(t: "Timeline") -> list[str]:
-    """One line per failure, relaunch and giving up, times from the first launch."""
+    """One line per failure, relaunch, first step of a start (with its parts) and giving up, times
+    from the first launch."""
     if not t.events and not t.skipped:
         return []
     t0 = _t0(t)
     trainings = _firsts(t.events, "training")
     out = [_event_line(e, t0, getattr(trainings.get(e.attempt), "resume_step", None))
-           for e in t.events if e.kind in ("failure", "relaunch", "gave_up")]
+           for e in t.events if e.kind in ("failure", "relaunch", "gave_up") or (e.kind == "training" and e.phases)]
     if t.skipped:
         out.append(f"({t.skipped} bad timeline line{'s' * (t.skipped != 1)} skipped)")
     if t.cut:
@@ -237,6 +251,11 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
            f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
     out += replacement_lines(t)
     out += requeue_lines(t)
+    starts = [e for e in t.events if e.kind == "training" and e.phases]
+    if starts:  # the newest start's parts: what the last restart (or the launch) spent where
+        e = starts[-1]
+        out.append(f"last start   attempt {e.attempt}, first step after {sum(e.phases.values()):.1f} s: "  # type: ignore[union-attr]
+                   + start_parts_text(e.phases))  # type: ignore[arg-type]
     gave_up = [e for e in t.events if e.kind == "gave_up"]
     if gave_up:
         out.append(f"gave up      {printable(gave_up[-1].what or '', 1000)}")

@@ -82,7 +82,59 @@ def report(**values: object) -> None:
         pass
 
 
+# A start's parts, in order (issue 38): rank 0 marks when each ended, on its clock; the supervisor turns
+# them into the parts of a restart (hfscale.launch.recovery.supervisor). "process": the interpreter's own
+# start (from /proc); "imports" and "model": the built-in entry point marks them, a user script's Trainer
+# marks "model" when it is built (its imports inside); "engine" and "checkpoint": DeepSpeed's
+# load_checkpoint starts and ends (without one, both at train begin); "data": the first step begins
+# (the Trainer fast-forwarded its data and fetched the first batch); "first_step": it ended.
+PHASES = ("process", "imports", "model", "engine", "checkpoint", "data", "first_step")
+
+
+def phase(name: str, at: float | None = None) -> None:
+    """Rank 0 marks that part ``name`` of this start ended (now, or ``at``); a part is marked once per
+    process (the first mark stays). Outside ``hfscale launch``, and on other ranks, nothing."""
+    target = _target()
+    if target is None or target[1] != "0" or name not in PHASES:
+        return
+    marks = _state.setdefault("phases", {})
+    if name in marks:  # type: ignore[operator]
+        return
+    if not marks and name != "process" and (started := process_started()) is not None:
+        marks["process"] = started  # type: ignore[index]
+    marks[name] = time.time() if at is None else at  # type: ignore[index]
+    report(phases=dict(marks))  # type: ignore[call-overload]
+
+
+def parts(marks: dict[str, float], launched: float | None) -> dict[str, float]:
+    """The seconds each part of a start took, from the mark before it ("process": from ``launched``,
+    when the launch started it); a part not marked gives its time to the next one marked."""
+    out: dict[str, float] = {}
+    before = launched
+    for name in PHASES:
+        at = marks.get(name)
+        if at is None:
+            continue
+        if before is not None:
+            out[name] = round(max(0.0, at - before), 3)
+        before = at
+    return out
+
+
+def process_started() -> float | None:
+    """When this process started (its start time in /proc on this host's clock), or None off Linux."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, the 22nd field: clock ticks after boot
+        running = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - running
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def _plain(v: object) -> bool:
+    if isinstance(v, dict):  # the phases: names and times
+        return all(isinstance(k, str) and isinstance(t, float) and _plain(t) for k, t in v.items())
     return v is None or isinstance(v, (bool, int, str)) or (isinstance(v, float) and v == v and abs(v) != float("inf"))
 
 

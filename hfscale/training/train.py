@@ -27,7 +27,7 @@ from hfscale.config.errors import ConfigError
 from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.rules.config_file import load_job
 from hfscale.rules.resolved import Job
-from hfscale.training.heartbeat import fit_flight_recorder
+from hfscale.training.heartbeat import fit_flight_recorder, phase
 from hfscale.training.instrument import add_callbacks, choose, with_local_tier
 from hfscale.training.shutdown import exit_cleanly
 
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from hfscale.training.callbacks import PreemptionCallback
     from hfscale.rules.trainer_args import training_arguments
 
+    phase("imports")  # the parts of this start (hfscale.training.heartbeat.PHASES)
     t = job.config.training
     args = training_arguments(job, _ds_config_path(job), use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     # Join the process group now, DeepSpeed's communication layer included: deepspeed.zero.Init
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         begin_lineage(t.output_dir, keep=True)
     ds = job.deepspeed
     model, tokenizer = build_model(t.model, t.seed, zero_init=ds is None or ds.zero3_init)
+    phase("model")
     if ds is not None and ds.stage == 3 and args.process_index == 0:
         # deepspeed.zero.Init gives every parameter a ds_id as it is created, partitioned
         partitioned = any(hasattr(p, "ds_id") for p in model.parameters())

@@ -48,36 +48,29 @@ def keeper_of(run_dir: str, reach: str = SSH_REACH) -> Keeper:
                   NODE_BEAT_S, KEEPER_CHECK_S, LAUNCHER_LOST_S, SELF_STOP_S, posixpath.join(run_dir, BEAT_ADDR), reach)
 
 
-def _line_open(k: Keeper, log: str) -> str:
+def _line_open(k: Keeper) -> str:
     """Shell text: connect to the launcher's heartbeat line on fd 3 (``tcp=1``), or say once in
     the node's log why not (``tcp=0``: the files instead). The connect is tried first with a bound
     (bash's own /dev/tcp has none: a dropped SYN would wait minutes)."""
     if not k.beat_addr:
         return ""
-    said = (f"hfscale: $(date '+%F %T') ${HOST_VAR}: no heartbeat line to the launcher at $ip port $port; this node "
-            f"reads {posixpath.basename(k.launcher_beat)} in the run directory instead")
+    said = f"no heartbeat line to the launcher at $ip port $port; reading {posixpath.basename(k.launcher_beat)} instead"
     return (f"if read -r port tok addr < {quote(k.beat_addr)} 2>/dev/null; then ip={k.reach or '$addr'}; ip=${{ip:-$addr}}; "
             f"if timeout {CONNECT_S} bash -c ': <\"/dev/tcp/$1/$2\"' _ \"$ip\" \"$port\" 2>/dev/null "
             f'&& exec 3<>"/dev/tcp/$ip/$port" 2>/dev/null; then '
-            f"printf 'HFSBEAT1 %s %s\\n' \"$tok\" \"${HOST_VAR}\" >&3 2>/dev/null; read -r -t {CONNECT_S} -u 3 ack; fi; "
-            f'if [ "$ack" = ok ]; then tcp=1; else exec 3<&- 3>&-; echo "{said}" >> {log}; fi; fi; ')
+            f'printf "HFSBEAT1 %s %s\\n" "$tok" "${HOST_VAR}" >&3 2>/dev/null; read -r -t {CONNECT_S} -u 3 ack; fi; '
+            f'if [ "$ack" = ok ]; then tcp=1; else exec 3<&- 3>&-; say "{said}"; fi; fi; ')
 
 
 def keeper_line(k: Keeper, stop: Line) -> Line:
     """``( <the keeper loop> ) </dev/null >/dev/null 2>&1 & hb=$!;``: what a node's shell runs
     before its launcher (``$HFSCALE_HOST`` set); ``kill $hb`` ends it with the line. ``stop``: the
-    runner's stop of this job on this node."""
+    runner's stop of this job on this node. Kept short: it rides in every node's command line."""
     host = f'"${HOST_VAR}"'
-    beat = f"{quote(k.beats_dir)}/{host}"
-    orphan = f"{quote(k.orphaned_dir)}/{host}"
-    log = f"{quote(k.logs_dir)}/{host}.log"
     every = max(1, k.beat_s // k.check_s)
-    said = (f"hfscale: $(date '+%F %T') ${HOST_VAR}: the launcher$why: the launcher is gone (killed, or its host "
-            f"lost); stopping this node's job (TERM: the ranks save a checkpoint at their next step; KILL after "
-            f"{STOP_GRACE_S} s)")
-    silent = (f"has not answered on its heartbeat line for {k.lost_after_s} s" if k.beat_addr else "")
-    stale = (f"'s heartbeat ({posixpath.basename(k.launcher_beat)} in the run directory) has not changed for "
-             f"{k.lost_after_s} s")
+    silent = f" has not answered on its heartbeat line for {k.lost_after_s} s"
+    stale = f"'s heartbeat ({posixpath.basename(k.launcher_beat)}) has not changed for {k.lost_after_s} s"
+    closed = 'same={k.lost_after_s}; why=" closed its heartbeat line"; '.format(k=k)
     # the line: a byte sent each check, its answer awaited; then a wait for the line's close (the launcher
     # killed: its kernel closes the socket, heard at once). Silent for lost_after_s: its host is gone.
     # An "x" on the line: the launch ended its attempt (not its death): back to the file, which the next
@@ -87,20 +80,23 @@ def keeper_line(k: Keeper, stop: Line) -> Line:
                   f'if [ $r = 0 ] && [ "$c" = x ]; then {back}'
                   f"elif [ $r = 0 ]; then same=0; read -r -t {k.check_s} -N 1 -u 3 c; r=$?; "
                   f'if [ $r = 0 ] && [ "$c" = x ]; then {back}'
-                  f"elif [ $r != 0 ] && [ $r -le 128 ]; then same={k.lost_after_s}; why=' closed its heartbeat line'; fi; "
-                  f"elif [ $r -gt 128 ]; then same=$((same + {k.check_s})); why=' {silent}'; "
-                  f"printf '%012d\\n' $((n + 2)) 1<> {beat}; "
-                  f"else same={k.lost_after_s}; why=' closed its heartbeat line'; fi; ")
-    file_check = (f"if [ $((n % {every})) = 0 ]; then printf '%012d\\n' $((n / {every} + 1)) 1<> {beat}; fi; "
+                  f"elif [ $r != 0 ] && [ $r -le 128 ]; then {closed}fi; "
+                  f'elif [ $r -gt 128 ]; then same=$((same + {k.check_s})); why="{silent}"; w $((n + 2)); '
+                  f"else {closed}fi; ")
+    file_check = (f"[ $((n % {every})) = 0 ] && w $((n / {every} + 1)); "
                   f"c=$(head -c 64 {quote(k.launcher_beat)} 2>/dev/null); "
                   f'if [ -n "$c" ] && [ "$c" != "$last" ]; then last=$c; same=0; else same=$((same + {k.check_s})); '
                   f'why="{stale}"; fi; ')
+    # w: the node's beat file; say: a line in its log
+    helpers = (f"b={quote(k.beats_dir)}/{host}; l={quote(k.logs_dir)}/{host}.log; "
+               f'w() {{ printf "%012d\\n" $1 1<> "$b"; }}; say() {{ echo "hfscale: $(date +%F\\ %T) ${HOST_VAR}: $1" >> "$l"; }}; ')
+    said = f"the launcher$why: stopping this node's job (TERM: the ranks save a checkpoint; KILL after {STOP_GRACE_S} s)"
     # the trap kills its jobs (the sleep), not only itself: a TERM between 'sleep &' and 'wait' would leave it
-    loop = (f"( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; last=; same=0; tcp=0; why=; "
-            f"printf '%012d\\n' 0 1<> {beat}; {_line_open(k, log)}"
+    loop = (f"( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; last=; same=0; tcp=0; why=; {helpers}"
+            f"w 0; {_line_open(k)}"
             f"while kill -0 $$ 2>/dev/null; do "
             f"if [ $tcp = 1 ]; then {line_check}else {file_check}fi; "
             f"if [ $same -ge {k.lost_after_s} ]; then "
-            f'echo "{said}" >> {log}; date +%s > {orphan}; env -u {JOB_ID_VAR} bash -c')
+            f'say "{said}"; date +%s > {quote(k.orphaned_dir)}/{host}; env -u {JOB_ID_VAR} bash -c')
     return Line.of(Sh(loop), Script(stop), Sh(f"; exit 0; fi; n=$((n + 1)); [ $tcp = 1 ] || {{ sleep {k.check_s} & "
                                               "wait $!; }; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))

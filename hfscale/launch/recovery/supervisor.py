@@ -4,9 +4,8 @@ node or a hang (the stop on every node is ``execute``'s, as for any launch), dec
 up; probe the excluded hosts again (ssh + preflight) and admit a healthy one back; relaunch from
 the newest complete checkpoint (converted for another world size by the plan's own step), into the
 same run directory. Every failure, stop, relaunch and first step after it goes to the run's
-timeline (hfscale.launch.recovery.timeline), which ``hfscale status`` and ``report`` read. Starts no
-process itself: each attempt and each probe is ``hfscale.launch.attempt.execute``'s.
-"""
+timeline (hfscale.launch.recovery.timeline), the first step with its start's parts, which ``hfscale
+status`` and ``report`` read. Starts no process: each attempt and probe is hfscale.launch.attempt.execute's."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from hfscale.launch.attempt.output_lock import Refused
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.run_dir import (ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, read_unreached,
                                    record_state)
-from hfscale.launch.recovery.timeline import append_event
+from hfscale.launch.recovery.timeline import append_event, start_parts
 from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.rules.relaunch import job_on
 from hfscale.rules.resolved import Job
@@ -231,7 +230,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         resume = _resume_step(ctx)
         launch = dict(kind="launch", attempt=0, hosts=[h.host for h in current.hosts], world_size=current.world_size,
                       accumulation=current.gradient_accumulation_steps, resume_step=resume)
-        steps, done, n, launched = Steps(), threading.Event(), attempt, threading.Event()
+        steps, done, n, launched, began = Steps(), threading.Event(), attempt, threading.Event(), time.time()
 
         def ready() -> None:
             if n == 0:
@@ -240,7 +239,8 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
 
         watcher = threading.Thread(target=_time_steps, daemon=True, args=(
             run_dir, attempt, resume or 0, steps, done, ready,
-            lambda s, t, r: _event(run_dir, kind="training", attempt=n, at=t, step=s, resume_step=r)))
+            lambda s, t, r: _event(run_dir, kind="training", attempt=n, at=t, step=s, resume_step=r,
+                                   phases=start_parts(run_dir, began))))
         watcher.start()
         _end_gap(gap)
         try:

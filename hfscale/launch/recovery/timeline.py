@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hfscale.core.records import TIMELINE_CAP, TIMELINE_LINE_CAP, TimelineEvent
-from hfscale.core.untrusted import Missing, read_json_lines
+from hfscale.core.untrusted import Missing, Unreadable, read_json_lines
+from hfscale.launch.run_dir import read_metrics
+from hfscale.training.heartbeat import parts
 
 TIMELINE_FILE = "timeline.jsonl"
 MAX_TIMELINE_LINES = 1_000_000
@@ -51,6 +53,16 @@ def append_event(run_dir: str | Path, event: TimelineEvent) -> str | None:
     finally:
         os.close(fd)
     return None
+
+
+def start_parts(run_dir: str | Path, launched: float) -> dict[str, float] | None:
+    """The parts of an attempt's start (hfscale.training.heartbeat.parts), from rank 0's marks in its
+    metrics (None: none, or unreadable): for its "training" event."""
+    try:
+        marks = read_metrics(run_dir).phases
+    except Unreadable:
+        return None
+    return parts(dict(marks), launched) or None if marks else None
 
 
 def read_timeline(run_dir: str | Path) -> Timeline:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 from transformers import TrainerCallback
 
@@ -37,12 +39,42 @@ def dropped_engine() -> str | None:
     return None if kind == DistributedType.FSDP else str(kind.value)
 
 
+def _time_checkpoint_loads() -> None:
+    """DeepSpeed's engine: its checkpoint load starts the "checkpoint" part of a start and ends it
+    (hfscale.training.heartbeat.PHASES); only when DeepSpeed is already imported, wrapped once."""
+    engine = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+    if engine is None or getattr(engine.load_checkpoint, "_hfscale_timed", False):
+        return
+    original = engine.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(self, *args, **kwargs):
+        progress.phase("engine")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            progress.phase("checkpoint")
+
+    load_checkpoint._hfscale_timed = True  # type: ignore[attr-defined]
+    engine.load_checkpoint = load_checkpoint
+
+
 class ProgressCallback(TrainerCallback):
     """After every optimizer step, ``hfscale.training.heartbeat.step(global_step)``: one small file per rank
     in the run directory (nothing outside ``hfscale launch``); after each evaluation batch and save,
-    ``hfscale.training.heartbeat.alive()``. No collective, no device sync."""
+    ``hfscale.training.heartbeat.alive()``. No collective, no device sync. Rank 0 also marks the parts
+    of this start (``heartbeat.phase``): its model built, its engine and checkpoint, its first batch
+    and its first step."""
+
+    _first: tuple[bool, bool] = (False, False)  # this process's first step began, ended
+
+    def __init__(self) -> None:  # made with the Trainer (hfscale.instrument, the trainer hook)
+        progress.phase("model")  # a user script's: its imports and model, built before its Trainer
+        _time_checkpoint_loads()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        progress.phase("engine")  # no checkpoint loaded by DeepSpeed: engine and checkpoint end here
+        progress.phase("checkpoint")
         # rank 0's numbers start again with this start: the progress line counts its rate from here,
         # and the previous start's tokens/s and ETA are gone (hfscale.launch.attempt.console.AttemptRate);
         # ``resumed``, before the progress file: the supervisor's step watch reads it when that moves
@@ -54,7 +86,15 @@ class ProgressCallback(TrainerCallback):
             print(f"hfscale: warning: distributed.backend is fsdp, but accelerate runs this job as {kind} "
                   "(it uses FSDP on GPUs and other accelerators only): every rank holds the whole model", flush=True)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self._first[0]:  # the data fast-forwarded and the first batch fetched
+            self._first = (True, False)
+            progress.phase("data")
+
     def on_step_end(self, args, state, control, **kwargs):
+        if not self._first[1]:  # marked before the step is reported: the supervisor reads both at that step
+            self._first = (True, True)
+            progress.phase("first_step")
         progress.step(state.global_step)
 
     # work between steps counts as progress: a long evaluation or save is not a hang
