@@ -53,3 +53,36 @@ def test_hosts_come_in_the_order_their_logs_changed(tmp_path):
     os.utime(b, ns=(1_000_000_000, 1_000_000_000))
     os.utime(a, ns=(2_000_000_000, 2_000_000_000))
     assert f.lines() == [("b", "HFSCALE_EXIT rc=3"), ("a", "HFSCALE_EXIT rc=1")]
+
+
+class _Line:
+    """The heartbeat line's answers (hfscale.launch.attempt.beat_server.BeatServer), as a follower asks them."""
+
+    def __init__(self, seen: dict[str, float], closed: dict[str, float]):
+        self.seen, self.shut = seen, closed
+
+    def last_seen(self) -> dict[str, float]:
+        return dict(self.seen)
+
+    def closed(self) -> dict[str, float]:
+        return dict(self.shut)
+
+
+def test_on_the_line_logs_are_read_in_turn_and_an_ended_node_each_poll_until_its_exit_line(tmp_path):
+    from hfscale.launch.attempt.follow import LOGS_PER_POLL
+
+    hosts = tuple(f"n{i:04d}" for i in range(3 * LOGS_PER_POLL))
+    (tmp_path / "logs").mkdir()
+    for h in hosts:
+        (tmp_path / "logs" / f"{h}.log").write_text(f"{h} started\n")
+    line = _Line(dict.fromkeys(hosts, 0.0), {})
+    f = Follower(Follow(hosts, str(tmp_path / "logs"), str(tmp_path / "alive"), 10, 30), 0.0, line)  # type: ignore[arg-type]
+    first = f.lines()
+    assert {h for h, _ in first} == set(hosts[:LOGS_PER_POLL])  # one turn's worth, not every log
+    last = hosts[-1]
+    line.shut[last] = 1.0  # its line closed: its keeper ended, its exit line follows
+    assert {h for h, _ in f.lines()} == {last, *hosts[LOGS_PER_POLL:2 * LOGS_PER_POLL]}
+    with open(tmp_path / "logs" / f"{last}.log", "a") as log:
+        log.write("HFSCALE_EXIT rc=0\n")
+    assert (last, "HFSCALE_EXIT rc=0") in f.lines()  # read again at once, not at its turn
+    assert f.silent(31.0, {last}) == list(hosts[:-1]) and f.silent(31.0, set(hosts) - {last}) == [last]

@@ -87,20 +87,20 @@ class Follower:
         self._beats = {h: Path(follow.beats_dir) / h for h in follow.hosts}
         self._beat: dict[str, tuple[bytes | None, float]] = {h: (None, now) for h in follow.hosts}
         self._turn = 0
-        self._read_closed: set[str] = set()
 
-    def lines(self, every: bool = False) -> list[tuple[str, str]]:
-        """(host, line) for every complete line the nodes wrote since the last call (LogTail.lines)."""
+    def lines(self, every: bool = False, done: set[str] | frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+        """(host, line) for every complete line the nodes wrote since the last call (LogTail.lines).
+        ``done``: the hosts whose exit line was seen; a host whose line closed is read every poll
+        until then (its keeper ends just before its exit line is written)."""
         hosts = self.follow.hosts
         if every or self.line is None or len(hosts) <= LOGS_PER_POLL:
             return self._tail.lines()
         on_line, closed = self.line.last_seen(), self.line.closed()
         turn = hosts[self._turn:self._turn + LOGS_PER_POLL]
         self._turn = (self._turn + LOGS_PER_POLL) % len(hosts)
-        fresh = [h for h in closed if h not in self._read_closed and h in self._beats]
-        self._read_closed.update(fresh)
+        ending = [h for h in closed if h not in done and h in self._beats]
         off_line = [h for h in hosts if h not in on_line] if len(on_line) < len(hosts) else []
-        return self._tail.lines(dict.fromkeys((*fresh, *turn, *off_line)))
+        return self._tail.lines(dict.fromkeys((*ending, *turn, *off_line)))
 
     def silent(self, now: float, done: set[str]) -> list[str]:
         """Hosts not in ``done`` not heard for ``lost_after_s`` seconds: on the line, no beat (or
@@ -156,7 +156,7 @@ def follow_detached(run: Relay, follow: Follow, line: BeatServer | None = None) 
     next_check = time.monotonic() + follow.beat_s / 2
     everyone = set(follow.hosts)
     while True:
-        for host, text in follower.lines():
+        for host, text in follower.lines(done=run.exited):
             run.route(f"{host}: {text}")
         if run.failure is not None or run.signalled is not None:
             break
