@@ -146,11 +146,13 @@ def test_a_node_on_the_line_stops_its_job_when_its_launcher_is_killed_or_frozen(
         print(f"{how}: the job stopped itself {took:.1f} s after its launcher")
         log = (run / "logs" / "node0.log").read_text()
         if how == "killed":
-            assert took < 2 * k.check_s + 1.5, took  # heard at once, not after lost_after_s
-            assert "node0: the launcher closed its heartbeat line: stopping this node's job" in log
+            assert took < 2 * k.check_s + k.launcher_beat_s + 2.5, took  # heard at once, not after lost_after_s
+            assert "node0: the launcher closed its heartbeat line, and launcher.beat has not changed for 2 s: " \
+                   "stopping this node's job" in log
         else:
             assert took >= k.lost_after_s - k.check_s, took
-            assert "node0: the launcher has not answered on its heartbeat line for 3 s: stopping this node's job" in log
+            assert "node0: the launcher has not answered on its heartbeat line for 3 s, and launcher.beat has not changed " \
+                   "for 2 s: stopping this node's job" in log
             assert (run / "alive" / "node0").stat().st_mtime_ns != first  # silent launcher: the file beats again
         assert (run / "orphaned" / "node0").read_text().strip().isdigit()
     finally:
@@ -208,5 +210,31 @@ def test_an_attempt_that_ends_sends_its_nodes_back_to_the_file_not_to_a_stop(tmp
             (run / "logs" / "node0.log").read_text()
     finally:
         beats.stop()
+        for pid in job_pids(JOB):
+            os.kill(pid, 9)
+
+
+def test_a_lost_line_with_a_live_launchers_file_goes_back_to_the_file(tmp_path):
+    """The line closed without its "x" (here: the line's process killed) while launcher.beat still
+    changes (a node cut off from the launch for a while, its stop never reached it): the keeper
+    watches the file, it does not stop, or under Slurm requeue, a job its launch carries on."""
+    run = made(tmp_path)
+    k = lined(run)
+    server = launcher_process(run)
+    beat = LauncherBeat(run, print, every=0.5)
+    node = start(run, k, ["sleep", "300"])
+    try:
+        wait(lambda: len(job_pids(JOB)) >= 3, 10, "the node's line")
+        time.sleep(1)
+        os.kill(server.pid, signal.SIGKILL)
+        time.sleep(k.lost_after_s + k.launcher_beat_s + 4)
+        assert node.poll() is None and len(job_pids(JOB)) >= 3 and not (run / "orphaned" / "node0").exists()
+        assert "the heartbeat line to the launcher is lost, but launcher.beat still changes: watching it instead" in \
+            (run / "logs" / "node0.log").read_text()
+        beat.stop()
+        wait(lambda: not job_pids(JOB), k.lost_after_s + 3 * k.check_s + 5, "the job to stop itself")
+    finally:
+        beat.stop()
+        server.wait()
         for pid in job_pids(JOB):
             os.kill(pid, 9)

@@ -153,7 +153,7 @@ def test_pdsh_plan_exact():
     assert plan.kill.argv[:-1] == plan.cleanup.argv[:-1]  # the same fan-out
     assert plan.kill.real_argv()[-1] == stop_script("20261122-120000-abcdef", grace_s=0)
     assert plan.keeper == Keeper(f"{RUN}/launcher.beat", f"{RUN}/alive", f"{RUN}/orphaned", f"{RUN}/logs", 5, 10, 5, 30,
-                                 50, f"{RUN}/beat.addr", '"${SSH_CONNECTION%% *}"')
+                                 56, f"{RUN}/beat.addr", '"${SSH_CONNECTION%% *}"')
     assert (f"each node: a beat every 5 s on the launcher's heartbeat line (a TCP connection to this host, its port in "
             f"{RUN}/beat.addr); when it closes, or the launcher has not answered for 30 s, the node stops its job") \
         in plan.render()

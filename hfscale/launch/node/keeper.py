@@ -33,7 +33,7 @@ KEEPER_CHECK_S = 5  # a node reads the launcher's beat this often
 LAUNCHER_LOST_S = 30  # a node stops its job when the launcher's beat has not changed for this long
 # from the launcher's last beat to the job's last process on every node: noticed after LAUNCHER_LOST_S
 # (+ one check), then TERM, KILL after the grace period, and a few seconds of slack
-SELF_STOP_S = LAUNCHER_LOST_S + KEEPER_CHECK_S + STOP_GRACE_S + 5
+SELF_STOP_S = LAUNCHER_LOST_S + KEEPER_CHECK_S + (LAUNCHER_BEAT_S + 1) + STOP_GRACE_S + 5
 CONNECT_S = 5  # the heartbeat line's connect and its first answer, each at most
 SSH_REACH = '"${SSH_CONNECTION%% *}"'  # the launcher's address as a node reached by ssh sees it
 SRUN_REACH = '"$SLURM_LAUNCH_NODE_IPADDR"'  # ... and one whose line srun started
@@ -90,13 +90,23 @@ def keeper_line(k: Keeper, stop: Line) -> Line:
     # w: the node's beat file; say: a line in its log
     helpers = (f"b={quote(k.beats_dir)}/{host}; l={quote(k.logs_dir)}/{host}.log; "
                f'w() {{ printf "%012d\\n" $1 1<> "$b"; }}; say() {{ echo "hfscale: $(date +%F\\ %T) ${HOST_VAR}: $1" >> "$l"; }}; ')
+    # the line lost (closed without its "x", or silent): the launcher's file confirms before anything stops.
+    # A launcher killed or frozen beats it no more; a node cut off from the launch (and its stop) whose file
+    # still changes goes back to the file: it must not stop, or requeue, the job its launch carries on
+    wait = k.launcher_beat_s + 1
+    confirm = (f"if [ $same -ge {k.lost_after_s} ] && [ $tcp = 1 ]; then {back}c=$(head -c 64 {quote(k.launcher_beat)} "
+               f"2>/dev/null); sleep {wait} & wait $!; last=$(head -c 64 {quote(k.launcher_beat)} 2>/dev/null); "
+               f'if [ -n "$last" ] && [ "$last" != "$c" ]; then say "the heartbeat line to the launcher is lost, '
+               f'but {posixpath.basename(k.launcher_beat)} still changes: watching it instead"; '
+               f'else same={k.lost_after_s}; why="$why, and {posixpath.basename(k.launcher_beat)} has not changed for '
+               f'{wait} s"; fi; fi; ')
     said = f"the launcher$why: stopping this node's job (TERM: the ranks save a checkpoint; KILL after {STOP_GRACE_S} s)"
     # the trap kills its jobs (the sleep), not only itself: a TERM between 'sleep &' and 'wait' would leave it
     loop = (f"( trap 'kill $(jobs -p) 2>/dev/null; exit 0' TERM; n=0; last=; same=0; tcp=0; why=; {helpers}"
             f"w 0; {_line_open(k)}"
             f"while kill -0 $$ 2>/dev/null; do "
             f"if [ $tcp = 1 ]; then {line_check}else {file_check}fi; "
-            f"if [ $same -ge {k.lost_after_s} ]; then "
+            f"{confirm}if [ $same -ge {k.lost_after_s} ]; then "
             f'say "{said}"; date +%s > {quote(k.orphaned_dir)}/{host}; env -u {JOB_ID_VAR} bash -c')
     return Line.of(Sh(loop), Script(stop), Sh(f"; exit 0; fi; n=$((n + 1)); [ $tcp = 1 ] || {{ sleep {k.check_s} & "
                                               "wait $!; }; done ) </dev/null >/dev/null 2>&1 & hb=$!;", glue=True))
