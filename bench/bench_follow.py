@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hfscale.launch.attempt.follow import follow_detached  # noqa: E402
 from hfscale.launch.spec import Follow  # noqa: E402
-from hfscale.launch.node.line import HEARTBEAT_S, LOST_AFTER_S  # noqa: E402
+from hfscale.launch.node.keeper import NODE_BEAT_S as HEARTBEAT_S  # noqa: E402
+from hfscale.launch.node.line import LOST_AFTER_S  # noqa: E402
 
 MARK = "BENCH-LAST-LINE"
 
