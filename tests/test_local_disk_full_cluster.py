@@ -71,9 +71,11 @@ def test_a_full_local_disk_skips_local_steps_and_never_fails_the_node(make_clust
         # the writer's failure, in node1's log; it went on (no commit refused)
         assert "the asynchronous checkpoint writer could not write " + str(folder) in node1, node1[-4000:]
         assert "Cannot commit checkpoint" not in node1 and "Cannot commit checkpoint" not in output
-        # the first local step, cut short on node1, is not kept, and said so with the file
-        assert re.search(r"hfscale: warning: local checkpoint of step 2 not kept: node1: the asynchronous writer could "
-                         r"not write " + re.escape(str(folder)), output), output[-6000:]
+        # the first local step, cut short on node1, is not kept, and said so: with the file the writer could not
+        # write, or the rank's own write that failed first (its RNG state: which one fills the disk first is a race)
+        assert re.search(r"hfscale: warning: local checkpoint of step 2 not kept: node1: (the asynchronous writer could "
+                         r"not write " + re.escape(str(folder)) + r"|RuntimeError: .*(unexpected pos|No space left))",
+                         output), output[-6000:]
         # then one line naming node1 and its folder, with the room it has and the room a step needs
         skipped = re.findall(r"hfscale: warning: local checkpoints skipped from step (\d+): node1's local folder "
                              + re.escape(str(folder)) + r" has [0-9.]+ (?:bytes|KiB|MiB) free, a local step needs "

@@ -94,8 +94,10 @@ def keeper_line(k: Keeper, stop: Line) -> Line:
     # A launcher killed or frozen beats it no more; a node cut off from the launch (and its stop) whose file
     # still changes goes back to the file: it must not stop, or requeue, the job its launch carries on
     wait = k.launcher_beat_s + 1
-    confirm = (f"if [ $same -ge {k.lost_after_s} ] && [ $tcp = 1 ]; then {back}c=$(head -c 64 {quote(k.launcher_beat)} "
-               f"2>/dev/null); sleep {wait} & wait $!; last=$(head -c 64 {quote(k.launcher_beat)} 2>/dev/null); "
+    # (its own beat file beats meanwhile: a later launch sees that its job still runs here)
+    confirm = (f"if [ $same -ge {k.lost_after_s} ] && [ $tcp = 1 ]; then {back}w $((n + 2)); c=$(head -c 64 "
+               f"{quote(k.launcher_beat)} 2>/dev/null); sleep {wait} & wait $!; w $((n + 3)); "
+               f"last=$(head -c 64 {quote(k.launcher_beat)} 2>/dev/null); "
                f'if [ -n "$last" ] && [ "$last" != "$c" ]; then say "the heartbeat line to the launcher is lost, '
                f'but {posixpath.basename(k.launcher_beat)} still changes: watching it instead"; '
                f'else same={k.lost_after_s}; why="$why, and {posixpath.basename(k.launcher_beat)} has not changed for '
