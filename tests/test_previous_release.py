@@ -6,6 +6,7 @@ byte for byte as commit 7121bc2 (the parent of ddc25f8, "hfscale in ten layered 
 from __future__ import annotations
 
 import importlib
+import re
 import os
 import subprocess
 import sys
@@ -197,3 +198,27 @@ def test_the_builtin_entry_point_gets_the_block_size_and_the_stragglers(tmp_path
     chosen = choose(job, seq_len=7)
     assert chosen.kinds == ("metrics", "stragglers", "preemption", "checkpoints", "progress")  # 2 ranks
     assert chosen.seq_len == job.config.training.data.block_size and chosen.lookup_peak is False  # precision "no"
+
+
+def test_the_previous_releases_launch_paths_still_import_with_a_warning():
+    """Issue 37 put hfscale.launch in rooms: a script importing the old paths (hfscale.launch.execute,
+    hfscale.launch.beats, ...) gets the module at its new place with a DeprecationWarning; the two
+    old modules whose name is a package now (preflight, recovery) serve their names from it."""
+    from hfscale.core.moved import MOVED
+
+    old_launch = {old: new for old, new in MOVED.items() if old.startswith("hfscale.launch.")}
+    assert {"hfscale.launch.beats", "hfscale.launch.execute", "hfscale.launch.node_command",
+            "hfscale.launch.network", "hfscale.launch.runners.keeper"} <= set(old_launch)
+    for old, new in old_launch.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} moved to {re.escape(new)}"):
+            module = importlib.import_module(old)
+        assert module.__dict__.keys() >= {k for k in vars(importlib.import_module(new)) if not k.startswith("_")}
+    from hfscale.launch.preflight.probes import evaluate
+    from hfscale.launch.recovery.policy import decide
+
+    with pytest.warns(DeprecationWarning, match=r"hfscale\.launch\.preflight\.evaluate moved to"):
+        from hfscale.launch.preflight import evaluate as old_evaluate
+    with pytest.warns(DeprecationWarning, match=r"hfscale\.launch\.recovery\.decide moved to"):
+        from hfscale.launch.recovery import decide as old_decide
+    assert old_evaluate is evaluate and old_decide is decide

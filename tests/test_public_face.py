@@ -29,7 +29,10 @@ render_deepspeed render_kubernetes render_slurm report reshard resume run_histor
 runners runners.common runners.kubernetes runners.local runners.pdsh runners.pdsh_docker runners.slurm
 runners.stopping runs schedule schema_errors script_rules shell shutdown sizing ssh summary template tensors_only
 train trainer_args trainer_hook transformers_source untrusted watchdog yamlsource
-""".split()
+""".split() + [f"launch.{m}" for m in """
+beats console disk_full execute first_failure follow node_lines output_lock run_output watchdog requeue settle
+supervisor timeline network node_command ssh runners.keeper runners.stopping runners.slurm_state preflight recovery
+""".split()]  # and hfscale.launch's modules before issue 37 put it in rooms
 
 
 def module_file(name: str) -> Path | None:

@@ -116,11 +116,24 @@ MOVED = {
     "hfscale.untrusted": "hfscale.core.untrusted",
     "hfscale.watchdog": "hfscale.launch.attempt.watchdog",
     "hfscale.yamlsource": "hfscale.config.yaml_source",
+    # launch/ in rooms (issue 37): the previous release's hfscale.launch paths
+    **{f"hfscale.launch.{m}": f"hfscale.launch.attempt.{m}" for m in (
+        "beats", "console", "disk_full", "execute", "first_failure", "follow", "node_lines", "output_lock",
+        "run_output", "watchdog")},
+    **{f"hfscale.launch.{m}": f"hfscale.launch.recovery.{m}" for m in ("requeue", "settle", "supervisor", "timeline")},
+    "hfscale.launch.network": "hfscale.launch.preflight.network",
+    "hfscale.launch.node_command": "hfscale.launch.node.command",
+    "hfscale.launch.ssh": "hfscale.launch.node.reach",
+    "hfscale.launch.runners.keeper": "hfscale.launch.node.keeper",
+    "hfscale.launch.runners.stopping": "hfscale.launch.node.stopping",
+    "hfscale.launch.runners.slurm_state": "hfscale.runs.slurm_state",
 }
 # old modules whose name is a package now: their names come from this module of the package
 MOVED_INTO_PACKAGE = {
     "hfscale.cli": "hfscale.cli.commands",
     "hfscale.config": "hfscale.config.model",
+    "hfscale.launch.preflight": "hfscale.launch.preflight.probes",
+    "hfscale.launch.recovery": "hfscale.launch.recovery.policy",
     "hfscale.memory": "hfscale.memory.estimate",
     "hfscale.runs": "hfscale.runs.registry",
 }
