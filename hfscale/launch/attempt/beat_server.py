@@ -110,10 +110,14 @@ class BeatServer:
 
     @classmethod
     def start(cls, run_dir: str | Path, hosts: int, echo: Callable[[str], None]) -> "BeatServer | None":
+        server = None
         try:
             server = cls(run_dir, hosts)
             write_files(Path(run_dir), {BEAT_ADDR: f"{server.port} {server.token} {_own_address()}\n"}, mode=0o600)
         except OSError as e:
+            if server is not None:  # its address could not be written: no keeper will connect
+                server._sel.close()
+                server._sock.close()
             echo(f"hfscale: warning: no heartbeat line to the nodes ({e.strerror or e}); they watch "
                  f"the run directory's heartbeat file instead")
             return None
