@@ -59,27 +59,27 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
     r = _launch(config, tmp_path)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     out = tmp_path / "output" / "tiny_cpu"
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-200", "checkpoint-300"]  # limit 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-150", "checkpoint-200"]  # limit 2
     assert all((p / "hfscale_complete.json").is_file() for p in out.glob("checkpoint-*"))
     records = [json.loads(line) for line in (out / "hfscale_metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in records if m["event"] == "metrics"]
-    assert [m["step"] for m in metrics] == [50, 100, 150, 200, 250, 300]
+    assert [m["step"] for m in metrics] == [50, 100, 150, 200]
     assert all(m["world_size"] == 2 and m["tokens_per_s"] > 0 for m in metrics)
     (run_dir,) = (tmp_path / "runs").iterdir()
     log = (run_dir / "logs" / "local.log").read_text()
-    train_loss = float(re.search(r"^HFSCALE_TRAIN done step=300 train_loss=([\d.]+) resumed_from=-$", log, re.M)[1])
+    train_loss = float(re.search(r"^HFSCALE_TRAIN done step=200 train_loss=([\d.]+) resumed_from=-$", log, re.M)[1])
     # the Trainer's log dicts go to the node log; the terminal gets the progress line
     losses = [float(x) for x in re.findall(r"'loss': '([\d.]+)'", log)]
-    assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses  # it learns
-    last = re.search(r"^hfscale: step 300/300 \(100%\) \| loss ([\d.]+) ", r.stdout, re.M)[1]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 1.0, losses  # it learns
+    last = re.search(r"^hfscale: step 200/200 \(100%\) \| loss ([\d.]+) ", r.stdout, re.M)[1]
     # the terminal: hfscale's own lines only (no internal HFSCALE_ line, no library line), ending with the
     # summary (the loss the progress line showed, and the run's mean, named) and the next commands
     name = run_dir.name
-    summary = (rf"hfscale: {name} finished in \dm\d\ds: step 300/300, loss {last} \(the last logged; mean over the "
+    summary = (rf"hfscale: {name} finished in \dm\d\ds: step 200/200, loss {last} \(the last logged; mean over the "
                rf"run {train_loss:.4f}\), [\d.]+k tokens/s")
     shown = r.stdout.splitlines()
     assert re.fullmatch(summary, shown[-6]), shown[-6:]
-    assert shown[-5:] == ["hfscale: newest checkpoint output/tiny_cpu/checkpoint-300", "next:",
+    assert shown[-5:] == ["hfscale: newest checkpoint output/tiny_cpu/checkpoint-200", "next:",
                           f"  hfscale status {name}", f"  hfscale report {name}",
                           f"  hfscale export {name} --out tiny_cpu-model"]
     ours = ("hfscale: ", "next:", "  hfscale ")
@@ -102,7 +102,7 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
 
     again = _launch(config, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "nothing to train: output/tiny_cpu/checkpoint-300 is at step 300, max_steps is 300" in again.stderr
+    assert "nothing to train: output/tiny_cpu/checkpoint-200 is at step 200, max_steps is 200" in again.stderr
     assert len(list((tmp_path / "runs").iterdir())) == 1  # nothing was started
 
     # then what README.md and docs/ show about this run (runs, status, logs, report, export), as written
