@@ -33,13 +33,23 @@ UNIT_MODULES = frozenset({
     "test_progress_line", "test_slurm_state",
     "test_supervisor", "test_schedule", "test_slurm_step",
     "test_tiers", "test_validation", "test_spares", "test_local_tier", "test_async_save_unit", "test_healing_trips",
+    "test_data_state_unit",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
-# The suite runs in two lanes at once (pytest-xdist, one worker each): the tests on namespace clusters,
-# whose nodes have network stacks of their own and mostly wait (ssh keep-alives, watchdogs, keepers),
-# and every other test that starts processes, one after another on this machine's own ports (many
-# trainings use master_port 29500). Unit tests start nothing and run wherever a worker is free.
-LANE_CLUSTER, LANE_LOCAL = "cluster", "local"
+# The suite runs in three lanes at once (pytest-xdist, one worker each): the tests on namespace
+# clusters, whose nodes have network stacks of their own; every other test that starts processes,
+# one after another on this machine's own ports (many trainings use master_port 29500); and the
+# waiting lane: tests that use almost no CPU and mostly wait for a bound (a lost node noticed, a
+# keeper's silence, heartbeats counted over a minute) and bind no fixed port, so that their waits
+# overlap the two others' work instead of adding to it. Unit tests start nothing and run wherever
+# a worker is free.
+LANE_CLUSTER, LANE_LOCAL, LANE_WAIT = "cluster", "local", "wait"
+WAIT_MODULES = frozenset({"test_keeper", "test_beat_server"})
+WAIT_TESTS = frozenset({  # cluster tests on a fresh cluster of their own (make_cluster), a few CPU-seconds each
+    ("test_launch_cluster", "test_a_lost_node_is_noticed_within_a_minute"),
+    ("test_launch_cluster", "test_detached_dead_node_is_noticed_by_its_heartbeat"),
+    ("test_faults_cluster", "test_a_node_line_that_starts_after_the_stop_starts_nothing"),
+})
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -51,8 +61,9 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.cluster)
     unit = item.path.stem in UNIT_MODULES
     item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
-    if not unit:  # two lanes under pytest-xdist (pyproject: -n 2 --dist loadgroup); unit tests go where there is room
-        item.add_marker(pytest.mark.xdist_group(LANE_CLUSTER if cluster else LANE_LOCAL))
+    if not unit:  # three lanes under pytest-xdist (pyproject: -n 3 --dist loadgroup); unit tests go where there is room
+        waits = item.path.stem in WAIT_MODULES or (item.path.stem, getattr(item, "originalname", item.name)) in WAIT_TESTS
+        item.add_marker(pytest.mark.xdist_group(LANE_WAIT if waits else LANE_CLUSTER if cluster else LANE_LOCAL))
 
 
 def pytest_configure(config: pytest.Config) -> None:
