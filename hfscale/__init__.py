@@ -33,6 +33,7 @@ _PUBLIC = {
     "StragglerCallback": "hfscale.training.callbacks.reporting",
     "PreemptionCallback": "hfscale.training.callbacks.preemption",
     "ProgressCallback": "hfscale.training.callbacks.steps",
+    "DataStateCallback": "hfscale.training.callbacks.data_state",
     "latest_checkpoint": "hfscale.checkpoints.resume",
     "IncompleteCheckpointWarning": "hfscale.checkpoints.resume",
     "exit_cleanly": "hfscale.training.shutdown",
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # for editors and type checkers; at run time each name loads 
     from hfscale.checkpoints.resume import IncompleteCheckpointWarning, latest_checkpoint
     from hfscale.rules.config_file import load_job
     from hfscale.training.callbacks.checkpoints import CheckpointCompleteCallback
+    from hfscale.training.callbacks.data_state import DataStateCallback
     from hfscale.training.callbacks.preemption import PreemptionCallback
     from hfscale.training.callbacks.reporting import MetricsCallback, StragglerCallback
     from hfscale.training.callbacks.steps import ProgressCallback

@@ -205,7 +205,8 @@ def test_the_heavy_modules_are_the_training_ones():
     heavy = {m for m in MODULES if any(i.split(".")[0] in HEAVY for i in top_level_imports(m, MODULES[m]))}
     assert heavy == {"hfscale.training.callbacks.collectives", "hfscale.training.callbacks.reporting", "hfscale.training.callbacks.preemption",
                      "hfscale.training.callbacks.checkpoints", "hfscale.training.callbacks.steps",
-                     "hfscale.training.callbacks.local_tier", "hfscale.training.callbacks.buddy_stream"}
+                     "hfscale.training.callbacks.local_tier", "hfscale.training.callbacks.buddy_stream",
+                     "hfscale.training.callbacks.data_state"}
 
 
 def test_no_module_over_400_lines():

@@ -15,10 +15,12 @@ Under ``hfscale launch`` (``$HFSCALE_CONFIG`` names the run's copy of the YAML) 
   point trains (``training.script: null``), else ``seq_len=`` or the Trainer's own token count;
 - ``StragglerCallback`` when the job has more than one rank;
 - ``PreemptionCallback``, ``CheckpointCompleteCallback`` (it takes ``save_total_limit`` over, and with
-  ``training.async_save`` sets DeepSpeed's decoupled writer up: hfscale.training.async_save) and
-  ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) always.
+  ``training.async_save`` sets DeepSpeed's decoupled writer up: hfscale.training.async_save),
+  ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) and
+  ``DataStateCallback`` (a streaming ``datasets.IterableDataset`` resumes from the position saved with
+  the checkpoint instead of being replayed: hfscale.training.callbacks.data_state) always.
 
-Outside it, the defaults: all five, MFU looked up for known GPUs at the Trainer's bf16/fp16. A
+Outside it, the defaults: all six, MFU looked up for known GPUs at the Trainer's bf16/fp16. A
 callback of a kind the Trainer already has is not added twice. Returns the newest complete
 checkpoint in ``args.output_dir`` (hfscale.checkpoints.resume.latest_checkpoint), or None.
 
@@ -111,7 +113,10 @@ def add_callbacks(trainer: Any, chosen: Chosen) -> list[Any]:
             cb = make[kind]()
             trainer.add_callback(cb)
             added.append(cb)
-    return added
+    from hfscale.training.callbacks.data_state import attach
+
+    stream = attach(trainer)  # ahead of CheckpointCompleteCallback: its marker lists the position's file
+    return added + ([stream] if stream is not None else [])
 
 
 def instrument(trainer: Any, *, seq_len: int | None = None) -> str | None:

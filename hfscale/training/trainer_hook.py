@@ -1,5 +1,6 @@
 """For a Trainer script run by hfscale.training.run_script: every transformers ``Trainer`` it creates gets
-hfscale's ProgressCallback (the hang watchdog's steps), with no change to the script.
+hfscale's ProgressCallback (the hang watchdog's steps) and DataStateCallback (a streaming dataset
+resumes from its saved position instead of being replayed), with no change to the script.
 
 An import hook: nothing is imported or changed until the script itself imports
 ``transformers.trainer``; then ``Trainer.__init__`` adds the callback unless the script added one.
@@ -45,6 +46,9 @@ def _add_progress(trainer_cls: type) -> None:
 
         if not any(isinstance(c, ProgressCallback) for c in self.callback_handler.callbacks):
             self.add_callback(ProgressCallback())
+        from hfscale.training.callbacks.data_state import attach
+
+        attach(self)  # a streaming dataset resumes from its saved position, not by replay
 
     trainer_cls.__init__ = __init__
 

@@ -4,9 +4,10 @@
 Each one works on its own in any Trainer script (scripts import them from ``hfscale``, the public
 face, which stays put when modules move)::
 
-    from hfscale import (CheckpointCompleteCallback, MetricsCallback, PreemptionCallback, ProgressCallback,
-                         StragglerCallback, latest_checkpoint)
+    from hfscale import (CheckpointCompleteCallback, DataStateCallback, MetricsCallback, PreemptionCallback,
+                         ProgressCallback, StragglerCallback, latest_checkpoint)
 
+    trainer.add_callback(DataStateCallback(trainer))  # a streaming dataset resumes without replay
     trainer.add_callback(MetricsCallback(seq_len=2048, peak_flops_per_device=989e12, trainer=trainer))
     trainer.add_callback(StragglerCallback(threshold=1.2, trainer=trainer))
     trainer.add_callback(PreemptionCallback())
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 from hfscale.training.callbacks.checkpoints import CheckpointCompleteCallback
 from hfscale.training.callbacks.collectives import METRICS_FILE
+from hfscale.training.callbacks.data_state import DataStateCallback
 from hfscale.training.callbacks.preemption import PreemptionCallback
 from hfscale.training.callbacks.reporting import MetricsCallback, StragglerCallback
 from hfscale.training.callbacks.steps import ProgressCallback
@@ -59,6 +61,7 @@ from hfscale.training.shutdown import exit_cleanly
 __all__ = [
     "METRICS_FILE",
     "CheckpointCompleteCallback",
+    "DataStateCallback",
     "MetricsCallback",
     "PreemptionCallback",
     "ProgressCallback",

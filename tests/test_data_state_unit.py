@@ -1,0 +1,106 @@
+"""The stream's saved position (hfscale.training.callbacks.data_state), its pure parts: the file read
+back as hostile input, which checkpoint a resume means, and where the callback goes in a Trainer's
+list. The runs: tests/test_data_state.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import pytest
+
+from hfscale.training.callbacks.data_state import (MAX_BYTES, STATE_FILE, DataStateCallback, _resolve, _step_of,
+                                                   attach, read_positions, write_positions)
+
+POSITION = {"examples_iterable": {"shard_idx": 0, "shard_example_idx": 160, "type": "ArrowExamplesIterable"},
+            "epoch": 0}
+
+
+def test_positions_written_are_read_back(tmp_path):
+    write_positions(str(tmp_path), 20, [POSITION, None], 40, 0)
+    assert read_positions(str(tmp_path), 20, 2) == ([POSITION, None], "")
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case, why", [
+    ("missing", "has no hfscale_data_state.json"),
+    ("link", "is not a regular file"),
+    ("folder", "is not a regular file"),
+    ("huge", f"is larger than {MAX_BYTES} bytes"),
+    ("not json", "could not be read"),
+    ("a list", "not a version 1 data state"),
+    ("version 2", "not a version 1 data state"),
+    ("another step", "is of step 19, the checkpoint of step 20"),
+    ("another world", "saved at world size 4, resumed at 2"),
+    ("second pass", "the stream was past its first pass"),
+    ("short states", "'states' is not one position (or null) a rank"),
+    ("states of strings", "'states' is not one position (or null) a rank"),
+])
+def test_a_bad_file_means_replay_and_says_why(tmp_path, case, why):
+    ckpt = tmp_path / "checkpoint-20"
+    ckpt.mkdir()
+    path = ckpt / STATE_FILE
+    good = {"version": 1, "step": 20, "world_size": 2, "pass": 0, "batches": 40, "states": [POSITION, None]}
+    if case == "link":
+        (tmp_path / "elsewhere.json").write_text(json.dumps(good))
+        path.symlink_to(tmp_path / "elsewhere.json")
+    elif case == "folder":
+        path.mkdir()
+    elif case == "huge":
+        path.write_text(" " * (MAX_BYTES + 1))
+    elif case == "not json":
+        path.write_text("{")
+    elif case == "a list":
+        path.write_text("[]")
+    elif case != "missing":
+        changed = {"version 2": {"version": 2}, "another step": {"step": 19}, "another world": {"world_size": 4},
+                   "second pass": {"pass": 1}, "short states": {"states": [POSITION]},
+                   "states of strings": {"states": ["a", "b"]}}[case]
+        path.write_text(json.dumps({**good, **changed}))
+    states, reason = read_positions(str(ckpt), 20, 2)
+    assert states is None and why in reason, reason
+
+
+def test_which_checkpoint_a_resume_means(tmp_path):
+    out = tmp_path / "out"
+    assert _resolve(None, str(out)) is None and _resolve(False, str(out)) is None
+    assert _resolve(True, str(out)) is None  # no output_dir yet: the Trainer itself says so
+    for step in (5, 20, 10):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    assert _resolve(True, str(out)) == str(out / "checkpoint-20")  # transformers' get_last_checkpoint
+    assert _resolve(str(out / "checkpoint-5"), str(out)) == str(out / "checkpoint-5")
+    assert _step_of(str(out / "checkpoint-20") + os.sep) == 20
+    assert _step_of("best-model") is None and _step_of("checkpoint-x1") is None and _step_of("checkpoint-" + "9" * 40) is None
+
+
+class _Trainer:
+    """What attach uses of a Trainer: its callback list, add_callback, train and the loader's getter."""
+
+    def __init__(self, *names):
+        self.callback_handler = types.SimpleNamespace(callbacks=[type(n, (), {})() for n in names])
+        self.args = types.SimpleNamespace(output_dir="out", ignore_data_skip=False)
+
+    def add_callback(self, cb):
+        self.callback_handler.callbacks.append(cb)
+
+    def train(self, resume_from_checkpoint=None):
+        return resume_from_checkpoint, self.args.ignore_data_skip
+
+    def get_train_dataloader(self):
+        return "a map-style loader"
+
+
+def test_it_goes_before_the_marker_once_and_wraps_only_that_trainer():
+    t = _Trainer("DefaultFlowCallback", "CheckpointCompleteCallback", "ProgressCallback")
+    cb = attach(t)
+    assert [type(c).__name__ for c in t.callback_handler.callbacks] == [
+        "DefaultFlowCallback", "DataStateCallback", "CheckpointCompleteCallback", "ProgressCallback"]
+    assert attach(t) is None and len(t.callback_handler.callbacks) == 4
+    assert "train" in vars(t) and "get_train_dataloader" not in vars(_Trainer())  # the instance, not the class
+    # nothing changes for a dataset that is not a stream
+    assert t.train("out/checkpoint-3") == ("out/checkpoint-3", False)
+    assert t.get_train_dataloader() == "a map-style loader" and cb.resumed_at is None
+    alone = _Trainer("DefaultFlowCallback")
+    attach(alone)
+    assert isinstance(alone.callback_handler.callbacks[-1], DataStateCallback)
