@@ -44,10 +44,19 @@ CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm"
 # overlap the two others' work instead of adding to it. Unit tests start nothing and run wherever
 # a worker is free.
 LANE_CLUSTER, LANE_LOCAL, LANE_WAIT = "cluster", "local", "wait"
-WAIT_MODULES = frozenset({"test_keeper", "test_beat_server"})
-WAIT_TESTS = frozenset({  # cluster tests on a fresh cluster of their own (make_cluster), a few CPU-seconds each
+# (their fixed ports, where they have any, are used by no other test on this machine's own network:
+# test_stopping 29631-29633, test_faults 29890-29891, test_hangs 29681-29684)
+WAIT_MODULES = frozenset({"test_keeper", "test_beat_server", "test_stopping", "test_faults", "test_hangs"})
+WAIT_TESTS = frozenset({  # cluster tests of a few CPU-seconds each: on a cluster of their own (make_cluster),
+    # or on this lane's own session cluster2 (each worker makes its own)
     ("test_launch_cluster", "test_a_lost_node_is_noticed_within_a_minute"),
     ("test_launch_cluster", "test_detached_dead_node_is_noticed_by_its_heartbeat"),
+    ("test_launch_cluster", "test_stop_of_a_died_detached_launch_stops_every_node"),
+    ("test_launch_cluster", "test_ctrl_c_stops_every_node"),
+    ("test_launch_cluster", "test_unrelated_processes_survive_cleanup"),
+    ("test_launch_cluster", "test_a_stuck_rank_on_another_host_is_named"),
+    ("test_launch_cluster", "test_detached_crash_stops_every_node"),
+    ("test_launch_cluster", "test_detached_sigterm_stops_every_node"),
     ("test_faults_cluster", "test_a_node_line_that_starts_after_the_stop_starts_nothing"),
 })
 
@@ -141,8 +150,8 @@ def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
 def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The uninterrupted run's losses, computed once for all of a session's workers: under pytest-xdist
     the first worker to ask runs it (the others wait on a lock in the session's shared temp folder and
-    read its file). Only the cluster lane's tests compare with it, and that lane is the suite's
-    critical path: the local lane computes it first (``_reference_in_the_local_lane``)."""
+    read its file). Only the cluster lane's tests compare with it: the waiting lane, whose tests use
+    little CPU, computes it first (``_reference_in_the_waiting_lane``), off the two longer lanes."""
     from test_recovery_cluster import REFERENCE_STEPS, losses, train_config
 
     import fcntl
@@ -171,12 +180,12 @@ def reference_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, floa
 
 
 @pytest.fixture(autouse=True)
-def _reference_in_the_local_lane(request: pytest.FixtureRequest) -> None:
-    """Under pytest-xdist's two lanes, the local lane's first test computes the uninterrupted run when a
-    cluster test of this session will compare with it: the cluster lane, the critical path, then finds
-    it done (about 45 s it no longer spends) instead of running it itself."""
+def _reference_in_the_waiting_lane(request: pytest.FixtureRequest) -> None:
+    """Under pytest-xdist's lanes, the waiting lane's first test computes the uninterrupted run when a
+    cluster test of this session will compare with it: the cluster lane then finds it done instead of
+    running it itself, and the local lane does not spend its 80 s either (both are longer lanes)."""
     group = request.node.get_closest_marker("xdist_group")
-    if not os.environ.get("PYTEST_XDIST_WORKER") or group is None or group.args[:1] != (LANE_LOCAL,):
+    if not os.environ.get("PYTEST_XDIST_WORKER") or group is None or group.args[:1] != (LANE_WAIT,):
         return
     if getattr(request.session, "_hfscale_reference", False):
         return

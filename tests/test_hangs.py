@@ -61,7 +61,7 @@ def assert_clean(run_dir: Path) -> None:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_sleeping_rank_is_named_with_its_stack(tmp_path, rank):
-    r, took, run_dir = run_hang(hang_config(tmp_path, "stall", rank, 3, 29641 + rank))
+    r, took, run_dir = run_hang(hang_config(tmp_path, "stall", rank, 3, 29681 + rank))
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("hfscale: hang: "))
     assert f"hang: rank {rank} on " in line and "stuck at step 2 in stuck_here (dist_probe.py:" in line
@@ -75,7 +75,7 @@ def test_a_sleeping_rank_is_named_with_its_stack(tmp_path, rank):
 
 
 def test_a_rank_that_skips_a_collective_is_named(tmp_path):
-    r, _, run_dir = run_hang(hang_config(tmp_path, "skip", 1, 4, 29643))
+    r, _, run_dir = run_hang(hang_config(tmp_path, "skip", 1, 4, 29683))
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("hfscale: hang: "))
     assert "hang: rank 1 on " in line and "at step 9 passed the all_reduce that rank 0 on" in line
@@ -94,7 +94,7 @@ def test_without_py_spy_faulthandler_writes_the_stacks(tmp_path):
     bindir.mkdir()
     (bindir / "python").symlink_to(sys.executable)
     env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
-    r, _, run_dir = run_hang(hang_config(tmp_path, "stall", 1, 3, 29644, python=str(bindir / "python")), env)
+    r, _, run_dir = run_hang(hang_config(tmp_path, "stall", 1, 3, 29684, python=str(bindir / "python")), env)
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-2000:]
     assert "hang: rank 1 on " in r.stdout and "stuck_here (dist_probe.py:" in r.stdout
     stacks = sorted(p.name for p in (run_dir / "stacks").iterdir())
