@@ -45,8 +45,10 @@ CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm"
 # a worker is free.
 LANE_CLUSTER, LANE_LOCAL, LANE_WAIT = "cluster", "local", "wait"
 # (their fixed ports, where they have any, are used by no other test on this machine's own network:
-# test_stopping 29631-29633, test_faults 29890-29891, test_hangs 29681-29684)
-WAIT_MODULES = frozenset({"test_keeper", "test_beat_server", "test_stopping", "test_faults", "test_hangs"})
+# test_stopping 29631-29633, test_faults 29890-29891, test_hangs 29681-29684, test_deepspeed_keys 29556,
+# test_hostile 29700)
+WAIT_MODULES = frozenset({"test_keeper", "test_beat_server", "test_stopping", "test_faults", "test_hangs",
+                          "test_deepspeed_keys", "test_hostile"})
 WAIT_TESTS = frozenset({  # cluster tests of a few CPU-seconds each: on a cluster of their own (make_cluster),
     # or on this lane's own session cluster2 (each worker makes its own)
     ("test_launch_cluster", "test_a_lost_node_is_noticed_within_a_minute"),
@@ -80,7 +82,7 @@ def pytest_configure(config: pytest.Config) -> None:
     version = tuple(int(p) for p in pytest.__version__.split(".")[:2] if p.isdigit())
     if getattr(config.option, "dist", "no") == "loadgroup" and version >= (9, 2):
         raise pytest.UsageError(f"pytest {pytest.__version__}: pytest-xdist's loadgroup sets item._nodeid, which "
-                                "pytest 9.2 no longer reads, so the two lanes would mix (two Slurm clusters at once, "
+                                "pytest 9.2 no longer reads, so the lanes would mix (two Slurm clusters at once, "
                                 "trainings on one port); install pytest<9.2 (setup.cfg's test extra), or run with -n 0")
 
 

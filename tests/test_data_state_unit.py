@@ -104,3 +104,36 @@ def test_it_goes_before_the_marker_once_and_wraps_only_that_trainer():
     alone = _Trainer("DefaultFlowCallback")
     attach(alone)
     assert isinstance(alone.callback_handler.callbacks[-1], DataStateCallback)
+
+
+def test_the_position_kept_is_the_one_after_the_last_batch_trained(tmp_path):
+    """The loader reads ahead: after 3 optimizer steps of 2 micro-batches it has read 7 batches. The
+    position saved is the one after the 6th, and a dataset given it goes on with example 24."""
+    from datasets import Dataset
+
+    def stream():
+        return Dataset.from_dict({"i": list(range(100))}).to_iterable_dataset(num_shards=2)
+
+    t = _Trainer()
+    t.train_dataset = stream()
+    t.args.gradient_accumulation_steps, t.args.should_save = 2, True
+    cb = DataStateCallback(t)
+    loader = types.SimpleNamespace(collate_fn=lambda batch: batch, dataset=t.train_dataset)
+    cb._dataset = t.train_dataset
+    cb._mark_batches(loader, t.train_dataset)
+    cb.on_epoch_begin(t.args, types.SimpleNamespace(global_step=0), None)
+    examples = iter(t.train_dataset)
+    for _ in range(3 * 2 + 1):  # what the loader reads: 3 steps' batches and one ahead
+        loader.collate_fn([next(examples) for _ in range(4)])
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    cb.save_position(str(ckpt), 3, t.args)
+    states, why = read_positions(str(ckpt), 3, 1)
+    assert states is not None, why
+    resumed = stream()
+    resumed.load_state_dict(states[0])
+    assert next(iter(resumed))["i"] == 3 * 2 * 4
+    # a pass past the first is not kept: the file of that step goes
+    cb.on_epoch_begin(t.args, types.SimpleNamespace(global_step=3), None)
+    cb.save_position(str(ckpt), 3, t.args)
+    assert not (ckpt / STATE_FILE).exists()

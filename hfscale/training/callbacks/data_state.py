@@ -8,7 +8,8 @@ with the step (hours at real sizes: transformers #21934, #11284). With this call
   every batch its data loader produces, and keeps the one of the last batch the Trainer consumed
   (accelerate's loader reads one batch ahead);
 - at each save the ranks gather their positions, and the saving process writes them into the
-  checkpoint, ``hfscale_data_state.json``, before hfscale's completion marker (which lists it);
+  checkpoint, ``hfscale_data_state.json``, before hfscale's completion marker (which lists it); a
+  local step of the local tier (``training.local_checkpoints``) holds them too;
 - at a resume every rank loads its position into the dataset (``load_state_dict``) and the Trainer
   is told not to fast-forward (``ignore_data_skip`` for that ``train()`` call; the checkpoint's RNG
   state is restored as without a skip). The stream goes on with the next example, and nothing
@@ -260,26 +261,28 @@ class DataStateCallback(TrainerCallback):
             del self._snaps[k]
 
     def on_save(self, args, state, control, **kwargs):
+        self.save_position(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), state.global_step, args)
+
+    def save_position(self, ckpt: str, step: int, args: Any) -> None:
+        """Write the ranks' positions after optimizer step ``step`` into the checkpoint folder ``ckpt``:
+        every rank calls it (one gather), the saving process writes. ``on_save`` calls it for the
+        Trainer's saves, the local tier (hfscale.training.callbacks.local_tier) for its own."""
         if not streaming(getattr(self.trainer, "train_dataset", None)):
             return
-        needed = self._needed(args, state)
+        needed = (step - self._start) * args.gradient_accumulation_steps * self._per_batch
         # a rank that read nothing (all but rank 0 under the dispatcher) has no position to keep
         known = self._dataset is not None and self._pass == 0 and (self._read == 0 or needed in self._snaps)
         mine = json.dumps(self._snaps.get(needed) if known and self._read else None)
         gathered = collectives.gather_objects((known, mine))
-        if not args.should_save:
-            return
-        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not os.path.isdir(ckpt):
+        if not args.should_save or not os.path.isdir(ckpt):
             return
         try:
             if all(k for k, _ in gathered):
-                write_positions(ckpt, state.global_step, [json.loads(s) for _, s in gathered], needed, self._pass)
+                write_positions(ckpt, step, [json.loads(s) for _, s in gathered], needed, self._pass)
             elif os.path.lexists(os.path.join(ckpt, STATE_FILE)):  # an earlier run's, of the same step
                 os.remove(os.path.join(ckpt, STATE_FILE))
         except (OSError, TypeError, ValueError) as e:  # a full disk: the next resume replays, and says why
             logger.warning("DataStateCallback: the stream's position was not saved in %s: %s", ckpt, e)
-
 
 def attach(trainer: Any) -> DataStateCallback | None:
     """Give ``trainer`` a DataStateCallback unless it has one, ahead of any CheckpointCompleteCallback

@@ -263,6 +263,10 @@ class LocalCheckpointCallback(TrainerCallback):
             del trainer.save_model, trainer._save_rng_state
             if ce is not None and "save" in ce.__dict__:
                 del ce.save
+        callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", ())
+        stream = next((c for c in callbacks if type(c).__name__ == "DataStateCallback"), None)
+        if stream is not None:  # a streaming dataset's position goes with the local step too (every rank: a gather)
+            stream.save_position(str(own), step, args)
         return f"{host()}: {failed[0][:600]}" if failed else None
 
     def finish(self, step: int, args: Any, error: str | None) -> int:
