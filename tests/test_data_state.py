@@ -107,7 +107,7 @@ def test_a_relaunch_reads_on_from_the_saved_position_and_trains_as_the_uninterru
     (tmp_path / "out" / "checkpoint-8" / "hfscale_data_state.json").write_text("{")
     r = launch(config)
     assert "hfscale: data: the Trainer replays the stream up to step 8: " in r.stdout + r.stderr
-    assert "hfscale_data_state.json could not be read" in r.stdout + r.stderr
+    assert "hfscale_data_state.json: not valid JSON" in r.stdout + r.stderr
     assert mapped(tmp_path) == {0: list(range(16 * PER_STEP + PER_STEP)), 1: []}
     replayed = losses(tmp_path)
     assert {s: replayed[s] for s in range(9, 17)} == {s: full[s] for s in range(9, 17)}

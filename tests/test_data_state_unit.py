@@ -24,11 +24,13 @@ def test_positions_written_are_read_back(tmp_path):
 
 
 @pytest.mark.parametrize("case, why", [
-    ("missing", "has no hfscale_data_state.json"),
-    ("link", "is not a regular file"),
-    ("folder", "is not a regular file"),
-    ("huge", f"is larger than {MAX_BYTES} bytes"),
-    ("not json", "could not be read"),
+    ("missing", "checkpoint-20 has no hfscale_data_state.json"),
+    ("link", "is a symbolic link"),
+    ("folder", "is a directory, not a file"),
+    ("fifo", "is not a regular file (a FIFO)"),
+    ("huge", f"over the {MAX_BYTES:,}-byte limit"),
+    ("not json", "not valid JSON"),
+    ("too deep", "JSON nested deeper than"),
     ("a list", "not a version 1 data state"),
     ("version 2", "not a version 1 data state"),
     ("another step", "is of step 19, the checkpoint of step 20"),
@@ -47,6 +49,10 @@ def test_a_bad_file_means_replay_and_says_why(tmp_path, case, why):
         path.symlink_to(tmp_path / "elsewhere.json")
     elif case == "folder":
         path.mkdir()
+    elif case == "fifo":
+        os.mkfifo(path)  # never opened for a blocking read: the reader would wait for a writer for ever
+    elif case == "too deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
     elif case == "huge":
         path.write_text(" " * (MAX_BYTES + 1))
     elif case == "not json":
@@ -137,3 +143,27 @@ def test_the_position_kept_is_the_one_after_the_last_batch_trained(tmp_path):
     cb.on_epoch_begin(t.args, types.SimpleNamespace(global_step=3), None)
     cb.save_position(str(ckpt), 3, t.args)
     assert not (ckpt / STATE_FILE).exists()
+
+
+def test_a_position_of_another_pipeline_does_not_fit():
+    """A script changed between the save and the resume (a map added, another source): the saved
+    position is refused before datasets would fail on it mid-training (or read the wrong example)."""
+    from datasets import Dataset
+
+    from hfscale.training.callbacks.data_state import misfit
+
+    def source(n=100):
+        return Dataset.from_dict({"i": list(range(n))}).to_iterable_dataset(num_shards=2)
+
+    mapped = source().map(lambda ex: {"j": ex["i"] * 2})
+    it = iter(mapped)
+    for _ in range(10):
+        next(it)
+    saved = mapped.state_dict()
+    again = source().map(lambda ex: {"j": ex["i"] * 2})
+    before = again.state_dict()
+    assert misfit(again, saved) is None and again.state_dict() == before  # nothing read, nothing changed
+    assert misfit(source(), saved) == "the saved position does not fit this dataset's pipeline (changed since the save?)"
+    assert misfit(source().map(lambda ex: ex).map(lambda ex: ex), saved) is not None
+    wrong = json.loads(json.dumps(saved).replace('"shard_example_idx": ', '"shard_example_idx": "x", "y": '))
+    assert misfit(again, wrong) is not None

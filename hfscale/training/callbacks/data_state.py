@@ -18,8 +18,9 @@ with the step (hours at real sizes: transformers #21934, #11284). With this call
 The ranks resume from the saved positions only if all of them can (one collective at the start):
 otherwise, and for a position that cannot be exact, the Trainer replays as before and rank 0 says
 why in one line. Replay is kept for a checkpoint without the file (saved without this callback,
-or cut short), another world size, a stream past its first pass, a data loader with worker
-processes (its positions are in the workers), and ``ignore_data_skip`` set by the script. As
+or cut short), a position that does not fit the dataset's pipeline (changed since the save),
+another world size, a stream past its first pass, a data loader with worker processes (its
+positions are in the workers), and ``ignore_data_skip`` set by the script. As
 datasets documents, an example in a shuffle buffer (``.shuffle(buffer_size=...)``) is not part of
 the saved position. A map-style dataset is not touched.
 
@@ -32,12 +33,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import stat
 import sys
 from typing import Any
 
 from transformers import TrainerCallback
 
+from hfscale.core.untrusted import Missing, Unreadable, printable, read_json
 from hfscale.training.callbacks import collectives
 from hfscale.training.callbacks.collectives import logger
 
@@ -63,37 +64,67 @@ def iterated(loader: Any) -> Any:
 
 def read_positions(checkpoint: str, step: int, world_size: int) -> tuple[list[Any] | None, str]:
     """The per-rank positions saved in ``checkpoint`` for ``step`` at ``world_size``, or None and why not.
-    The file is read as hostile: a regular file (not a link), at most MAX_BYTES, typed."""
+    The file is read as hostile (hfscale.core.untrusted: a regular file inside the checkpoint, not a
+    link, at most MAX_BYTES, JSON of bounded depth), then typed."""
     path = os.path.join(checkpoint, STATE_FILE)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None, f"{os.path.basename(checkpoint)} has no {STATE_FILE}"
-    except OSError as e:
-        return None, f"{path}: {e.strerror}"
-    if not stat.S_ISREG(st.st_mode):
-        return None, f"{path} is not a regular file"
-    if st.st_size > MAX_BYTES:
-        return None, f"{path} is larger than {MAX_BYTES} bytes"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            doc = json.loads(f.read(MAX_BYTES + 1))
-    except (OSError, ValueError) as e:
-        return None, f"{path} could not be read: {e}"
+        doc = read_json(path, MAX_BYTES, root=checkpoint)
+    except Missing:
+        return None, f"{os.path.basename(os.path.normpath(checkpoint))} has no {STATE_FILE}"
+    except Unreadable as e:
+        return None, str(e)
     if not isinstance(doc, dict) or doc.get("version") != VERSION:
         return None, f"{path}: not a version {VERSION} data state"
-    if doc.get("step") != step:
-        return None, f"{path} is of step {doc.get('step')!r}, the checkpoint of step {step}"
-    if doc.get("world_size") != world_size:
-        return None, f"saved at world size {doc.get('world_size')!r}, resumed at {world_size}"
-    if doc.get("pass") != 0:
+    def count(key: str) -> int | None:
+        v = doc.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    if count("step") != step:
+        return None, f"{path} is of step {printable(repr(doc.get('step')), 40)}, the checkpoint of step {step}"
+    if count("world_size") != world_size:
+        return None, f"saved at world size {printable(repr(doc.get('world_size')), 40)}, resumed at {world_size}"
+    if count("pass") != 0:
         return None, "the stream was past its first pass"
     states = doc.get("states")
     if not isinstance(states, list) or len(states) != world_size or not all(s is None or isinstance(s, dict)
                                                                             for s in states):
         return None, f"{path}: 'states' is not one position (or null) a rank"
     return states, ""
+
+
+def _fits(saved: Any, fresh: Any) -> bool:
+    """``saved`` has the shape of ``fresh`` (a position of the same pipeline): the same keys, lists of
+    the same length, the same kinds of value and the same iterable at each level (``type``); a None
+    on either side is a part not started yet."""
+    if saved is None or fresh is None:
+        return True
+    if isinstance(fresh, dict):
+        return (isinstance(saved, dict) and saved.keys() == fresh.keys()
+                and all(saved[k] == fresh[k] if k == "type" else _fits(saved[k], fresh[k]) for k in fresh))
+    if isinstance(fresh, list):
+        return isinstance(saved, list) and len(saved) == len(fresh) and all(map(_fits, saved, fresh))
+    if isinstance(fresh, bool) or isinstance(saved, bool):
+        return type(saved) is type(fresh)
+    if isinstance(fresh, (int, float)):
+        return isinstance(saved, (int, float))
+    return type(saved) is type(fresh)
+
+
+def misfit(dataset: Any, saved: dict) -> str | None:
+    """Why ``saved`` cannot be loaded into ``dataset`` (a pipeline changed since the save: another
+    map, filter or source), or None. The shape is compared with the dataset's own fresh position
+    (datasets builds it without reading an example)."""
+    before = dataset.__dict__.get("_state_dict")
+    try:
+        fresh = {"examples_iterable": dataset._prepare_ex_iterable_for_iteration()._init_state_dict(),
+                 "epoch": saved.get("epoch")}
+    except Exception as e:  # noqa: BLE001 - datasets' private builder: any failure means replay
+        return f"this dataset's own position could not be taken ({type(e).__name__})"
+    finally:
+        dataset.__dict__["_state_dict"] = before
+    if not _fits(saved, fresh):
+        return "the saved position does not fit this dataset's pipeline (changed since the save?)"
+    return None
 
 
 def write_positions(checkpoint: str, step: int, states: list[Any], batches: int, passes: int) -> None:
@@ -219,6 +250,10 @@ class DataStateCallback(TrainerCallback):
             states, why = None, f"the data loader has {workers} worker processes"
         if states is not None and self._dataset is None and states[rank] is not None:
             states, why = None, "this rank's loader does not read a datasets.IterableDataset"
+        if states is not None and states[rank] is not None:
+            wrong = misfit(self._dataset, states[rank])
+            if wrong is not None:
+                states, why = None, wrong
         ok = collectives.all_gather([1.0 if states is not None else 0.0])
         if states is None or min(v[0] for v in ok) < 1.0:
             self.replay_reason = why or "another rank cannot resume its stream's position"
