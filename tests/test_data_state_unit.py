@@ -103,7 +103,9 @@ def test_it_goes_before_the_marker_once_and_wraps_only_that_trainer():
     assert [type(c).__name__ for c in t.callback_handler.callbacks] == [
         "DefaultFlowCallback", "DataStateCallback", "CheckpointCompleteCallback", "ProgressCallback"]
     assert attach(t) is None and len(t.callback_handler.callbacks) == 4
-    assert "train" in vars(t) and "get_train_dataloader" not in vars(_Trainer())  # the instance, not the class
+    # the instance's methods are wrapped, not the class's
+    assert {"train", "get_train_dataloader"} <= set(vars(t))
+    assert vars(_Trainer)["train"].__qualname__ == "_Trainer.train" and "train" not in vars(_Trainer())
     # nothing changes for a dataset that is not a stream
     assert t.train("out/checkpoint-3") == ("out/checkpoint-3", False)
     assert t.get_train_dataloader() == "a map-style loader" and cb.resumed_at is None
@@ -167,3 +169,12 @@ def test_a_position_of_another_pipeline_does_not_fit():
     assert misfit(source().map(lambda ex: ex).map(lambda ex: ex), saved) is not None
     wrong = json.loads(json.dumps(saved).replace('"shard_example_idx": ', '"shard_example_idx": "x", "y": '))
     assert misfit(again, wrong) is not None
+
+
+def test_a_position_that_cannot_be_written_leaves_no_part_of_it(tmp_path):
+    """The write fails at its last move (a folder where the file goes): nothing half-written is left in
+    the checkpoint for its marker to list."""
+    (tmp_path / STATE_FILE).mkdir()
+    with pytest.raises(OSError):
+        write_positions(str(tmp_path), 20, [POSITION], 8, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]

@@ -6,8 +6,8 @@ byte for byte as commit 7121bc2 (the parent of ddc25f8, "hfscale in ten layered 
 from __future__ import annotations
 
 import importlib
-import re
 import os
+import re
 import subprocess
 import sys
 import textwrap

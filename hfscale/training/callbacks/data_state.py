@@ -34,10 +34,13 @@ import functools
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
+from hfscale.checkpoints.resume import CHECKPOINT_RE
+from hfscale.core.atomic_files import write_files
 from hfscale.core.untrusted import Missing, Unreadable, printable, read_json
 from hfscale.training.callbacks import collectives
 from hfscale.training.callbacks.collectives import logger
@@ -128,14 +131,11 @@ def misfit(dataset: Any, saved: dict) -> str | None:
 
 
 def write_positions(checkpoint: str, step: int, states: list[Any], batches: int, passes: int) -> None:
-    """Write the ranks' positions into ``checkpoint`` (a temporary file renamed over the final one)."""
+    """Write the ranks' positions into ``checkpoint``, whole or not at all (a failed write, a full disk,
+    leaves no partial file in the checkpoint: hfscale.core.atomic_files)."""
     doc = {"version": VERSION, "step": step, "world_size": len(states), "pass": passes, "batches": batches,
            "states": states}
-    path = os.path.join(checkpoint, STATE_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    write_files(Path(checkpoint), {STATE_FILE: json.dumps(doc)})
 
 
 def _resolve(resume: Any, output_dir: str) -> str | None:
@@ -151,9 +151,8 @@ def _resolve(resume: Any, output_dir: str) -> str | None:
 
 
 def _step_of(checkpoint: str) -> int | None:
-    name = os.path.basename(os.path.normpath(checkpoint))
-    tail = name.removeprefix("checkpoint-")
-    return int(tail) if tail != name and tail.isdigit() and len(tail) < 12 else None
+    m = CHECKPOINT_RE.match(os.path.basename(os.path.normpath(checkpoint)))
+    return int(m[1]) if m and len(m[1]) < 12 else None
 
 
 class DataStateCallback(TrainerCallback):
@@ -181,7 +180,6 @@ class DataStateCallback(TrainerCallback):
         self._start = 0  # the step at which this pass's reading began
         self.resumed_at: int | None = None  # the step resumed from without replay in this train() call
         self._rng_again = False
-        self.replay_reason: str | None = None
         if trainer is not None and not getattr(trainer, "_hfscale_data_state", False):
             trainer._hfscale_data_state = True
             trainer.train = self._wrap_train(trainer.train)
@@ -193,7 +191,7 @@ class DataStateCallback(TrainerCallback):
         def wrapped(*args, **kwargs):
             resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
             self._resume = _resolve(resume, self.trainer.args.output_dir)
-            self.resumed_at = self.replay_reason = None
+            self.resumed_at = None
             self._pass = -1
             skip = self.trainer.args.ignore_data_skip
             try:
@@ -256,10 +254,9 @@ class DataStateCallback(TrainerCallback):
                 states, why = None, wrong
         ok = collectives.all_gather([1.0 if states is not None else 0.0])
         if states is None or min(v[0] for v in ok) < 1.0:
-            self.replay_reason = why or "another rank cannot resume its stream's position"
             if rank == 0:
-                print(f"hfscale: data: the Trainer replays the stream up to step {step}: {self.replay_reason}",
-                      flush=True)
+                why = why or "another rank cannot resume its stream's position"
+                print(f"hfscale: data: the Trainer replays the stream up to step {step}: {why}", flush=True)
             return
         if states[rank] is not None:
             self._dataset.load_state_dict(states[rank])
@@ -271,9 +268,9 @@ class DataStateCallback(TrainerCallback):
                   f"(no replay)", flush=True)
 
     # ---- callback -------------------------------------------------------------------------------
-    def _needed(self, args, state) -> int:
-        """Batches read this pass up to the last one the Trainer has trained on."""
-        return (state.global_step - self._start) * args.gradient_accumulation_steps * self._per_batch
+    def _needed(self, args, step: int) -> int:
+        """Batches read this pass up to the last one the Trainer has trained on by optimizer step ``step``."""
+        return (step - self._start) * args.gradient_accumulation_steps * self._per_batch
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self._pass += 1
@@ -291,7 +288,7 @@ class DataStateCallback(TrainerCallback):
         self._rng_again = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        needed = self._needed(args, state)
+        needed = self._needed(args, state.global_step)
         for k in [k for k in self._snaps if k < needed]:
             del self._snaps[k]
 
@@ -304,7 +301,7 @@ class DataStateCallback(TrainerCallback):
         Trainer's saves, the local tier (hfscale.training.callbacks.local_tier) for its own."""
         if not streaming(getattr(self.trainer, "train_dataset", None)):
             return
-        needed = (step - self._start) * args.gradient_accumulation_steps * self._per_batch
+        needed = self._needed(args, step)
         # a rank that read nothing (all but rank 0 under the dispatcher) has no position to keep
         known = self._dataset is not None and self._pass == 0 and (self._read == 0 or needed in self._snaps)
         mine = json.dumps(self._snaps.get(needed) if known and self._read else None)

@@ -48,6 +48,7 @@ from hfscale.checkpoints.lineage import begin_lineage
 from hfscale.training import async_save as async_saves
 from hfscale.training.callbacks.buddy_stream import Behind, Copied, Exchange, exchange
 from hfscale.training.callbacks.collectives import Nodes, barrier, gather_objects, host, logger, nodes, rank_world
+from hfscale.training.callbacks.data_state import DataStateCallback
 
 
 def start_lineage(output_dir: str, fresh: bool) -> str:
@@ -264,7 +265,7 @@ class LocalCheckpointCallback(TrainerCallback):
             if ce is not None and "save" in ce.__dict__:
                 del ce.save
         callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", ())
-        stream = next((c for c in callbacks if type(c).__name__ == "DataStateCallback"), None)
+        stream = next((c for c in callbacks if isinstance(c, DataStateCallback)), None)
         if stream is not None:  # a streaming dataset's position goes with the local step too (every rank: a gather)
             stream.save_position(str(own), step, args)
         return f"{host()}: {failed[0][:600]}" if failed else None
