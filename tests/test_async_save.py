@@ -37,13 +37,46 @@ def children(pids: list[int]) -> list[int]:
     return [int(p) for p, pp in (ln.split() for ln in ps.splitlines()) if int(pp) in pids]
 
 
-def alive(pids: list[int], wait: float = 15.0) -> list[int]:
-    """Those of ``pids`` still running after up to ``wait`` seconds (zombies count as gone)."""
+def _state(pid: int) -> str | None:
+    """The State line of a process that is not a zombie, else None (gone, or a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text(errors="replace").split("State:")[1].split("\n")[0].strip()
+    except (OSError, IndexError):
+        return None
+    return None if state.startswith(("Z", "X")) else state
+
+
+def _why_alive(pid: int) -> str:
+    """What a process that outlived its SIGKILL is doing: its state, the kernel function it waits in, its
+    threads' states, its cgroup's freezer and its command line (for the failure message)."""
+    def read(rel: str) -> str:
+        try:
+            return Path(f"/proc/{pid}/{rel}").read_text(errors="replace").strip()
+        except OSError as e:
+            return f"({e.strerror})"
+    threads = []
+    for t in sorted(Path(f"/proc/{pid}/task").glob("*"))[:64]:
+        try:
+            st = (t / "status").read_text(errors="replace").split("State:")[1].split("\n")[0].strip()
+            threads.append(f"{t.name}:{st[:1]}:{(t / 'wchan').read_text(errors='replace').strip()}")
+        except (OSError, IndexError):
+            pass
+    return (f"{pid}: state {_state(pid)}, wchan {read('wchan')}, threads {' '.join(threads)}, "
+            f"cgroups {read('cgroup').replace(chr(10), ' ')}, cmd {read('cmdline').replace(chr(0), ' ')[:200]}")
+
+
+def alive(pids: list[int], wait: float = 60.0) -> list[int]:
+    """Those of ``pids`` still running after up to ``wait`` seconds (zombies count as gone); what each of
+    them is doing is printed, for the failure's captured output. A SIGKILLed process ends only when it
+    leaves uninterruptible I/O: a rank killed inside a save's file removal (ext4 on this machine is mounted
+    with ``discard``) stayed more than 15 s on CI runs that loaded the disk, so the bound is a minute,
+    still far below "for ever", which is what a writer left waiting on its queue would take."""
     deadline = time.monotonic() + wait
     while True:
-        left = [p for p in pids if Path(f"/proc/{p}").exists()
-                and "zombie" not in Path(f"/proc/{p}/status").read_text(errors="replace").split("State:")[1][:20]]
+        left = [p for p in pids if _state(p) is not None]
         if not left or time.monotonic() > deadline:
+            for p in left:
+                print("outlived SIGKILL:", _why_alive(p))
             return left
         time.sleep(0.1)
 
@@ -59,7 +92,9 @@ def names(out: Path) -> list[str]:
     return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
 
 
-def test_async_saves_train_and_resume_like_synchronous_ones(tmp_path, tmp_path_factory):
+def test_async_saves_train_like_synchronous_ones(tmp_path, tmp_path_factory):
+    """The losses of synchronous saves, every checkpoint marked and whole, the writers gone with their ranks.
+    (A resume from asynchronously written checkpoints: the next test's last run.)"""
     ref = trainer_runs.reference(tmp_path_factory).result  # synchronous saves
     out = tmp_path / "out"
     job = Job(out, ASYNC)
@@ -78,37 +113,72 @@ def test_async_saves_train_and_resume_like_synchronous_ones(tmp_path, tmp_path_f
         ckpt = out / f"checkpoint-{step}"
         assert checkpoint_problem(ckpt) is None and deepspeed_tag(ckpt) == f"global_step{step}"
 
-    shutil.rmtree(out / "checkpoint-16")
-    shutil.rmtree(out / "checkpoint-12")
-    resumed = run(out, ASYNC)
-    assert resumed.rc == 0, resumed.tail()
-    res2 = resumed.result
-    assert res2["resumed_from"] == str(out / "checkpoint-8") and res2["global_step"] == 16
-    assert res2["final_loss"] == ref["final_loss"] and res2["losses"] == ref["losses"]
+
+def kill_node(job: Job) -> None:
+    """A lost node: both ranks SIGKILLed, then torchrun; the writers must die with their ranks."""
+    ranks, writers = ranks_and_writers(job)
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended between the listing and the kill
+            pass
+    job.kill()
+    assert alive(ranks + writers) == []
+    for p in job.pid_dir.glob("rank*.pid"):
+        p.unlink()
 
 
-def test_sigkill_during_an_asynchronous_write_resumes_from_the_previous_checkpoint(tmp_path, tmp_path_factory):
+def test_sigkills_during_asynchronous_writes_resume_from_the_newest_complete_checkpoint(tmp_path, tmp_path_factory):
+    """A lost node while the writers write checkpoint-8 (slowed down: tests/scripts/slow_writer.py): it is
+    left unmarked, and checkpoint-4 is picked, with a warning that names what checkpoint-8 lacks. The
+    relaunch loses its node again at a random moment after its next save began (in a write, the commit
+    or the next save): the checkpoint picked is complete and every shard of it loads. The last relaunch
+    ends as the uninterrupted run, bitwise, and checkpoint-8 is whole. (The namespace cluster's chaos
+    test, tests/test_local_tier_chaos.py, makes more kills.)"""
+    import random
+
+    import torch
+
     ref = trainer_runs.reference(tmp_path_factory).result
     out = tmp_path / "out"
     job = Job(out, [*ASYNC, "--slow-writes", "0.05", "--step-sleep", "0.1"])
     job.wait_for(out / "checkpoint-4" / MARKER)
     job.wait_for(out / "checkpoint-8" / "trainer_state.json")  # the Trainer's last file: the writers are at work
     assert not (out / "checkpoint-8" / MARKER).exists() and not (out / "checkpoint-8" / "latest").exists()
-    ranks, writers = ranks_and_writers(job)
-    for pid in ranks:  # the whole node: both ranks, torchrun; the writers die with their ranks
-        os.kill(pid, signal.SIGKILL)
-    job.kill()
-    assert alive(ranks + writers) == []
-
+    kill_node(job)
     assert names(out) == ["checkpoint-4", "checkpoint-8"]
     with pytest.warns(IncompleteCheckpointWarning, match=r"checkpoint-8: no hfscale_complete.json, and by its own "
                                                          r"files: DeepSpeed file 'latest' is missing"):
         assert latest_checkpoint(out) == str(out / "checkpoint-4")
 
+    # the moment follows the run, not the clock (a fast machine finished a whole run within a fixed 8-20 s)
+    before = {p.name for p in out.glob("checkpoint-*")}
+    job = Job(out, [*ASYNC, "--slow-writes", "0.02", "--step-sleep", "0.1"])
+    job.wait_for(job.pid_dir / "rank1.pid")
+    deadline = time.monotonic() + 240
+    while not {p.name for p in out.glob("checkpoint-*")} - before and job.proc.poll() is None:
+        assert time.monotonic() < deadline, "no save began"
+        time.sleep(0.02)
+    time.sleep(random.Random(30).uniform(0.0, 2.0))
+    picked = "(the run ended first)"
+    if job.proc.poll() is None:
+        kill_node(job)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IncompleteCheckpointWarning)
+            picked = latest_checkpoint(out)
+        assert picked is not None and checkpoint_problem(picked) is None
+        for shard in sorted((Path(picked) / str(deepspeed_tag(picked))).glob("*.pt")):
+            torch.load(shard, weights_only=False)  # this test's own files
+    else:
+        job.kill()
+    print(f"checkpoint picked after the random kill: {picked}")
+
     resumed = run(out, ASYNC)
     assert resumed.rc == 0, resumed.tail()
     res = resumed.result
-    assert res["resumed_from"] == str(out / "checkpoint-4") and res["global_step"] == 16
+    assert res["global_step"] == 16
+    if picked != "(the run ended first)":
+        assert res["resumed_from"] == picked
     assert res["final_loss"] == ref["final_loss"] and res["losses"] == ref["losses"]  # nothing lost
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -178,59 +248,6 @@ def test_zero3_async_saves_train_and_resume_like_synchronous_ones(tmp_path):
     assert resumed.result["resumed_from"] == str(out / "checkpoint-12")
     assert resumed.result["final_loss"] == sync.result["final_loss"]
     assert resumed.result["losses"] == sync.result["losses"]
-
-
-def test_sigkills_at_random_moments_never_resume_from_an_incomplete_checkpoint(tmp_path, tmp_path_factory):
-    """Two lost nodes at random moments (writes slowed down, so most kills land during a write or a
-    commit): each time the checkpoint picked is complete and every shard of it loads; the job that
-    finally runs through ends as the uninterrupted one. (The namespace cluster's chaos test,
-    tests/test_local_tier_chaos.py, makes more.)"""
-    import random
-
-    import torch
-
-    ref = trainer_runs.reference(tmp_path_factory).result
-    out = tmp_path / "out"
-    rng = random.Random(30)
-    picked = []
-    for _ in range(2):
-        before = {p.name for p in out.glob("checkpoint-*")}
-        job = Job(out, [*ASYNC, "--slow-writes", "0.02", "--step-sleep", "0.1"])
-        job.wait_for(out.parent / "out.pids" / "rank1.pid")
-        # the moment follows the run, not the clock (a fast machine finished a whole run within a fixed
-        # 8-20 s): a new save has begun, then up to 2 s more, into its writes, the commit or the next save
-        deadline = time.monotonic() + 240
-        while not {p.name for p in out.glob("checkpoint-*")} - before and job.proc.poll() is None:
-            assert time.monotonic() < deadline, "no save began"
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 2.0))
-        if job.proc.poll() is not None:  # the run ended first: nothing left to kill
-            job.kill()
-            break
-        ranks, writers = ranks_and_writers(job)
-        for pid in ranks:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # it ended between the listing and the kill
-                pass
-        job.kill()
-        assert alive(ranks + writers) == []
-        for p in (out.parent / "out.pids").glob("rank*.pid"):
-            p.unlink()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", IncompleteCheckpointWarning)
-            resume = latest_checkpoint(out)
-        picked.append(resume)
-        if resume is not None:
-            assert checkpoint_problem(resume) is None
-            for shard in sorted((Path(resume) / str(deepspeed_tag(resume))).glob("*.pt")):
-                torch.load(shard, weights_only=False)  # this test's own files
-    print(f"checkpoints picked after each kill: {picked}")
-    assert picked, "no kill was made"
-    done = run(out, ASYNC)
-    assert done.rc == 0, done.tail()
-    assert done.result["global_step"] == 16 and done.result["final_loss"] == ref["final_loss"], picked
-    assert done.result["losses"] == ref["losses"]
 
 
 def test_a_failed_write_costs_the_file_not_the_writer_and_a_dead_writer_is_replaced(tmp_path):
