@@ -28,6 +28,7 @@ from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.rules.config_file import load_job
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import fit_flight_recorder, phase
+from hfscale.training.inprocess.restart import ENV_WORLD
 from hfscale.training.instrument import add_callbacks, choose, with_local_tier
 from hfscale.training.shutdown import exit_cleanly
 
@@ -154,7 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e.render()}", file=sys.stderr)
         return 2
+    if os.environ.get(ENV_WORLD):  # in-process restarts: attempts in this process (hfscale.training.inprocess)
+        from hfscale.training.inprocess.restart import Session, run
 
+        try:
+            session = Session.from_env()
+        except ValueError as e:
+            print(f"error: in-process restart: {e}", file=sys.stderr)
+            return 2
+        return run(lambda attempt: train_once(job), session=session)
+    return train_once(job)
+
+
+def train_once(job: Job) -> int:
+    """One training run of ``job`` in this process: what ``main`` runs, once or in each attempt."""
     import torch
     from transformers import Trainer, TrainerCallback
 

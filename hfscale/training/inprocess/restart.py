@@ -1,0 +1,296 @@
+"""The in-process restart loop each rank runs around its training function (``run``).
+
+The processes meet on a ``torch.distributed`` TCPStore at ``MASTER_ADDR:MASTER_PORT`` that must outlive
+any one rank (tests/test_inprocess.py hosts it; the launcher's part is not built yet); its keys are
+under ``hfscale/inprocess/``. A store that cannot be reached ends the process with ``RELAUNCH_EXIT``.
+Attempt ``k``:
+
+- the members (hfscale.training.inprocess.assignment) join a process group of their own over the
+  store's prefix ``a{k}/pg``; the standbys wait for the attempt to end;
+- any member whose training function raises (a peer's death shows as a collective's error: gloo and
+  NCCL see the connection close) writes ``a{k}/over`` (the first reason stays), leaves its process
+  group, which makes the collectives of the peers still in it fail too, and arrives at ``a{k+1}``;
+- the first to arrive leads: it waits until every process of attempt ``k`` has arrived, or
+  ``join_s`` seconds, then writes ``a{k+1}/members``: the survivors at their ranks, a standby in each
+  lost rank's place; with too few, ``relaunch`` and the reason: every process then exits with
+  ``RELAUNCH_EXIT`` and the launcher relaunches the job as it would without in-process restarts.
+
+A rank that finds nothing written within its bound exits the same way (a leader lost as it led).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+from hfscale.training.inprocess.assignment import (Assigned, Members, Relaunch, Replaced, assign, changes, decode,
+                                                  encode, first)
+
+PREFIX = "hfscale/inprocess/"
+RELAUNCH_EXIT = 75  # EX_TEMPFAIL: the in-process restart could not go on; the launcher relaunches the job
+POLL_S = 0.2  # how often a waiting process reads a key it waits for (TCPStore.check: one round trip)
+ENV_WORLD = "HFSCALE_INPROCESS_WORLD"  # the active world size; the launch's WORLD_SIZE counts the standbys too
+ENV_JOIN = "HFSCALE_INPROCESS_JOIN_S"
+ENV_RESTARTS = "HFSCALE_INPROCESS_RESTARTS"
+
+
+@dataclass(frozen=True)
+class Session:
+    """What a process knows of the launch, from its environment."""
+
+    uid: int  # its rank in the launch (RANK as torchrun set it): active ranks first, then the standbys
+    world_size: int  # the active ranks
+    standbys: int
+    master_addr: str
+    master_port: int
+    join_s: float = 10.0
+    max_restarts: int = 10
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Session:
+        """ValueError naming the variable that is missing or out of its range."""
+        e = os.environ if env is None else env
+
+        def number(name: str, low: float, high: float, default: float | None = None, kind: type = int) -> Any:
+            raw = e.get(name)
+            if raw is None and default is not None:
+                return kind(default)
+            try:
+                value = kind(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name}={raw!r}: not {'an integer' if kind is int else 'a number'}") from None
+            if not low <= value <= high:
+                raise ValueError(f"{name}={raw}: needs {low:g} .. {high:g}")
+            return value
+
+        launched = number("WORLD_SIZE", 1, 1 << 20)
+        world = number(ENV_WORLD, 1, launched)
+        addr = e.get("MASTER_ADDR", "")
+        if not addr:
+            raise ValueError("MASTER_ADDR is not set")
+        return cls(uid=number("RANK", 0, launched - 1), world_size=world, standbys=launched - world, master_addr=addr,
+                   master_port=number("MASTER_PORT", 1, 65535), join_s=number(ENV_JOIN, 0, 3600, 10.0, float),
+                   max_restarts=number(ENV_RESTARTS, 0, 10_000, 10))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What the training function is told: which attempt, its rank in it, and who was replaced."""
+
+    number: int
+    rank: int
+    world_size: int
+    uid: int
+    restarted_at: float | None  # time.time() when the previous attempt ended (None: the first)
+    replaced: tuple[Replaced, ...] = ()
+
+
+def connect(s: Session, timeout_s: float = 60.0) -> Any:
+    """A client of the launch's store, its keys under ``PREFIX``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(s.master_addr, s.master_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(PREFIX, store)
+
+
+def _get(store: Any, key: str) -> str | None:
+    return store.get(key).decode("utf-8", "replace") if store.check([key]) else None
+
+
+def _wait_for(store: Any, key: str, bound_s: float) -> str | None:
+    deadline = time.monotonic() + bound_s
+    while True:
+        got = _get(store, key)
+        if got is not None or time.monotonic() >= deadline:
+            return got
+        time.sleep(POLL_S)
+
+
+def declare_over(store: Any, attempt: int, why: str) -> str:
+    """Write why attempt ``attempt`` ended unless someone did first; returns the reason that stays."""
+    return store.compare_set(f"a{attempt}/over", "", why[:500]).decode("utf-8", "replace")
+
+
+def join_next(store: Any, s: Session, previous: Members) -> Assigned | Relaunch:
+    """Arrive at attempt ``previous.attempt + 1``; lead it if first; return its members (or why not).
+    Arrivals are numbered (``a{k}/count``) and each number's uid written (``a{k}/arrival/{n}``), so the
+    leader reads them all in one round trip, whatever the job's size."""
+    k = previous.attempt + 1
+    n = store.add(f"a{k}/count", 1)
+    store.set(f"a{k}/arrival/{n}", str(s.uid))
+    everyone = len(previous.uids) + len(previous.waiting)
+    if store.compare_set(f"a{k}/leader", "", str(s.uid)).decode() == str(s.uid):
+        deadline = time.monotonic() + s.join_s
+        while n < everyone and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            n = store.add(f"a{k}/count", 0)
+        out = assign(previous, _arrived(store, k, n), s.world_size + s.standbys) if k <= s.max_restarts else Relaunch(
+            f"{s.max_restarts} in-process restart(s) made, the most recovery.max_restarts allows")
+        store.set(f"a{k}/members", encode(out.members) if isinstance(out, Assigned) else f"relaunch;{out.reason}")
+        store.set("current", str(k))
+        return out
+    got = _wait_for(store, f"a{k}/members", s.join_s + 30.0)
+    if got is None:
+        return Relaunch(f"attempt {k}'s members were not written within {s.join_s + 30.0:.0f} s (its leader lost)")
+    if got.startswith("relaunch;"):
+        return Relaunch(got.removeprefix("relaunch;"))
+    try:
+        members = decode(got)
+    except ValueError as e:
+        return Relaunch(f"attempt {k}'s members record is unreadable: {e}")
+    if members.attempt != k or len(members.uids) != len(previous.uids):
+        return Relaunch(f"attempt {k}'s members record is of attempt {members.attempt}, {len(members.uids)} ranks")
+    return Assigned(members, changes(previous, members))
+
+
+def _arrived(store: Any, k: int, n: int) -> frozenset[int]:
+    """The uids of arrivals 1 .. n (an arrival counted but not yet written is waited for, briefly)."""
+    keys = [f"a{k}/arrival/{i}" for i in range(1, n + 1)]
+    deadline = time.monotonic() + 5.0
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    uids = set()
+    for key in keys:
+        if store.check([key]):
+            try:
+                uids.add(int(store.get(key)))
+            except ValueError:  # not a uid: not an arrival
+                pass
+    return frozenset(uids)
+
+
+def leave_group(bound_s: float = 10.0) -> None:
+    """Leave this attempt's process group, and forget what accelerate, DeepSpeed and transformers
+    kept of it, so that the next attempt sets them up anew in this process. Bounded: a group that
+    does not close within ``bound_s`` is left to the garbage collector."""
+    import torch.distributed as dist
+
+    def close() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    t = threading.Thread(target=close, daemon=True, name="hfscale-leave-group")
+    t.start()
+    t.join(bound_s)
+    forget_singletons()
+    while gc.collect():
+        pass
+
+
+# modules whose globals cache process groups (DeepSpeed's data, expert, sequence and pipeline groups):
+# loaded again (importlib.reload), so they hold none of the previous attempt's
+GROUP_CACHES = ("deepspeed.utils.groups", "deepspeed.runtime.sequence_parallel.parallel_state_sp",
+                "deepspeed.runtime.pipe.p2p")
+
+
+def forget_singletons() -> None:
+    """The process-wide state the libraries keep of a process group (each only where imported)."""
+    import importlib
+
+    for name in GROUP_CACHES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+    acc = sys.modules.get("accelerate.state")
+    if acc is not None:
+        acc.AcceleratorState._reset_state(True)  # noqa: SLF001 - accelerate's own reset, used by its tests
+        acc.GradientState._reset_state()  # noqa: SLF001
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None:
+        ds_comm.cdb = None  # deepspeed.init_distributed starts again
+    hf_ds = sys.modules.get("transformers.integrations.deepspeed")
+    if hf_ds is not None:
+        hf_ds.unset_hf_deepspeed_config()
+
+
+def _join_group(store: Any, members: Members, rank: int) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if _cuda() else "gloo"
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(members.world_size))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"a{members.attempt}/pg/", store), rank=rank,
+                            world_size=members.world_size)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(fn: Callable[[Attempt], int], say: Callable[[str], None] | None = None, session: Session | None = None) -> int:
+    """Run ``fn`` in attempts until one returns; returns its exit code, or ``RELAUNCH_EXIT``.
+    A standby waits until an attempt needs it or the job ends (then 0)."""
+    s = session or Session.from_env()
+    tell = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        return _attempts(fn, s, tell)
+    except _StoreLost as e:
+        tell(f"hfscale: no in-process restart: the store at {s.master_addr}:{s.master_port} is lost ({e}); "
+             "the job is relaunched")
+        return RELAUNCH_EXIT
+
+
+class _StoreLost(Exception):
+    """A store operation failed outside the training function (its host is gone)."""
+
+
+def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], None]) -> int:
+    try:
+        store = connect(s)
+    except RuntimeError as e:  # torch's DistStoreError and DistNetworkError
+        raise _StoreLost(str(e)[:300]) from None
+    members, replaced, ended = first(s.world_size, s.standbys), (), None
+    while True:
+        rank = members.rank_of(s.uid)
+        if rank is None:  # a standby: wait for this attempt to end, or for the job to
+            try:
+                while True:
+                    if store.check(["finished"]):
+                        return 0
+                    if store.check([f"a{members.attempt}/over"]):
+                        ended = time.time()
+                        break
+                    time.sleep(POLL_S)
+            except RuntimeError as e:
+                raise _StoreLost(str(e)[:300]) from None
+        else:
+            _join_group(store, members, rank)
+            try:
+                rc = fn(Attempt(members.attempt, rank, members.world_size, s.uid, ended, replaced))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure of an attempt is restarted, within max_restarts
+                ended = time.time()
+                mine = f"rank {rank} (uid {s.uid}): {type(e).__name__}: {e}"
+                traceback.print_exc(file=sys.stderr)  # the node's log
+                e.__traceback__ = None
+                del e
+                leave_group()
+                try:
+                    why = declare_over(store, members.attempt, mine)
+                except RuntimeError as lost:
+                    raise _StoreLost(str(lost)[:300]) from None
+                tell(f"hfscale: attempt {members.attempt} ended ({why}); rank {rank} stays and rejoins")
+            else:
+                leave_group()
+                if rank == 0:
+                    try:
+                        store.set("finished", "1")  # the standbys' signal to end
+                    except RuntimeError:  # the store is gone: the standbys' launcher stops them
+                        pass
+                return rc
+        try:
+            out = join_next(store, s, members)
+        except RuntimeError as e:
+            raise _StoreLost(str(e)[:300]) from None
+        if isinstance(out, Relaunch):
+            tell(f"hfscale: no in-process restart: {out.reason}; the job is relaunched")
+            return RELAUNCH_EXIT
+        members, replaced = out.members, out.replaced

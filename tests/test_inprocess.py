@@ -1,0 +1,199 @@
+"""In-process restart for real (hfscale.training.inprocess.restart): processes started as torchrun starts
+them (RANK, WORLD_SIZE, MASTER_ADDR/PORT; the store that outlives them hosted here, as node 0's torchrun
+agent hosts it), gloo on CPU, the loop of tests/scripts/inprocess_loop.py. A SIGKILLed rank is replaced
+by a standby that had done its imports; the survivor keeps its process; the losses are the uninterrupted
+run's. The launcher's part (which nodes to start, a lost node 0, the fallback) is not here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from hfscale.training.inprocess.restart import ENV_JOIN, ENV_WORLD, RELAUNCH_EXIT
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "inprocess_loop.py"
+
+
+STORE_HOST = """
+import sys, time, datetime
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=60))
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """``world`` active ranks and ``standbys`` more, each a process of its own, and the store. ``args``:
+    the loop script's; ``entry``: another command line instead (the built-in entry point)."""
+
+    def __init__(self, out: Path, world: int, standbys: int, args: list[str], join_s: float = 3.0,
+                 entry: list[str] | None = None, store_process: bool = False) -> None:
+        import torch.distributed as dist
+
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, port = out, _port()
+        if store_process:  # a process of its own, to be killed
+            self.store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+            assert self.store.stdout.readline().strip() == "ready"
+        else:
+            self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
+        total = world + standbys
+        self.logs = [open(out.parent / f"{out.name}.uid{u}.log", "w") for u in range(total)]
+        env = {**os.environ, "WORLD_SIZE": str(total), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               ENV_WORLD: str(world), ENV_JOIN: str(join_s), "PYTHONPATH": str(ROOT)}
+        cmd = entry or [sys.executable, str(SCRIPT), str(out), *args]
+        self.procs = [subprocess.Popen(cmd, stdout=self.logs[u], stderr=subprocess.STDOUT, cwd=out,
+                                       env={**env, "RANK": str(u), "LOCAL_RANK": str(u), "LOCAL_WORLD_SIZE": str(total)},
+                                       start_new_session=True) for u in range(total)]
+
+    def steps(self) -> list[dict]:
+        path = self.out / "steps.jsonl"
+        return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+    def wait(self, timeout: float = 240) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(max(1.0, deadline - time.monotonic())) for p in self.procs]
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            for f in self.logs:
+                f.close()
+
+    def log(self, uid: int) -> str:
+        return (self.out.parent / f"{self.out.name}.uid{uid}.log").read_text()
+
+
+def _losses(steps: list[dict], rank: int = 0) -> dict[int, float]:
+    """step -> loss as rank ``rank`` of the attempt that trained it last recorded it."""
+    return {s["step"]: s["loss"] for s in steps if s["rank"] == rank}
+
+
+def test_a_killed_rank_is_replaced_by_a_standby_and_the_survivor_keeps_its_process(tmp_path):
+    args = ["--steps", "24", "--save-every", "4", "--step-sleep", "0.15"]
+    ref = Launch(tmp_path / "ref", 2, 0, args)
+    assert ref.wait() == [0, 0], ref.log(0)[-3000:]
+    expected = _losses(ref.steps())
+    assert sorted(expected) == list(range(1, 25))
+
+    job = Launch(tmp_path / "job", 2, 1, args)
+    deadline = time.monotonic() + 120
+    while not any(s["step"] >= 10 for s in job.steps()):
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
+        time.sleep(0.05)
+    survivor = job.procs[0].pid
+    job.procs[1].send_signal(signal.SIGKILL)  # uid 1: rank 1, its node lost
+    killed = time.time()
+    rcs = job.wait()
+    assert rcs[0] == 0 and rcs[2] == 0 and rcs[1] == -signal.SIGKILL, (rcs, job.log(0)[-3000:], job.log(2)[-3000:])
+
+    steps = job.steps()
+    second = [s for s in steps if s["attempt"] == 1]
+    assert {(s["rank"], s["uid"]) for s in second} == {(0, 0), (1, 2)}  # the standby took rank 1
+    assert {s["pid"] for s in steps if s["uid"] == 0} == {survivor}  # one process throughout
+    first = min(second, key=lambda s: s["t"])
+    resumed = first["resumed"]
+    assert resumed % 4 == 0 and 8 <= resumed <= 12
+    assert _losses(steps) == expected  # every step, the retrained ones too (bitwise)
+    restart = min(s["t"] for s in second) - killed
+    print(f"in-process restart: first step of attempt 1 {restart:.2f} s after the SIGKILL; resumed from step "
+          f"{resumed}; the survivor's own restart_s {[s.get('restart_s') for s in second if 'restart_s' in s]}")
+    assert "attempt 0 ended" in job.log(0) and "rank 0 stays and rejoins" in job.log(0)
+
+
+def test_too_few_standbys_end_every_process_for_a_full_relaunch(tmp_path):
+    job = Launch(tmp_path / "job", 2, 0, ["--steps", "40", "--save-every", "4", "--step-sleep", "0.15"], join_s=2.0)
+    deadline = time.monotonic() + 120
+    while not any(s["step"] >= 3 for s in job.steps()):
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
+        time.sleep(0.05)
+    job.procs[1].send_signal(signal.SIGKILL)
+    rcs = job.wait()
+    assert rcs == [RELAUNCH_EXIT, -signal.SIGKILL], (rcs, job.log(0)[-3000:])
+    assert ("hfscale: no in-process restart: 1 rank(s) lost (rank 1) and 0 standby rank(s) to take their place; "
+            "the job is relaunched") in job.log(0)
+
+
+def test_a_lost_store_ends_the_standby_for_a_full_relaunch_and_the_training_goes_on(tmp_path):
+    job = Launch(tmp_path / "job", 1, 1, ["--steps", "30", "--save-every", "10", "--step-sleep", "0.1"],
+                 store_process=True)
+    deadline = time.monotonic() + 120
+    while not any(s["step"] >= 3 for s in job.steps()):
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
+        time.sleep(0.05)
+    job.store.kill()
+    job.store.wait()
+    rcs = job.wait()
+    assert rcs == [0, RELAUNCH_EXIT], (rcs, job.log(1)[-3000:])
+    assert max(s["step"] for s in job.steps()) == 30  # the training needs no store once its group is formed
+    assert re.search(r"hfscale: no in-process restart: the store at 127.0.0.1:\d+ is lost \(.+\); the job is "
+                     r"relaunched", job.log(1)), job.log(1)[-2000:]
+
+
+def _trainer_config(tmp: Path, name: str) -> Path:
+    """The README's job (examples/tiny_cpu: GPT-2, ZeRO-2, the built-in entry point), 30 steps, a
+    checkpoint every 5, every step's loss logged."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "examples" / "tiny_cpu" / "config.yaml").read_text())
+    doc["name"] = name
+    doc["training"].update(max_steps=30, save_steps=5, logging_steps=1, save_total_limit=3,
+                           output_dir=str(tmp / name / "out"))
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _trainer_losses(ckpt: Path) -> dict[int, float]:
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
+def test_the_built_in_entry_point_restarts_in_process_with_deepspeed_and_loses_nothing(tmp_path):
+    """The Trainer, DeepSpeed ZeRO-2 and accelerate set up again inside the surviving process (their
+    process-group caches forgotten: hfscale.training.inprocess.restart.forget_singletons), the standby's
+    first attempt its first: every step's loss is the uninterrupted run's."""
+    entry = lambda cfg: [sys.executable, "-m", "hfscale.training.train", "--config", str(cfg)]  # noqa: E731
+    ref_cfg, job_cfg = _trainer_config(tmp_path, "ref"), _trainer_config(tmp_path, "job")
+    ref = Launch(tmp_path / "ref", 2, 0, [], entry=entry(ref_cfg))
+    assert ref.wait() == [0, 0], ref.log(0)[-3000:]
+    expected = _trainer_losses(tmp_path / "ref" / "out" / "checkpoint-30")
+    assert sorted(expected) == list(range(1, 31))
+
+    job = Launch(tmp_path / "job", 2, 1, [], entry=entry(job_cfg))
+    out = tmp_path / "job" / "out"
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoint-10" / "hfscale_complete.json").exists():
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
+        time.sleep(0.05)
+    job.procs[1].send_signal(signal.SIGKILL)
+    rcs = job.wait()
+    assert rcs == [0, -signal.SIGKILL, 0], (rcs, job.log(0)[-3000:], job.log(2)[-3000:])
+    log0 = job.log(0)
+    assert "rank 0 stays and rejoins" in log0 and re.search(r"Connection (reset|closed) by peer", log0)  # its death
+    assert log0.index("rank 0 stays and rejoins") < log0.index("hfscale: resuming from " + str(out / "checkpoint-1"))
+    assert "HFSCALE_TRAIN done step=30" in log0
+    assert _trainer_losses(out / "checkpoint-30") == expected
