@@ -84,7 +84,7 @@ ENV = {"WORLD_SIZE": "6", "RANK": "5", "MASTER_ADDR": "node0", "MASTER_PORT": "2
 
 def test_the_session_is_read_from_the_launchs_environment():
     assert Session.from_env(ENV) == Session(uid=5, world_size=4, standbys=2, master_addr="node0", master_port=29500,
-                                            join_s=10.0, max_restarts=10)
+                                            join_s=3.0, max_restarts=10)
     s = Session.from_env({**ENV, "HFSCALE_INPROCESS_JOIN_S": "2.5", "HFSCALE_INPROCESS_RESTARTS": "3"})
     assert (s.join_s, s.max_restarts) == (2.5, 3)
 

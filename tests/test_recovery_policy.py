@@ -404,3 +404,20 @@ def test_rank_0_marks_each_part_once_and_other_ranks_nothing(tmp_path, monkeypat
     marks = json.loads((tmp_path / "progress" / "metrics.json").read_text())["phases"]
     assert marks["model"] == 100.0 and set(marks) == {"process", "model"}
     assert abs(marks["process"] - heartbeat.process_started()) < 0.05  # this process's own start, from /proc
+
+
+def test_an_in_process_attempt_marks_its_parts_again_from_the_failure(tmp_path, monkeypatch):
+    """hfscale.training.inprocess.restart: no process starts, so the new start's "process" mark is the
+    moment the previous attempt ended, and every part is marked again."""
+    from hfscale.training import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_state", {})
+    monkeypatch.setenv("HFSCALE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    heartbeat.phase("model", at=100.0)
+    heartbeat.phase("first_step", at=110.0)
+    heartbeat.begin_attempt(500.0)
+    heartbeat.phase("model", at=502.0)
+    marks = json.loads((tmp_path / "progress" / "metrics.json").read_text())["phases"]
+    assert marks == {"process": 500.0, "model": 502.0}
+    assert heartbeat.parts(marks, 499.5) == {"process": 0.5, "model": 2.0}

@@ -106,6 +106,14 @@ def phase(name: str, at: float | None = None) -> None:
     report(phases=dict(marks))  # type: ignore[call-overload]
 
 
+def begin_attempt(at: float) -> None:
+    """An in-process restart's new attempt (hfscale.training.inprocess.restart) began in this process:
+    its start's parts are marked again, from ``at`` (when the previous attempt ended): no process
+    started, so the "process" part is that moment."""
+    _state["phases"] = {}
+    phase("process", at)
+
+
 def parts(marks: dict[str, float], launched: float | None) -> dict[str, float]:
     """The seconds each part of a start took, from the mark before it ("process": from ``launched``,
     when the launch started it); a part not marked gives its time to the next one marked."""

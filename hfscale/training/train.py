@@ -163,8 +163,21 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: in-process restart: {e}", file=sys.stderr)
             return 2
+        warm_up(job)  # a standby joins with its imports done
         return run(lambda attempt: train_once(job), session=session)
     return train_once(job)
+
+
+def warm_up(job: Job) -> None:
+    """The imports every attempt needs, done once, before the first: a standby then waits with them
+    done, and joins in the time the survivors take to set up again."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import Trainer  # noqa: F401
+
+    if job.deepspeed is not None:
+        import deepspeed  # noqa: F401
+    import datasets  # noqa: F401
 
 
 def train_once(job: Job) -> int:

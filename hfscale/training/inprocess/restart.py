@@ -10,8 +10,8 @@ Attempt ``k``:
 - any member whose training function raises (a peer's death shows as a collective's error: gloo and
   NCCL see the connection close) writes ``a{k}/over`` (the first reason stays), leaves its process
   group, which makes the collectives of the peers still in it fail too, and arrives at ``a{k+1}``;
-- the first to arrive leads: it waits until every process of attempt ``k`` has arrived, or
-  ``join_s`` seconds, then writes ``a{k+1}/members``: the survivors at their ranks, a standby in each
+- the first to arrive leads: it waits until every process of attempt ``k`` has arrived, or enough to
+  fill every rank with none new for ``QUIET_S``, or ``join_s`` seconds, then writes ``a{k+1}/members``: the survivors at their ranks, a standby in each
   lost rank's place; with too few, ``relaunch`` and the reason: every process then exits with
   ``RELAUNCH_EXIT`` and the launcher relaunches the job as it would without in-process restarts.
 
@@ -30,12 +30,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from hfscale.training.heartbeat import begin_attempt
 from hfscale.training.inprocess.assignment import (Assigned, Members, Relaunch, Replaced, assign, changes, decode,
                                                   encode, first)
 
 PREFIX = "hfscale/inprocess/"
 RELAUNCH_EXIT = 75  # EX_TEMPFAIL: the in-process restart could not go on; the launcher relaunches the job
 POLL_S = 0.2  # how often a waiting process reads a key it waits for (TCPStore.check: one round trip)
+QUIET_S = 0.5  # arrivals enough for every rank and none new for this long: the attempt's members are written
 ENV_WORLD = "HFSCALE_INPROCESS_WORLD"  # the active world size; the launch's WORLD_SIZE counts the standbys too
 ENV_JOIN = "HFSCALE_INPROCESS_JOIN_S"
 ENV_RESTARTS = "HFSCALE_INPROCESS_RESTARTS"
@@ -50,7 +52,7 @@ class Session:
     standbys: int
     master_addr: str
     master_port: int
-    join_s: float = 10.0
+    join_s: float = 3.0
     max_restarts: int = 10
 
     @classmethod
@@ -76,7 +78,7 @@ class Session:
         if not addr:
             raise ValueError("MASTER_ADDR is not set")
         return cls(uid=number("RANK", 0, launched - 1), world_size=world, standbys=launched - world, master_addr=addr,
-                   master_port=number("MASTER_PORT", 1, 65535), join_s=number(ENV_JOIN, 0, 3600, 10.0, float),
+                   master_port=number("MASTER_PORT", 1, 65535), join_s=number(ENV_JOIN, 0, 3600, 3.0, float),
                    max_restarts=number(ENV_RESTARTS, 0, 10_000, 10))
 
 
@@ -128,9 +130,14 @@ def join_next(store: Any, s: Session, previous: Members) -> Assigned | Relaunch:
     everyone = len(previous.uids) + len(previous.waiting)
     if store.compare_set(f"a{k}/leader", "", str(s.uid)).decode() == str(s.uid):
         deadline = time.monotonic() + s.join_s
+        last, quiet = (n, time.monotonic()), min(QUIET_S, s.join_s)
         while n < everyone and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+            if n >= len(previous.uids) and time.monotonic() - last[1] >= quiet:
+                break  # enough to fill every rank, and nobody new for QUIET_S: the rest are lost
+            time.sleep(POLL_S / 4)
             n = store.add(f"a{k}/count", 0)
+            if n != last[0]:
+                last = (n, time.monotonic())
         out = assign(previous, _arrived(store, k, n), s.world_size + s.standbys) if k <= s.max_restarts else Relaunch(
             f"{s.max_restarts} in-process restart(s) made, the most recovery.max_restarts allows")
         store.set(f"a{k}/members", encode(out.members) if isinstance(out, Assigned) else f"relaunch;{out.reason}")
@@ -213,7 +220,6 @@ def _join_group(store: Any, members: Members, rank: int) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if _cuda() else "gloo"
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(members.world_size))
     dist.init_process_group(backend, store=dist.PrefixStore(f"a{members.attempt}/pg/", store), rank=rank,
                             world_size=members.world_size)
 
@@ -237,6 +243,18 @@ def run(fn: Callable[[Attempt], int], say: Callable[[str], None] | None = None, 
         return RELAUNCH_EXIT
 
 
+def _tell_standbys(store: Any, standbys: int, bound_s: float = 10.0) -> None:
+    """The job is done: tell the standbys, and wait (bounded) until each has seen it, so that a store
+    hosted with rank 0's node does not end before them (they would take that for a lost store)."""
+    try:
+        store.set("finished", "1")
+        deadline = time.monotonic() + bound_s
+        while store.add("finished/seen", 0) < standbys and time.monotonic() < deadline:
+            time.sleep(POLL_S / 4)
+    except RuntimeError:  # the store is gone: the standbys end with RELAUNCH_EXIT, the job's result stands
+        pass
+
+
 class _StoreLost(Exception):
     """A store operation failed outside the training function (its host is gone)."""
 
@@ -253,6 +271,7 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
             try:
                 while True:
                     if store.check(["finished"]):
+                        store.add("finished/seen", 1)
                         return 0
                     if store.check([f"a{members.attempt}/over"]):
                         ended = time.time()
@@ -261,6 +280,9 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
             except RuntimeError as e:
                 raise _StoreLost(str(e)[:300]) from None
         else:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(members.world_size))
+            if ended is not None:
+                begin_attempt(ended)  # this start's parts, marked again (rank 0 of the attempt writes them)
             _join_group(store, members, rank)
             try:
                 rc = fn(Attempt(members.attempt, rank, members.world_size, s.uid, ended, replaced))
@@ -281,10 +303,7 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
             else:
                 leave_group()
                 if rank == 0:
-                    try:
-                        store.set("finished", "1")  # the standbys' signal to end
-                    except RuntimeError:  # the store is gone: the standbys' launcher stops them
-                        pass
+                    _tell_standbys(store, len(members.waiting))
                 return rc
         try:
             out = join_next(store, s, members)
