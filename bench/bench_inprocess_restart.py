@@ -180,7 +180,8 @@ def main() -> int:
                      + f"{statistics.median(r for r, _, _ in got):12.2f}   {sum(e for *_, e in got)}/{len(got)}")
     lines += ["", f"medians of {a.faults} faults each; R: SIGKILL to the end of step {KILL_AFTER + 1}; the parts: rank "
               "0's marks of that start (in process: 'process' is the failure seen, 'imports' the others' arrival "
-              "(restart.QUIET_S once enough arrived) and the new process group)", f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs"]
+              "(restart.QUIET_S once enough arrived) and the new process group)",
+              f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs"]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(a.out).write_text(text)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hfscale.training.inprocess.restart import ENV_JOIN, ENV_WORLD, RELAUNCH_EXIT
+from hfscale.training.inprocess.restart import ENV_JOIN, ENV_TIMEOUT, ENV_WORLD, RELAUNCH_EXIT
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +47,14 @@ class Launch:
     the loop script's; ``entry``: another command line instead (the built-in entry point)."""
 
     def __init__(self, out: Path, world: int, standbys: int, args: list[str], join_s: float = 3.0,
-                 entry: list[str] | None = None, store_process: bool = False) -> None:
+                 entry: list[str] | None = None, store_process: bool = False, env: dict[str, str] | None = None) -> None:
         import torch.distributed as dist
 
         out.mkdir(parents=True, exist_ok=True)
         self.out, port = out, _port()
         if store_process:  # a process of its own, to be killed
-            self.store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+            self.store = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE,
+                                          text=True)
             assert self.store.stdout.readline().strip() == "ready"
         else:
             self.store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
@@ -61,10 +62,11 @@ class Launch:
         total = world + standbys
         self.logs = [open(out.parent / f"{out.name}.uid{u}.log", "w") for u in range(total)]
         env = {**os.environ, "WORLD_SIZE": str(total), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               ENV_WORLD: str(world), ENV_JOIN: str(join_s), "PYTHONPATH": str(ROOT)}
+               ENV_WORLD: str(world), ENV_JOIN: str(join_s), "PYTHONPATH": str(ROOT), **(env or {})}
         cmd = entry or [sys.executable, str(SCRIPT), str(out), *args]
         self.procs = [subprocess.Popen(cmd, stdout=self.logs[u], stderr=subprocess.STDOUT, cwd=out,
-                                       env={**env, "RANK": str(u), "LOCAL_RANK": str(u), "LOCAL_WORLD_SIZE": str(total)},
+                                       env={**env, "RANK": str(u), "LOCAL_RANK": str(u),
+                                            "LOCAL_WORLD_SIZE": str(total)},
                                        start_new_session=True) for u in range(total)]
 
     def steps(self) -> list[dict]:
@@ -92,13 +94,21 @@ def _losses(steps: list[dict], rank: int = 0) -> dict[int, float]:
     return {s["step"]: s["loss"] for s in steps if s["rank"] == rank}
 
 
-def test_a_killed_rank_is_replaced_by_a_standby_and_the_survivor_keeps_its_process(tmp_path):
-    args = ["--steps", "24", "--save-every", "4", "--step-sleep", "0.15"]
-    ref = Launch(tmp_path / "ref", 2, 0, args)
+LOOP = ["--steps", "24", "--save-every", "4", "--step-sleep", "0.15"]
+
+
+@pytest.fixture(scope="module")
+def loop_losses(tmp_path_factory) -> dict[int, float]:
+    """The loop's uninterrupted run: each step's loss."""
+    ref = Launch(tmp_path_factory.mktemp("loop-ref") / "ref", 2, 0, LOOP)
     assert ref.wait() == [0, 0], ref.log(0)[-3000:]
     expected = _losses(ref.steps())
     assert sorted(expected) == list(range(1, 25))
+    return expected
 
+
+def test_a_killed_rank_is_replaced_by_a_standby_and_the_survivor_keeps_its_process(tmp_path, loop_losses):
+    expected, args = loop_losses, LOOP
     job = Launch(tmp_path / "job", 2, 1, args)
     deadline = time.monotonic() + 120
     while not any(s["step"] >= 10 for s in job.steps()):
@@ -122,6 +132,33 @@ def test_a_killed_rank_is_replaced_by_a_standby_and_the_survivor_keeps_its_proce
     print(f"in-process restart: first step of attempt 1 {restart:.2f} s after the SIGKILL; resumed from step "
           f"{resumed}; the survivor's own restart_s {[s.get('restart_s') for s in second if 'restart_s' in s]}")
     assert "attempt 0 ended" in job.log(0) and "rank 0 stays and rejoins" in job.log(0)
+
+
+def test_a_frozen_rank_is_replaced_once_its_peers_collective_times_out(tmp_path, loop_losses):
+    """A peer stopped (SIGSTOP: a hung driver, a cut link) closes no connection: the survivor's collective
+    fails at the groups' timeout (HFSCALE_INPROCESS_TIMEOUT_S, 5 s here), and the standby takes the rank."""
+    job = Launch(tmp_path / "job", 2, 1, LOOP, env={ENV_TIMEOUT: "5"})
+    deadline = time.monotonic() + 120
+    while not any(s["step"] >= 6 for s in job.steps()):
+        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
+        time.sleep(0.05)
+    job.procs[1].send_signal(signal.SIGSTOP)
+    frozen = time.time()
+    try:
+        for u in (0, 2):
+            assert job.procs[u].wait(180) == 0, (u, job.log(u)[-3000:])
+    finally:
+        job.procs[1].send_signal(signal.SIGKILL)
+        rcs = job.wait()
+    assert rcs == [0, -signal.SIGKILL, 0], rcs
+    steps = job.steps()
+    second = [s for s in steps if s["attempt"] == 1]
+    assert {(s["rank"], s["uid"]) for s in second} == {(0, 0), (1, 2)}
+    assert _losses(steps) == loop_losses
+    back = min(s["t"] for s in second) - frozen
+    print(f"frozen rank: first step of attempt 1 {back:.2f} s after the SIGSTOP (timeout 5 s)")
+    assert 5.0 <= back <= 5.0 + 10.0, back
+    assert re.search(r"attempt 0 ended \(rank 0 \(uid 0\): .*[Tt]imed out", job.log(0)), job.log(0)[-2000:]
 
 
 def test_too_few_standbys_end_every_process_for_a_full_relaunch(tmp_path):

@@ -85,8 +85,9 @@ ENV = {"WORLD_SIZE": "6", "RANK": "5", "MASTER_ADDR": "node0", "MASTER_PORT": "2
 def test_the_session_is_read_from_the_launchs_environment():
     assert Session.from_env(ENV) == Session(uid=5, world_size=4, standbys=2, master_addr="node0", master_port=29500,
                                             join_s=3.0, max_restarts=10)
-    s = Session.from_env({**ENV, "HFSCALE_INPROCESS_JOIN_S": "2.5", "HFSCALE_INPROCESS_RESTARTS": "3"})
-    assert (s.join_s, s.max_restarts) == (2.5, 3)
+    s = Session.from_env({**ENV, "HFSCALE_INPROCESS_JOIN_S": "2.5", "HFSCALE_INPROCESS_RESTARTS": "3",
+                          "HFSCALE_INPROCESS_TIMEOUT_S": "20"})
+    assert (s.join_s, s.max_restarts, s.timeout_s) == (2.5, 3, 20.0)
 
 
 @pytest.mark.parametrize("change, said", [
@@ -99,6 +100,7 @@ def test_the_session_is_read_from_the_launchs_environment():
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000: needs 1 .. 65535"),
     ({"HFSCALE_INPROCESS_JOIN_S": "nan"}, "HFSCALE_INPROCESS_JOIN_S=nan: needs 0 .. 3600"),
     ({"HFSCALE_INPROCESS_RESTARTS": "-1"}, "HFSCALE_INPROCESS_RESTARTS=-1: needs 0 .. 10000"),
+    ({"HFSCALE_INPROCESS_TIMEOUT_S": "0.5"}, "HFSCALE_INPROCESS_TIMEOUT_S=0.5: needs 1 .. 86400"),
 ])
 def test_a_session_variable_out_of_its_range_is_named(change, said):
     env = {k: v for k, v in {**ENV, **change}.items() if v is not None}

@@ -1,4 +1,4 @@
-"""In-process restart (``recovery.in_process``): when a node is lost, the ranks on the other nodes do
+"""In-process restart: when a node is lost, the ranks on the other nodes do
 not exit. They leave the failed attempt, join the next one with the standby ranks of a spare node in
 the lost node's place, and train on from the newest checkpoint with the interpreter, the imports and
 the data they already have.

@@ -8,12 +8,14 @@ Attempt ``k``:
 - the members (hfscale.training.inprocess.assignment) join a process group of their own over the
   store's prefix ``a{k}/pg``; the standbys wait for the attempt to end;
 - any member whose training function raises (a peer's death shows as a collective's error: gloo and
-  NCCL see the connection close) writes ``a{k}/over`` (the first reason stays), leaves its process
-  group, which makes the collectives of the peers still in it fail too, and arrives at ``a{k+1}``;
+  NCCL see the connection close) leaves its process group, which makes the collectives of the peers
+  still in it fail too, writes ``a{k}/over`` (the first reason stays; the standbys wait for it) and
+  arrives at ``a{k+1}``;
 - the first to arrive leads: it waits until every process of attempt ``k`` has arrived, or enough to
-  fill every rank with none new for ``QUIET_S``, or ``join_s`` seconds, then writes ``a{k+1}/members``: the survivors at their ranks, a standby in each
-  lost rank's place; with too few, ``relaunch`` and the reason: every process then exits with
-  ``RELAUNCH_EXIT`` and the launcher relaunches the job as it would without in-process restarts.
+  fill every rank with none new for ``QUIET_S``, or ``join_s`` seconds, then writes ``a{k+1}/members``:
+  the survivors at their ranks, a standby in each lost rank's place; with too few, ``relaunch`` and
+  the reason: every process then exits with ``RELAUNCH_EXIT``, for the launcher to relaunch the job
+  as it would without in-process restarts.
 
 A rank that finds nothing written within its bound exits the same way (a leader lost as it led).
 """
@@ -41,6 +43,7 @@ QUIET_S = 0.5  # arrivals enough for every rank and none new for this long: the 
 ENV_WORLD = "HFSCALE_INPROCESS_WORLD"  # the active world size; the launch's WORLD_SIZE counts the standbys too
 ENV_JOIN = "HFSCALE_INPROCESS_JOIN_S"
 ENV_RESTARTS = "HFSCALE_INPROCESS_RESTARTS"
+ENV_TIMEOUT = "HFSCALE_INPROCESS_TIMEOUT_S"  # a collective that waits longer fails: a frozen or cut-off peer
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Session:
     master_port: int
     join_s: float = 3.0
     max_restarts: int = 10
+    timeout_s: float | None = None  # the process groups' timeout (None: torch's default, 30 min)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Session:
@@ -79,7 +83,8 @@ class Session:
             raise ValueError("MASTER_ADDR is not set")
         return cls(uid=number("RANK", 0, launched - 1), world_size=world, standbys=launched - world, master_addr=addr,
                    master_port=number("MASTER_PORT", 1, 65535), join_s=number(ENV_JOIN, 0, 3600, 3.0, float),
-                   max_restarts=number(ENV_RESTARTS, 0, 10_000, 10))
+                   max_restarts=number(ENV_RESTARTS, 0, 10_000, 10),
+                   timeout_s=number(ENV_TIMEOUT, 1, 86_400, kind=float) if e.get(ENV_TIMEOUT) else None)
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,6 @@ def join_next(store: Any, s: Session, previous: Members) -> Assigned | Relaunch:
         out = assign(previous, _arrived(store, k, n), s.world_size + s.standbys) if k <= s.max_restarts else Relaunch(
             f"{s.max_restarts} in-process restart(s) made, the most recovery.max_restarts allows")
         store.set(f"a{k}/members", encode(out.members) if isinstance(out, Assigned) else f"relaunch;{out.reason}")
-        store.set("current", str(k))
         return out
     got = _wait_for(store, f"a{k}/members", s.join_s + 30.0)
     if got is None:
@@ -216,12 +220,15 @@ def forget_singletons() -> None:
         hf_ds.unset_hf_deepspeed_config()
 
 
-def _join_group(store: Any, members: Members, rank: int) -> None:
+def _join_group(store: Any, members: Members, rank: int, timeout_s: float | None) -> None:
+    """This attempt's process group; with ``timeout_s``, a collective that waits longer raises (a peer
+    frozen or cut off never closes its connections: without a bound the survivors wait for ever)."""
     import torch.distributed as dist
 
     backend = "nccl" if _cuda() else "gloo"
+    bound = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(backend, store=dist.PrefixStore(f"a{members.attempt}/pg/", store), rank=rank,
-                            world_size=members.world_size)
+                            world_size=members.world_size, **bound)
 
 
 def _cuda() -> bool:
@@ -283,7 +290,7 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(members.world_size))
             if ended is not None:
                 begin_attempt(ended)  # this start's parts, marked again (rank 0 of the attempt writes them)
-            _join_group(store, members, rank)
+            _join_group(store, members, rank, s.timeout_s)
             try:
                 rc = fn(Attempt(members.attempt, rank, members.world_size, s.uid, ended, replaced))
             except (KeyboardInterrupt, SystemExit):
