@@ -172,7 +172,6 @@ def warm_up(job: Job) -> None:
     """The imports every attempt needs, done once, before the first: a standby then waits with them
     done, and joins in the time the survivors take to set up again."""
     import torch  # noqa: F401
-    import transformers  # noqa: F401
     from transformers import Trainer  # noqa: F401
 
     if job.deepspeed is not None:

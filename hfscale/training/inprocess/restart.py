@@ -165,15 +165,17 @@ def _arrived(store: Any, k: int, n: int) -> frozenset[int]:
     """The uids of arrivals 1 .. n (an arrival counted but not yet written is waited for, briefly)."""
     keys = [f"a{k}/arrival/{i}" for i in range(1, n + 1)]
     deadline = time.monotonic() + 5.0
-    while not store.check(keys) and time.monotonic() < deadline:
+    while not store.check(keys):
+        if time.monotonic() >= deadline:  # an arrival that died between its count and its write
+            keys = [key for key in keys if store.check([key])]
+            break
         time.sleep(0.01)
     uids = set()
-    for key in keys:
-        if store.check([key]):
-            try:
-                uids.add(int(store.get(key)))
-            except ValueError:  # not a uid: not an arrival
-                pass
+    for raw in store.multi_get(keys) if keys else ():
+        try:
+            uids.add(int(raw))
+        except ValueError:  # not a uid: not an arrival
+            pass
     return frozenset(uids)
 
 
@@ -244,9 +246,9 @@ def run(fn: Callable[[Attempt], int], say: Callable[[str], None] | None = None, 
     tell = say or (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         return _attempts(fn, s, tell)
-    except _StoreLost as e:
-        tell(f"hfscale: no in-process restart: the store at {s.master_addr}:{s.master_port} is lost ({e}); "
-             "the job is relaunched")
+    except RuntimeError as e:  # torch's DistStoreError, DistNetworkError: a store operation outside ``fn`` failed
+        tell(f"hfscale: no in-process restart: the store at {s.master_addr}:{s.master_port} is lost "
+             f"({str(e)[:300]}); the job is relaunched")
         return RELAUNCH_EXIT
 
 
@@ -262,30 +264,19 @@ def _tell_standbys(store: Any, standbys: int, bound_s: float = 10.0) -> None:
         pass
 
 
-class _StoreLost(Exception):
-    """A store operation failed outside the training function (its host is gone)."""
-
-
 def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], None]) -> int:
-    try:
-        store = connect(s)
-    except RuntimeError as e:  # torch's DistStoreError and DistNetworkError
-        raise _StoreLost(str(e)[:300]) from None
+    """``run``'s loop; a store operation that fails raises RuntimeError (``fn``'s own errors are caught)."""
+    store = connect(s)
     members, replaced, ended = first(s.world_size, s.standbys), (), None
     while True:
         rank = members.rank_of(s.uid)
         if rank is None:  # a standby: wait for this attempt to end, or for the job to
-            try:
-                while True:
-                    if store.check(["finished"]):
-                        store.add("finished/seen", 1)
-                        return 0
-                    if store.check([f"a{members.attempt}/over"]):
-                        ended = time.time()
-                        break
-                    time.sleep(POLL_S)
-            except RuntimeError as e:
-                raise _StoreLost(str(e)[:300]) from None
+            while not store.check([f"a{members.attempt}/over"]):
+                if store.check(["finished"]):
+                    store.add("finished/seen", 1)
+                    return 0
+                time.sleep(POLL_S)
+            ended = time.time()
         else:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(members.world_size))
             if ended is not None:
@@ -302,20 +293,14 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
                 e.__traceback__ = None
                 del e
                 leave_group()
-                try:
-                    why = declare_over(store, members.attempt, mine)
-                except RuntimeError as lost:
-                    raise _StoreLost(str(lost)[:300]) from None
+                why = declare_over(store, members.attempt, mine)
                 tell(f"hfscale: attempt {members.attempt} ended ({why}); rank {rank} stays and rejoins")
             else:
                 leave_group()
                 if rank == 0:
                     _tell_standbys(store, len(members.waiting))
                 return rc
-        try:
-            out = join_next(store, s, members)
-        except RuntimeError as e:
-            raise _StoreLost(str(e)[:300]) from None
+        out = join_next(store, s, members)
         if isinstance(out, Relaunch):
             tell(f"hfscale: no in-process restart: {out.reason}; the job is relaunched")
             return RELAUNCH_EXIT
