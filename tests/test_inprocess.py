@@ -16,8 +16,10 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import pytest
+from test_recovery_cluster import losses
 
 from hfscale.training.inprocess.restart import ENV_JOIN, ENV_TIMEOUT, ENV_WORLD, RELAUNCH_EXIT
 
@@ -88,6 +90,16 @@ class Launch:
     def log(self, uid: int) -> str:
         return (self.out.parent / f"{self.out.name}.uid{uid}.log").read_text()
 
+    def until(self, done: Callable[[], bool], timeout: float = 120) -> None:
+        """Wait for ``done()`` while uid 0 runs."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline and self.procs[0].poll() is None, self.log(0)[-3000:]
+            time.sleep(0.05)
+
+    def at_step(self, step: int) -> None:
+        self.until(lambda: any(s["step"] >= step for s in self.steps()))
+
 
 def _losses(steps: list[dict], rank: int = 0) -> dict[int, float]:
     """step -> loss as rank ``rank`` of the attempt that trained it last recorded it."""
@@ -110,10 +122,7 @@ def loop_losses(tmp_path_factory) -> dict[int, float]:
 def test_a_killed_rank_is_replaced_by_a_standby_and_the_survivor_keeps_its_process(tmp_path, loop_losses):
     expected, args = loop_losses, LOOP
     job = Launch(tmp_path / "job", 2, 1, args)
-    deadline = time.monotonic() + 120
-    while not any(s["step"] >= 10 for s in job.steps()):
-        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
-        time.sleep(0.05)
+    job.at_step(10)
     survivor = job.procs[0].pid
     job.procs[1].send_signal(signal.SIGKILL)  # uid 1: rank 1, its node lost
     killed = time.time()
@@ -138,10 +147,7 @@ def test_a_frozen_rank_is_replaced_once_its_peers_collective_times_out(tmp_path,
     """A peer stopped (SIGSTOP: a hung driver, a cut link) closes no connection: the survivor's collective
     fails at the groups' timeout (HFSCALE_INPROCESS_TIMEOUT_S, 5 s here), and the standby takes the rank."""
     job = Launch(tmp_path / "job", 2, 1, LOOP, env={ENV_TIMEOUT: "5"})
-    deadline = time.monotonic() + 120
-    while not any(s["step"] >= 6 for s in job.steps()):
-        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
-        time.sleep(0.05)
+    job.at_step(6)
     job.procs[1].send_signal(signal.SIGSTOP)
     frozen = time.time()
     try:
@@ -161,12 +167,27 @@ def test_a_frozen_rank_is_replaced_once_its_peers_collective_times_out(tmp_path,
     assert re.search(r"attempt 0 ended \(rank 0 \(uid 0\): .*[Tt]imed out", job.log(0)), job.log(0)[-2000:]
 
 
+def test_a_standby_lost_as_it_takes_its_rank_is_replaced_by_the_next(tmp_path, loop_losses):
+    """A fault inside the restart: uid 2, the standby given rank 1, dies as attempt 1 begins (after joining
+    its group, before reading the checkpoint). The survivor's next collective fails, and attempt 2 gives
+    rank 1 to uid 3; the survivor kept its process through both."""
+    job = Launch(tmp_path / "job", 2, 2, [*LOOP, "--die", "2:1"])
+    job.at_step(6)
+    survivor = job.procs[0].pid
+    job.procs[1].send_signal(signal.SIGKILL)
+    rcs = job.wait()
+    assert rcs == [0, -signal.SIGKILL, -signal.SIGKILL, 0], (rcs, job.log(0)[-3000:])
+    steps = job.steps()
+    assert {(s["attempt"], s["rank"], s["uid"]) for s in steps if s["attempt"] > 0} == {(2, 0, 0), (2, 1, 3)}
+    assert {s["pid"] for s in steps if s["uid"] == 0} == {survivor}
+    assert _losses(steps) == loop_losses
+    log0 = job.log(0)
+    assert "attempt 0 ended" in log0 and "attempt 1 ended" in log0
+
+
 def test_too_few_standbys_end_every_process_for_a_full_relaunch(tmp_path):
     job = Launch(tmp_path / "job", 2, 0, ["--steps", "40", "--save-every", "4", "--step-sleep", "0.15"], join_s=2.0)
-    deadline = time.monotonic() + 120
-    while not any(s["step"] >= 3 for s in job.steps()):
-        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
-        time.sleep(0.05)
+    job.at_step(3)
     job.procs[1].send_signal(signal.SIGKILL)
     rcs = job.wait()
     assert rcs == [RELAUNCH_EXIT, -signal.SIGKILL], (rcs, job.log(0)[-3000:])
@@ -177,10 +198,7 @@ def test_too_few_standbys_end_every_process_for_a_full_relaunch(tmp_path):
 def test_a_lost_store_ends_the_standby_for_a_full_relaunch_and_the_training_goes_on(tmp_path):
     job = Launch(tmp_path / "job", 1, 1, ["--steps", "30", "--save-every", "10", "--step-sleep", "0.1"],
                  store_process=True)
-    deadline = time.monotonic() + 120
-    while not any(s["step"] >= 3 for s in job.steps()):
-        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
-        time.sleep(0.05)
+    job.at_step(3)
     job.store.kill()
     job.store.wait()
     rcs = job.wait()
@@ -204,11 +222,6 @@ def _trainer_config(tmp: Path, name: str) -> Path:
     return path
 
 
-def _trainer_losses(ckpt: Path) -> dict[int, float]:
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
-
-
 def test_the_built_in_entry_point_restarts_in_process_with_deepspeed_and_loses_nothing(tmp_path):
     """The Trainer, DeepSpeed ZeRO-2 and accelerate set up again inside the surviving process (their
     process-group caches forgotten: hfscale.training.inprocess.restart.forget_singletons), the standby's
@@ -217,15 +230,12 @@ def test_the_built_in_entry_point_restarts_in_process_with_deepspeed_and_loses_n
     ref_cfg, job_cfg = _trainer_config(tmp_path, "ref"), _trainer_config(tmp_path, "job")
     ref = Launch(tmp_path / "ref", 2, 0, [], entry=entry(ref_cfg))
     assert ref.wait() == [0, 0], ref.log(0)[-3000:]
-    expected = _trainer_losses(tmp_path / "ref" / "out" / "checkpoint-30")
+    expected = losses(tmp_path / "ref" / "out" / "checkpoint-30")
     assert sorted(expected) == list(range(1, 31))
 
     job = Launch(tmp_path / "job", 2, 1, [], entry=entry(job_cfg))
     out = tmp_path / "job" / "out"
-    deadline = time.monotonic() + 180
-    while not (out / "checkpoint-10" / "hfscale_complete.json").exists():
-        assert time.monotonic() < deadline and job.procs[0].poll() is None, job.log(0)[-3000:]
-        time.sleep(0.05)
+    job.until((out / "checkpoint-10" / "hfscale_complete.json").exists, timeout=180)
     job.procs[1].send_signal(signal.SIGKILL)
     rcs = job.wait()
     assert rcs == [0, -signal.SIGKILL, 0], (rcs, job.log(0)[-3000:], job.log(2)[-3000:])
@@ -233,4 +243,4 @@ def test_the_built_in_entry_point_restarts_in_process_with_deepspeed_and_loses_n
     assert "rank 0 stays and rejoins" in log0 and re.search(r"Connection (reset|closed) by peer", log0)  # its death
     assert log0.index("rank 0 stays and rejoins") < log0.index("hfscale: resuming from " + str(out / "checkpoint-1"))
     assert "HFSCALE_TRAIN done step=30" in log0
-    assert _trainer_losses(out / "checkpoint-30") == expected
+    assert losses(out / "checkpoint-30") == expected

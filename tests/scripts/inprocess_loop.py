@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -23,6 +24,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--save-every", type=int, default=4)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--die", default="", help="UID:ATTEMPT: that process SIGKILLs itself as that attempt begins, "
+                    "after joining its group and before reading the checkpoint (a fault inside the restart)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -37,6 +40,8 @@ def main() -> int:
         return (max(done), out / f"ckpt-{max(done)}") if done else (0, None)
 
     def train(attempt) -> int:
+        if a.die == f"{attempt.uid}:{attempt.number}":
+            os.kill(os.getpid(), signal.SIGKILL)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
