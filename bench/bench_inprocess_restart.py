@@ -67,25 +67,24 @@ class Ranks:
         import torch.distributed as dist
 
         self.dir = tmp / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.cfg, self.port = config(tmp, name), port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
-        self.total, self.in_process = world + standbys, in_process
-        self.env = {**os.environ, "WORLD_SIZE": str(self.total), "MASTER_ADDR": "127.0.0.1", "DS_ACCELERATOR": "cpu",
-                    "MASTER_PORT": str(self.port), "HFSCALE_RUN_DIR": str(self.dir / "run"), "PYTHONPATH": str(ROOT),
-                    "LOCAL_WORLD_SIZE": str(self.total)}
-        (self.dir / "run").mkdir(exist_ok=True)
-        if in_process:
-            self.env.update(HFSCALE_INPROCESS_WORLD=str(world), HFSCALE_INPROCESS_JOIN_S="3")
+        (self.dir / "run").mkdir(parents=True, exist_ok=True)
+        self.cfg, self.total = config(tmp, name), world + standbys
+        self.env = {**os.environ, "DS_ACCELERATOR": "cpu", "HFSCALE_RUN_DIR": str(self.dir / "run"),
+                    "PYTHONPATH": str(ROOT)}
+        if in_process:  # the store the processes meet on, hosted here
+            p = port()
+            self.store = dist.TCPStore("127.0.0.1", p, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
+            self.env.update(WORLD_SIZE=str(self.total), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(p),
+                            LOCAL_WORLD_SIZE=str(self.total), HFSCALE_INPROCESS_WORLD=str(world),
+                            HFSCALE_INPROCESS_JOIN_S="3")
             self.procs = [self.start(u) for u in range(self.total)]
         else:
             self.procs = [self.torchrun()]
 
     def torchrun(self) -> subprocess.Popen:
         """The job as one node's torchrun starts it (its ranks meet on its own store)."""
-        env = {k: v for k, v in self.env.items() if k not in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                                                "LOCAL_WORLD_SIZE")}
+        env = self.env
         log = open(self.dir / f"torchrun.{time.monotonic_ns()}.log", "w")
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                  str(self.total), "-m", "hfscale.training.train", "--config", str(self.cfg)],
