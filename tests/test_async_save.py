@@ -37,13 +37,18 @@ def children(pids: list[int]) -> list[int]:
     return [int(p) for p, pp in (ln.split() for ln in ps.splitlines()) if int(pp) in pids]
 
 
-def _state(pid: int) -> str | None:
-    """The State line of a process that is not a zombie, else None (gone, or a zombie)."""
+def _status_state(proc: Path) -> str | None:
+    """The State line of ``/proc/PID`` or ``/proc/PID/task/TID`` (None: gone)."""
     try:
-        state = Path(f"/proc/{pid}/status").read_text(errors="replace").split("State:")[1].split("\n")[0].strip()
+        return (proc / "status").read_text(errors="replace").split("State:")[1].split("\n")[0].strip()
     except (OSError, IndexError):
         return None
-    return None if state.startswith(("Z", "X")) else state
+
+
+def _state(pid: int) -> str | None:
+    """The State line of a process that is not a zombie, else None (gone, or a zombie)."""
+    state = _status_state(Path(f"/proc/{pid}"))
+    return None if state is None or state.startswith(("Z", "X")) else state
 
 
 def _why_alive(pid: int) -> str:
@@ -56,10 +61,10 @@ def _why_alive(pid: int) -> str:
             return f"({e.strerror})"
     threads = []
     for t in sorted(Path(f"/proc/{pid}/task").glob("*"))[:64]:
+        st = _status_state(t)
         try:
-            st = (t / "status").read_text(errors="replace").split("State:")[1].split("\n")[0].strip()
-            threads.append(f"{t.name}:{st[:1]}:{(t / 'wchan').read_text(errors='replace').strip()}")
-        except (OSError, IndexError):
+            threads.append(f"{t.name}:{(st or '?')[:1]}:{(t / 'wchan').read_text(errors='replace').strip()}")
+        except OSError:
             pass
     return (f"{pid}: state {_state(pid)}, wchan {read('wchan')}, threads {' '.join(threads)}, "
             f"cgroups {read('cgroup').replace(chr(10), ' ')}, cmd {read('cmdline').replace(chr(0), ' ')[:200]}")
@@ -67,10 +72,11 @@ def _why_alive(pid: int) -> str:
 
 def alive(pids: list[int], wait: float = 60.0) -> list[int]:
     """Those of ``pids`` still running after up to ``wait`` seconds (zombies count as gone); what each of
-    them is doing is printed, for the failure's captured output. A SIGKILLed process ends only when it
-    leaves uninterruptible I/O: a rank killed inside a save's file removal (ext4 on this machine is mounted
-    with ``discard``) stayed more than 15 s on CI runs that loaded the disk, so the bound is a minute,
-    still far below "for ever", which is what a writer left waiting on its queue would take."""
+    them is doing is printed, for the failure's captured output. Two loaded .ci/runs (one on CI) found
+    both killed ranks and their writers still there after 15 s; the cause is not known (it did not
+    happen here under CPU and fsync load; a SIGKILLed process ends only when it leaves uninterruptible
+    I/O), so the bound is a minute, still far below "for ever", which is what a writer left waiting on
+    its queue would take."""
     deadline = time.monotonic() + wait
     while True:
         left = [p for p in pids if _state(p) is not None]
