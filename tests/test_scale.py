@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -115,6 +116,12 @@ def stand_in(bin_dir: Path, name: str, body: str) -> None:
     (bin_dir / name).chmod(0o755)
 
 
+def recorded(calls: Path) -> list[str]:
+    """The complete lines a stand-in has recorded so far."""
+    text = calls.read_text() if calls.exists() else ""
+    return text[:text.rfind("\n") + 1].splitlines()
+
+
 def test_a_supervised_slurm_job_on_10000_nodes_keeps_its_host_lists_in_files(tmp_path):
     """The batch script of a supervised Slurm job on 10,000 nodes, run by bash with stand-ins for
     scontrol, srun and the supervisor's python: the allocation's hosts go to a file (one variable
@@ -146,7 +153,10 @@ def test_a_supervised_slurm_job_on_10000_nodes_keeps_its_host_lists_in_files(tmp
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.startswith("hfscale: job 7 on gpu-node-[00000-09999].rack-[000-312] (10000 nodes), restart 0;")
     assert (out / "seen").read_text().split() == names  # the supervisor found them all in the file
-    watches = (out / "srun.calls").read_text().splitlines()
+    # the watchers' sruns run in the background: the script may end before each stand-in has recorded itself
+    deadline = time.monotonic() + 60
+    while len(watches := recorded(out / "srun.calls")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
     others = names[1:]  # not the batch host
     assert sorted(w.split()[2] for w in watches) == [f"--nodelist={others[0]}",  # started at once: in any order
                                                      f"--nodelist={others[len(others) // 2]}", f"--nodelist={others[-1]}"]
