@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -194,6 +195,17 @@ def _reference_in_the_waiting_lane(request: pytest.FixtureRequest) -> None:
     request.session._hfscale_reference = True  # type: ignore[attr-defined]
     if any(REFERENCE_USERS in getattr(item, "fixturenames", ()) for item in request.session.items):
         reference_losses(request.getfixturevalue("tmp_path_factory"))
+
+
+def same_ninja(bin_dir: Path) -> None:
+    """A ``ninja`` in ``bin_dir``, a test's PATH of its own (one without py-spy): the ninja every other
+    process of the suite finds (the interpreter's, pip's). DeepSpeed's CPU accelerator loads its shm op
+    through torch's JIT build into the suite's one TORCH_EXTENSIONS_DIR; the system's ninja (Debian's
+    1.11) hashes the build commands otherwise than pip's (1.13), so each of the two finding the other's
+    log rebuilt the op, a minute of two compilers on a loaded machine (5 builds in one .ci/run)."""
+    found = shutil.which("ninja", path=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
+    assert found, "no ninja: DeepSpeed's JIT build needs one (pip's ninja, a dependency of deepspeed)"
+    (bin_dir / "ninja").symlink_to(os.path.realpath(found))
 
 
 def read_until(proc: subprocess.Popen, marker: str, count: int, timeout: float = 120) -> list[str]:

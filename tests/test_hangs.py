@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, job_pids
+from conftest import ROOT, job_pids, same_ninja
 from hfscale.launch.node.stopping import STOP_GRACE_S
 
 PROBE = str(ROOT / "tests" / "scripts" / "dist_probe.py")
@@ -93,6 +93,7 @@ def test_without_py_spy_faulthandler_writes_the_stacks(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python").symlink_to(sys.executable)
+    same_ninja(bindir)
     env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
     r, _, run_dir = run_hang(hang_config(tmp_path, "stall", 1, 3, 29684, python=str(bindir / "python")), env)
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-2000:]

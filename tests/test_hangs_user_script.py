@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, same_ninja
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,7 @@ def test_the_stuck_callback_is_named_without_py_spy(tmp_path):
     # symlinked venv interpreter in another folder is the base interpreter, without this checkout's packages
     (bindir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     (bindir / "python").chmod(0o755)
+    same_ninja(bindir)
     env = {**os.environ, "PATH": f"{bindir}:/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-m", "hfscale", "launch",
                         str(config(tmp_path, 29673, python=str(bindir / "python")))], cwd=tmp_path,

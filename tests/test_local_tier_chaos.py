@@ -27,7 +27,7 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from hfscale.launch.recovery.timeline import read_timeline
-from test_recovery_cluster import _attempt_training, largest_loss_difference, run_dir_of, train_config, launched, wait_for
+from test_recovery_cluster import CHAOS_KILLS, CHAOS_STEPS, _attempt_training, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 EVERY = 2
@@ -76,11 +76,11 @@ SLOW_COPY = textwrap.dedent('''\
 
 def test_kills_at_random_moments_never_resume_from_an_incomplete_checkpoint(make_cluster, tmp_path,
                                                                             uninterrupted_losses):
-    kills = int(os.environ.get("HFSCALE_CHAOS_KILLS", "3"))
+    kills = CHAOS_KILLS
     seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
     print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments), {kills} kills")
-    max_steps = min(400, 40 + 18 * kills)  # room for the kills: each attempt trains 10-30 steps before its kill
+    max_steps = CHAOS_STEPS
     cluster = make_cluster(3)
     out = tmp_path / "out"
     config = train_config(tmp_path, "chaos", out, 29939, cluster.nodes,

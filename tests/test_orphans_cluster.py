@@ -39,11 +39,14 @@ from test_recovery_cluster import REFERENCE_STEPS, largest_loss_difference, trai
 
 pytestmark = pytest.mark.slow
 UNWATCHED_BOUND_S = 60
-MAX_STEPS = REFERENCE_STEPS
+MAX_STEPS = 240
+assert MAX_STEPS <= REFERENCE_STEPS
 # Steps on this machine take 0.06-0.15 s: an orphaned job could finish all its steps in the 30-45 s before
 # it stops itself. While the test's marker file exists (from just before a launcher is killed to the
-# next launch's takeover), each rank sleeps 0.25 s after every step, put in from outside as a user's
-# callback would be: at most 4 steps/s in the orphans' window. Sleeping changes no loss.
+# next launch's takeover), each rank sleeps 1 s after every step, put in from outside as a user's
+# callback would be: at most 1 step/s in the orphans' windows (A's, 15 s at most, B's, 60 s at most),
+# so that with each launch's 10-40 steps the orphans stay below MAX_STEPS. Sleeping changes no loss and
+# costs no CPU (the windows last as long whatever the steps do).
 SLOW = textwrap.dedent('''\
     import os
 
@@ -55,7 +58,7 @@ SLOW = textwrap.dedent('''\
         class SlowWhileMarked(transformers.TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 if os.path.exists(os.environ["SLOW_WHILE"]):
-                    time.sleep(0.25)
+                    time.sleep(1.0)
 
         _init = transformers.Trainer.__init__
 
@@ -155,7 +158,7 @@ class Jobs:
         self._thread.join(5)
 
 
-def last_progress_after(run: Path, killed_at: float, quiet_s: float = 15.0, timeout: float = 150) -> float:
+def last_progress_after(run: Path, killed_at: float, quiet_s: float = 8.0, timeout: float = 150) -> float:
     """Seconds from ``killed_at`` to rank 0's last step in ``run`` (its progress file stops changing)."""
     path = run / "progress" / "rank-0"
     deadline = time.time() + timeout
