@@ -11,7 +11,9 @@ package. Each is loaded on first use, so ``import hfscale`` imports no torch::
 
 In a plain loop: ``hfscale.step(n)`` after each optimizer step (the hang watchdog),
 ``hfscale.report(step=..., max_steps=..., loss=...)`` (the progress line), ``hfscale.load_job(path)``
-(the YAML's batch geometry and training settings). Everything else may move; the previous release's
+(the YAML's batch geometry and training settings). With ``recovery.in_process``: ``sys.exit(
+hfscale.restart_in_process(main))``, ``main`` building and resuming its training at every call
+(hfscale.training.inprocess.opt_in). Everything else may move; the previous release's
 module paths (``hfscale.callbacks``, ``hfscale.progress``, ``hfscale.resume``, ...) still work, with a
 DeprecationWarning naming the new one (hfscale.core.moved).
 """
@@ -41,6 +43,7 @@ _PUBLIC = {
     "alive": "hfscale.training.heartbeat",
     "report": "hfscale.training.heartbeat",
     "load_job": "hfscale.rules.config_file",
+    "restart_in_process": "hfscale.training.inprocess.opt_in",
 }
 __all__ = ["__version__", *_PUBLIC]
 
@@ -53,6 +56,7 @@ if TYPE_CHECKING:  # for editors and type checkers; at run time each name loads 
     from hfscale.training.callbacks.reporting import MetricsCallback, StragglerCallback
     from hfscale.training.callbacks.steps import ProgressCallback
     from hfscale.training.heartbeat import alive, report, step
+    from hfscale.training.inprocess.opt_in import restart_in_process
     from hfscale.training.instrument import instrument
     from hfscale.training.shutdown import exit_cleanly
 

@@ -244,3 +244,76 @@ def test_the_built_in_entry_point_restarts_in_process_with_deepspeed_and_loses_n
     assert log0.index("rank 0 stays and rejoins") < log0.index("hfscale: resuming from " + str(out / "checkpoint-1"))
     assert "HFSCALE_TRAIN done step=30" in log0
     assert losses(out / "checkpoint-30") == expected
+
+
+CLM = ROOT / "tests" / "scripts" / "hf_clm_inprocess.py"
+CLM_MODEL = "n_layer=2,n_head=2,n_embd=32,vocab_size=256,n_positions=64,bos_token_id=0,eos_token_id=0"
+
+
+def _script_config(tmp: Path, name: str, in_process: bool) -> Path:
+    import yaml
+
+    doc = {"name": name, "cluster": {"nproc_per_node": 2, "master_port": 29748},
+           "runner": {"type": "local", "launcher": "torchrun", "run_dir": str(tmp / "runs")},
+           "distributed": {"backend": "deepspeed", "deepspeed": {"stage": 2, "steps_per_print": 100000}},
+           "precision": "no", "batch": {"micro_batch_size": 2},
+           "env": {"vars": {"OMP_NUM_THREADS": "1"}}, "watchdog": {"timeout": 60},
+           "recovery": {"max_restarts": 2, "in_process": in_process},
+           "training": {"script": str(CLM), "output_dir": str(tmp / name), "max_steps": 24, "save_steps": 4,
+                        "logging_steps": 1, "seed": 3,
+                        "script_args": ["--model_type", "gpt2", "--config_overrides", CLM_MODEL, "--block_size", "32",
+                                        "--disable_tqdm", "true"]}}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_a_user_script_that_opts_in_restarts_in_process_under_hfscale_launch(tmp_path):
+    """An HfArgumentParser Trainer script (tests/scripts/hf_clm_inprocess.py) that calls
+    hfscale.restart_in_process, launched by ``hfscale launch`` (runner local, 2 ranks, ZeRO-2): rank 1's
+    process SIGKILLed after checkpoint 8; its node agent starts it again, it takes its rank back, and
+    rank 0 keeps its process. Every step's loss is the same job's without the fault (in-process off)."""
+    ref = subprocess.run([sys.executable, "-m", "hfscale", "launch", str(_script_config(tmp_path, "ref", False))],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    expected = losses(tmp_path / "ref" / "checkpoint-24")
+    assert sorted(expected) == list(range(1, 25))
+    out = tmp_path / "job"
+    job = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(_script_config(tmp_path, "job", True))],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoint-8" / "hfscale_complete.json").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()[-3000:] if job.stdout else ""
+        time.sleep(0.2)
+    ranks = _ranks_of(str(tmp_path))
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    while not (out / "checkpoint-16" / "hfscale_complete.json").exists():  # past the restart
+        assert job.poll() is None and time.monotonic() < deadline + 240, job.stdout.read()[-3000:] if job.stdout else ""
+        time.sleep(0.2)
+    assert _ranks_of(str(tmp_path))[0] == ranks[0]  # rank 0 kept its process
+    text, _ = job.communicate(timeout=400)
+    assert job.returncode == 0, text[-4000:]
+    assert losses(out / "checkpoint-24") == expected
+    log = next((tmp_path / "runs").glob("job-*/logs/local.log")).read_text()
+    assert "rank process 1 ended (signal SIGKILL); started again, as a standby" in log, log[-3000:]
+    assert "rank 0 stays and rejoins" in log, log[-3000:]
+
+
+def _ranks_of(under: str) -> dict[int, int]:
+    """LOCAL_RANK -> pid of this machine's rank processes (hfscale.training.run_script, started by an
+    in-process node agent) whose run directory is under ``under``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            env = dict(v.split("=", 1) for v in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in v)
+        except OSError:
+            continue
+        if argv[1:3] == [b"-m", b"hfscale.training.run_script"] and env.get("HFSCALE_RUN_DIR", "").startswith(under) \
+                and "HFSCALE_INPROCESS_WORLD" in env:
+            found[int(env["LOCAL_RANK"])] = int(entry.name)
+    return found

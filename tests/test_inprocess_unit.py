@@ -107,3 +107,77 @@ def test_a_session_variable_out_of_its_range_is_named(change, said):
     with pytest.raises(ValueError) as e:
         Session.from_env(env)
     assert str(e.value) == said
+
+
+def test_a_process_its_node_started_again_says_so_in_its_session():
+    assert Session.from_env(ENV).restarted == 0
+    assert Session.from_env({**ENV, "HFSCALE_INPROCESS_RESTARTED": "2"}).restarted == 2
+    with pytest.raises(ValueError, match="HFSCALE_INPROCESS_RESTARTED='x': not an integer"):
+        Session.from_env({**ENV, "HFSCALE_INPROCESS_RESTARTED": "x"})
+
+
+def test_the_node_agent_gives_each_rank_torchruns_variables_and_its_uid():
+    from hfscale.training.inprocess.node_agent import _parser, rank_env
+
+    a = _parser().parse_args(["--nproc", "4", "--node-rank", "2", "--world", "8", "--launched", "12", "--store-file",
+                              "/r/inprocess.store", "--reach", "ssh", "--", "-m", "hfscale.training.train"])
+    env = rank_env({"PATH": "/bin"}, a, 3, "10.0.0.1", 4567, 1)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                                "MASTER_PORT", "HFSCALE_INPROCESS_WORLD", "HFSCALE_INPROCESS_RESTARTED",
+                                "OMP_NUM_THREADS")} == {
+        "RANK": "11", "WORLD_SIZE": "12", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "2",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4567", "HFSCALE_INPROCESS_WORLD": "8",
+        "HFSCALE_INPROCESS_RESTARTED": "1", "OMP_NUM_THREADS": "1"}
+    s = Session.from_env(env)  # what the rank makes of it: uid 11 of 12, a standby (8 active)
+    assert (s.uid, s.world_size, s.standbys, s.restarted) == (11, 8, 4, 1)
+
+
+def test_the_node_agent_finds_the_launcher_as_the_node_sees_it():
+    from hfscale.training.inprocess.node_agent import store_host
+
+    assert store_host("ssh", {"SSH_CONNECTION": "10.1.2.3 50022 10.1.2.9 22"}) == "10.1.2.3"
+    assert store_host("srun", {"SLURM_LAUNCH_NODE_IPADDR": "10.1.2.4"}) == "10.1.2.4"
+    assert store_host("local", {}) == "127.0.0.1"
+    with pytest.raises(ValueError, match=r"--reach ssh: \$SSH_CONNECTION is not set here"):
+        store_host("ssh", {})
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"40123\n", None),
+    (b"0\n", "is not a port"),
+    (b"70000", "is not a port"),
+    (b"12 34", "is not a port"),
+    (b"x" * 100, "over the 64-byte limit"),
+])
+def test_the_store_port_file_is_read_as_hostile(tmp_path, content, said):
+    from hfscale.training.inprocess.node_agent import store_port
+
+    path = tmp_path / "inprocess.store"
+    path.write_bytes(content)
+    if said is None:
+        assert store_port(str(path), 0) == 40123
+        return
+    with pytest.raises(ValueError, match=said):
+        store_port(str(path), 0)
+
+
+def test_the_store_port_file_not_written_in_time_is_named(tmp_path):
+    from hfscale.training.inprocess.node_agent import store_port
+
+    with pytest.raises(ValueError, match=r"inprocess.store: not written within 0 s \(the launch starts the store first\)"):
+        store_port(str(tmp_path / "inprocess.store"), 0)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(ValueError, match="not a regular file|is a directory"):
+        store_port(str(tmp_path / "dir"), 0)
+
+
+def test_the_launch_heals_around_failed_nodes_unless_one_asks_for_a_relaunch():
+    from hfscale.launch.attempt.in_process import HealedEnds
+    from hfscale.launch.attempt.node_lines import Failure
+
+    ends = HealedEnds()
+    lost = Failure("node1", 3, "lost the connection to node1 over ssh")
+    assert ends.heals(lost) and ends.heals(Failure("node2", 137, "node2 failed (exit code 137)"))
+    assert not ends.heals(Failure("node0", 75, "node0 failed (exit code 75)"))  # its ranks asked for a relaunch
+    assert [f.where for f in ends.healed] == ["node1", "node2"]
+    assert ends.finished({"node0", "node3"}) and not ends.finished(set())

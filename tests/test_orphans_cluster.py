@@ -43,8 +43,8 @@ MAX_STEPS = 240
 assert MAX_STEPS <= REFERENCE_STEPS
 # Steps on this machine take 0.06-0.15 s: an orphaned job could finish all its steps in the 30-45 s before
 # it stops itself. While the test's marker file exists (from just before a launcher is killed to the
-# next launch's takeover), each rank sleeps 1 s after every step, put in from outside as a user's
-# callback would be: at most 1 step/s in the orphans' windows (A's, 15 s at most, B's, 60 s at most),
+# next launch's takeover), each rank sleeps SLOW_STEP_S (here 1 s; 0.25 s unless set) after every step,
+# put in from outside as a user's callback would be: at most 1 step/s in the orphans' windows (A's, 15 s at most, B's, 60 s at most),
 # so that with each launch's 10-40 steps the orphans stay below MAX_STEPS. Sleeping changes no loss and
 # costs no CPU (the windows last as long whatever the steps do).
 SLOW = textwrap.dedent('''\
@@ -58,7 +58,7 @@ SLOW = textwrap.dedent('''\
         class SlowWhileMarked(transformers.TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 if os.path.exists(os.environ["SLOW_WHILE"]):
-                    time.sleep(1.0)
+                    time.sleep(float(os.environ.get("SLOW_STEP_S", "0.25")))
 
         _init = transformers.Trainer.__init__
 
@@ -187,7 +187,7 @@ def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_e
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW)
     doc = yaml.safe_load(config.read_text())
-    doc["env"]["vars"].update(PYTHONPATH=str(site), SLOW_WHILE=str(slow))
+    doc["env"]["vars"].update(PYTHONPATH=str(site), SLOW_WHILE=str(slow), SLOW_STEP_S="1.0")
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     runs = tmp_path / "runs"
     jobs = Jobs()

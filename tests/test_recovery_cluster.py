@@ -45,8 +45,12 @@ MAX_STEPS = 60  # room for three faults: each waits for the attempt's first step
 CHAOS_KILLS = int(os.environ.get("HFSCALE_CHAOS_KILLS", "3"))  # tests/test_local_tier_chaos.py's kills
 CHAOS_STEPS = min(400, 40 + 18 * CHAOS_KILLS)  # room for its kills: each attempt trains 10-30 steps before its kill
 # the uninterrupted run (tests/conftest.py uninterrupted_losses) every healing test compares with: as long as
-# the longest of them (test_recovery_slurm's and test_orphans_cluster's 240; the chaos test's 400 at 20 kills)
-REFERENCE_STEPS = max(240, CHAOS_STEPS)
+# the longest of them (test_recovery_slurm's and test_orphans_cluster's 240; the chaos test's 400 at 20 kills,
+# test_inprocess_cluster's 376 at 20)
+INPROCESS_FAULTS = int(os.environ.get("HFSCALE_INPROCESS_FAULTS", "5"))  # tests/test_inprocess_cluster.py's kills
+INPROCESS_PER_FAULT = 30 if INPROCESS_FAULTS <= 6 else 16  # steps between its faults: 0.5 s each (1 s beyond 6)
+INPROCESS_STEPS = 40 + INPROCESS_PER_FAULT * (INPROCESS_FAULTS + 1)  # and a freeze after the kills
+REFERENCE_STEPS = max(240, CHAOS_STEPS, INPROCESS_STEPS)
 
 
 def node_env() -> dict[str, str]:

@@ -224,3 +224,73 @@ def test_job_on_refuses_a_job_that_does_not_add_up():
     j = job(THREE.replace("global_batch_size: 12", "global_batch_size: 6").replace("min_nodes: 1", "min_nodes: 3"))
     with pytest.raises(ConfigError, match="recovery.min_nodes"):
         job_on(j, j.hosts[1:])
+
+
+IN_PROCESS = """\
+    name: x
+    cluster: {hosts: [{host: node0, slots: 2}, {host: node1, slots: 2}, {host: node2, slots: 2, spare: true}]}
+    runner: {type: pdsh, launcher: torchrun}
+    batch: {micro_batch_size: 1}
+    recovery: {max_restarts: 3, in_process: true}
+    watchdog: {timeout: 60}
+    training: {max_steps: 100, save_steps: 10}
+"""
+
+
+def test_in_process_restarts_start_the_spares_as_standbys_and_host_the_store_in_the_launch():
+    """Every node, the spare too, runs hfscale's node agent in torchrun's place: the spare's ranks are
+    uids 4-5 of 6 launched, 4 active; the launch runs the ranks' store from before the nodes start."""
+    from hfscale.launch.build import IN_PROCESS_MARGIN_S, build_plan
+    from hfscale.launch.context import LaunchContext
+
+    j = job(IN_PROCESS)
+    assert j.warnings == () and check(j).problems == () and check(j).warnings == ()
+    plan = build_plan(j, LaunchContext.of("/work", "/usr/bin/python3", "20261129-000000-abcdef", {}))
+    assert [(n.host, n.rank) for n in plan.nodes] == [("node0", 0), ("node1", 1), ("node2", 2)]
+    text = plan.render()
+    assert ("[2] node2: /usr/bin/python3 -m hfscale.training.inprocess.node_agent --nproc 2 --node-rank 2 --world 4 "
+            f"--launched 6 --store-file {plan.run_dir}/inprocess.store --reach ssh --restarts 3 -- -m "
+            f"hfscale.training.train --config {plan.run_dir}/config.yaml") in text, text
+    assert plan.store is not None and plan.store.real_argv()[1:] == [
+        "-m", "hfscale.training.inprocess.store_host", "--file", f"{plan.run_dir}/inprocess.store"]
+    assert "in-process restarts: the ranks' store, here" in text
+    env = dict(plan.private)["env.sh"].real
+    assert "HFSCALE_INPROCESS_RESTARTS=3" in env and "HFSCALE_INPROCESS_TIMEOUT_S=60" in env
+    assert plan.watch is not None and plan.watch.timeout == 60 + IN_PROCESS_MARGIN_S  # the ranks restart first
+    assert dict(plan.files)["pdsh_hosts"].split() == ["node0", "node1", "node2"]  # the spare is reached like the others
+
+
+@pytest.mark.parametrize("old, new, said", [
+    ("max_restarts: 3", "max_restarts: 0", "needs recovery.max_restarts > 0"),
+    ("launcher: torchrun", "launcher: accelerate", "set runner.launcher to torchrun"),
+    ("type: pdsh,", "type: pdsh_docker, docker: {image: x},", "runner pdsh_docker: in-process restarts work with runners local "
+                                                    "and pdsh so far"),
+])
+def test_in_process_restarts_name_what_they_need(old, new, said):
+    assert old in IN_PROCESS
+    found = [(path, message) for path, _, message in problems(IN_PROCESS.replace(old, new))]
+    assert [p for p, m in found if said in m] == ["recovery.in_process"], found
+
+
+def test_in_process_restarts_without_a_watchdog_timeout_are_warned():
+    j = job(IN_PROCESS.replace("watchdog: {timeout: 60}", "watchdog: {timeout: null}"))
+    said = [(w.path, w.message[:60]) for w in check(j).warnings]
+    assert ("recovery.in_process", "without watchdog.timeout a frozen or cut-off node holds the ") in said, said
+
+
+def test_a_user_script_opts_in_to_in_process_restarts_through_the_public_face(tmp_path):
+    """Without hfscale.restart_in_process the script would form one group of every launched process,
+    standbys too: refused; a script this host cannot read is warned about."""
+    opted, plain = tmp_path / "opted.py", tmp_path / "plain.py"
+    opted.write_text("import sys, hfscale\n\ndef main():\n    pass\n\nsys.exit(hfscale.restart_in_process(main))\n")
+    plain.write_text("def main():\n    pass\n\nmain()\n")
+    with_script = lambda path: IN_PROCESS.replace("save_steps: 10}", f"save_steps: 10, script: {path}}}")  # noqa: E731
+    j = job(with_script(opted))
+    assert check(j).problems == () and [w.path for w in check(j).warnings] == []
+    said = [(p, m) for p, _, m in problems(with_script(plain))]
+    assert said == [("recovery.in_process", f"training.script {plain}: does not call hfscale.restart_in_process: "
+                     "in-process restarts run its training function in attempts, so the script opts in with "
+                     "sys.exit(hfscale.restart_in_process(main)), main building and resuming its training at every "
+                     "call (docs/recovery.md)")]
+    far = check(job(with_script(tmp_path / "elsewhere.py"))).warnings
+    assert [(w.path, w.message.split(": ")[1][:18]) for w in far] == [("recovery.in_process", "cannot read it her")]

@@ -89,6 +89,13 @@ def _recovery(job: Job) -> str:
     r = job.config.recovery
     window = f" in {r.window} s" if r.window else ""
     what = f"up to {r.max_restarts} restart(s){window} from the newest checkpoint; a host left out after {r.strikes} failure(s)"
+    if r.in_process:
+        k = len(job.spares)
+        standbys = (f"the spare{'s' * (k != 1)}' {k * job.procs_per_node} standby rank(s), imports done, take lost ranks' "
+                    "places, and " if k else "")
+        what = (f"in process first: the ranks of healthy nodes keep their processes and rejoin; {standbys}a killed "
+                f"rank's node starts it again as a standby (up to {r.max_restarts} in-process restart(s) per launch); "
+                "when that cannot go on, " + what)
     return what + _spares(job) + _shrink(job, "; then" if job.spares or _allocation_spares(job) else ";")
 
 

@@ -333,6 +333,13 @@ class RecoveryConfig(Strict):
         "world size (no checkpoint conversion, the batch math unchanged); only when none is left does the job shrink "
         "(min_nodes). With pdsh the spares are the hosts marked spare (cluster.hosts[].spare, or 'spare' in the host "
         "file) and this, when set, must count them. Null: as many as are marked.")
+    in_process: bool = Field(
+        False, description="Restart in process: after a rank fails or a node is lost, the ranks on healthy nodes keep "
+        "their processes (imports done) and join the next attempt's process group; each spare host runs standby ranks, "
+        "imports done, that take the lost ranks' places, and a node whose rank died starts it again as a new standby. "
+        "Up to max_restarts in-process restarts per launch; when one cannot complete (too few standbys, a survivor "
+        "that does not rejoin) the job is relaunched as without it. Runners local and pdsh, launcher torchrun, "
+        "hfscale's built-in entry point.")
 
 
 class HfscaleConfig(Strict):

@@ -19,10 +19,10 @@ from hfscale.checkpoints.resume import OutputScan, decide
 from hfscale.config.envvars import MASK, deepspeed_env_file, host_secret, masked
 from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.yaml_source import dump
-from hfscale.core.shell import Secret
+from hfscale.core.shell import Command, Secret
 from hfscale.launch.context import Common, LaunchContext, output_dir_to_scan
-from hfscale.launch.node.command import CONFIG_COPY, rank_env, watched
-from hfscale.launch.run_dir import HANG_REPORT
+from hfscale.launch.node.command import CONFIG_COPY, STORE_HOST, in_process, rank_env, watched
+from hfscale.launch.run_dir import HANG_REPORT, STORE_ADDR
 from hfscale.launch.runners import RUNNERS
 from hfscale.launch.spec import NOTHING_TO_TRAIN, LaunchPlan, HangWatch
 from hfscale.render.artifacts import DEEPSPEED_FILE, render_artifacts
@@ -34,6 +34,7 @@ from hfscale.training.heartbeat import PROGRESS_DIR, STACKS_DIR
 
 __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]
 
+IN_PROCESS_MARGIN_S = 30  # see build_plan's watch
 INCOMPLETE_DIR = "_hfscale-incomplete"  # in the output_dir: the job's own saves cut short, a folder per launch
 
 
@@ -158,15 +159,20 @@ def build_plan(job: Job, ctx: LaunchContext) -> LaunchPlan:
             notes.append(f".deepspeed_env leaves out {', '.join(left_out)} (secret, or a value DeepSpeed's "
                          "launcher would pass to the shell unsafely)")
     w = job.config.watchdog
-    watch = None if not watched(job, ctx) or w.timeout is None else HangWatch(
+    # in-process restarts: the ranks' collectives time out after watchdog.timeout and they restart by
+    # themselves; the watchdog gives them IN_PROCESS_MARGIN_S more before it stops the job
+    timeout = None if w.timeout is None else w.timeout + (IN_PROCESS_MARGIN_S if in_process(job) else 0)
+    watch = None if not watched(job, ctx) or timeout is None else HangWatch(
         posixpath.join(run_dir, PROGRESS_DIR), posixpath.join(run_dir, STACKS_DIR),
-        posixpath.join(run_dir, HANG_REPORT), w.timeout, w.first_step, job.world_size)
+        posixpath.join(run_dir, HANG_REPORT), timeout, w.first_step, job.world_size)
     common = Common(run_dir, rank_dir, r.workdir or ctx.cwd, r.python or ctx.python, env, tuple(files.items()),
                     tuple(notes), moves, done, watch)
     plan = runner.plan(job, ctx, common)
     where = output_dir_to_scan(job)
     output_dir = posixpath.normpath(posixpath.join(ctx.cwd, where)) if where is not None else None
-    return replace(plan, prepare=prepare, output_dir=output_dir, told=step.told)
+    store = Command((ctx.python, "-m", STORE_HOST, "--file", posixpath.join(run_dir, STORE_ADDR)), (), ctx.cwd) \
+        if in_process(job) and plan.mode == "stream" else None
+    return replace(plan, prepare=prepare, output_dir=output_dir, told=step.told, store=store)
 
 
 def _skipped(scan: OutputScan, aside: str | None = None) -> tuple[str, ...]:

@@ -31,8 +31,9 @@ BEATS_DIR = "alive"  # the nodes' heartbeats, one file per host (hfscale.launch.
 ORPHANED_DIR = "orphaned"  # <host>: that node stopped its job because its launcher's beat stopped
 BEAT_ADDR = "beat.addr"  # the launcher's heartbeat line: "<port> <token> <address>", 0600 (hfscale.launch.attempt.beat_server)
 LAUNCHER_BEAT = "launcher.beat"  # the launcher's heartbeat (hfscale.launch.attempt.beats.LauncherBeat)
+STORE_ADDR = "inprocess.store"  # the in-process restarts' store: "<port>", 0600 (hfscale.training.inprocess.store_host)
 UNREACHED = "unreached"  # hosts a Slurm stop or stack dump could not launch on, a line each (hfscale.launch.recovery.settle)
-_PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, ORPHANED_DIR, STOP_MARKER, HANG_REPORT,
+_PER_ATTEMPT = (LOGS_DIR, PROGRESS_DIR, STACKS_DIR, FLIGHT_DIR, BEATS_DIR, ORPHANED_DIR, STOP_MARKER, HANG_REPORT, STORE_ADDR,
                 UNREACHED, PLAN_FILE)
 
 

@@ -124,6 +124,9 @@ class LaunchPlan:
     stop_marker: str | None = None  # written before the cleanup runs: a node line that starts later exits at once
     told: tuple[str, ...] = ()  # lines the launch shows on the terminal before it starts (what resuming skipped)
     keeper: Keeper | None = None  # each node stops its job when the launcher's heartbeat stops
+    # in-process restarts (recovery.in_process): the ranks' store, run here from before main to after it; a
+    # node's failure is theirs to heal unless it asks for a relaunch (exit code 75)
+    store: Command | None = None
 
     @property
     def line_hosts(self) -> frozenset[str]:
@@ -168,6 +171,12 @@ class LaunchPlan:
         if self.prepare:
             out.append("first, run here:")
             out += [f"  {c.shell()}" for c in self.prepare]
+        if self.store is not None:
+            out += ["in-process restarts: the ranks' store, here, from before the nodes start to after they end:",
+                    f"  {self.store.shell()}",
+                    "  a node that fails or is lost does not stop the others: they restart in process, a standby in "
+                    "its ranks' place; a node that ends with exit code 75 (no restart in process possible) stops the "
+                    "job, as a failure does without in-process restarts"]
         out += ["run:", f"  {self.main.shell()}"]
         if self.follow is not None:
             f = self.follow

@@ -114,10 +114,65 @@ def _spare_findings(job: Job) -> tuple[Found, Found]:
     return [], []
 
 
+IN_PROCESS_RUNNERS = ("local", "pdsh")
+
+
+def _in_process_findings(job: Job) -> tuple[Found, Found]:
+    """recovery.in_process: what it needs (hfscale.training.inprocess), and what it cannot do yet."""
+    cfg, key = job.config, HERE + ("in_process",)
+    if not cfg.recovery.in_process:
+        return [], []
+    problems: Found = []
+    if not cfg.recovery.max_restarts:
+        problems.append((key, "needs recovery.max_restarts > 0: it bounds the in-process restarts of each launch, and "
+                         "the relaunches when one cannot complete"))
+    if cfg.runner.type not in IN_PROCESS_RUNNERS:
+        problems.append((key, f"runner {cfg.runner.type}: in-process restarts work with runners "
+                         f"{' and '.join(IN_PROCESS_RUNNERS)} so far"))
+    if cfg.runner.launcher != "torchrun":
+        problems.append((key, "hfscale starts the ranks itself (hfscale.training.inprocess.node_agent), with torchrun's "
+                         "environment: set runner.launcher to torchrun"))
+    warnings: Found = []
+    if cfg.training.script is not None:
+        said = _opt_in(cfg.training.script, cfg.runner.workdir)
+        (problems if said and not said.startswith("cannot read") else warnings).extend(
+            [(key, f"training.script {cfg.training.script}: {said}")] if said else [])
+    if cfg.watchdog.timeout is None:
+        warnings.append((key, "without watchdog.timeout a frozen or cut-off node holds the others in their collective "
+                         "for torch's default timeout (30 min) before they restart: set watchdog.timeout"))
+    return problems, warnings
+
+
+OPT_IN = "restart_in_process"
+SCRIPT_CAP = 4 << 20  # bytes of a script read to find its opt-in
+
+
+def _opt_in(script: str, workdir: str | None) -> str | None:
+    """Whether a user script opts in to in-process restarts (it calls hfscale.restart_in_process, which
+    runs its training function in attempts): None when it does, else what to say. A script run
+    without it would form one process group of every launched process, the standbys too."""
+    import os
+
+    from hfscale.core.untrusted import Missing, Unreadable, read_bytes
+
+    path = script if os.path.isabs(script) or not workdir else os.path.join(workdir, script)
+    try:
+        text = read_bytes(path, SCRIPT_CAP).decode("utf-8", "replace")
+    except (Missing, Unreadable) as e:
+        return f"cannot read it here ({e}): it must call hfscale.{OPT_IN}(main) for in-process restarts"
+    if OPT_IN not in text:
+        return (f"does not call hfscale.{OPT_IN}: in-process restarts run its training function in attempts, "
+                f"so the script opts in with sys.exit(hfscale.{OPT_IN}(main)), main building and resuming its "
+                "training at every call (docs/recovery.md)")
+    return None
+
+
 def recovery_findings(job: Job) -> tuple[Found, Found]:
     """(problems, warnings) of the ``recovery`` section, as (YAML key path, message) pairs."""
     r, nodes = job.config.recovery, job.num_nodes
     problems, warnings = _spare_findings(job)
+    more = _in_process_findings(job)
+    problems, warnings = problems + more[0], warnings + more[1]
     if not r.max_restarts:
         if r.min_nodes is not None:
             warnings.append((HERE + ("min_nodes",), "has no effect while recovery.max_restarts is 0 "

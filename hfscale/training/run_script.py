@@ -201,13 +201,14 @@ class Start(NamedTuple):
 
 
 def plan_start(args: list[str], env: Mapping[str, str]) -> Start:
-    """How this rank starts the script (``Start``)."""
+    """How this rank starts the script (``Start``). With in-process restarts (``HFSCALE_INPROCESS_WORLD``)
+    the script resumes by itself at every attempt (hfscale.restart_in_process): no checkpoint is added."""
     given = {f.name for f in given_flags(args, {"resume_from_checkpoint", "use_cpu"})}
     extra: list[str] = []
     if "use_cpu" not in given and not sees_gpu(env):
         extra += [CPU_FLAG, "true"]
     output_dir = _value(args, "output_dir")
-    if "resume_from_checkpoint" in given or not output_dir:
+    if "resume_from_checkpoint" in given or not output_dir or env.get("HFSCALE_INPROCESS_WORLD"):
         return Start(args + extra, "", 0)
     max_steps = _value(args, "max_steps")
     try:
@@ -264,15 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         prepare_env()  # CROSS_RANK/CROSS_SIZE, which DeepSpeed's decoupled writer (training.async_save) reads
     world_size = _world_size(os.environ)
     mode = plain_mode(os.environ) if plain else None
-    if mode == "fsdp":
-        if os.environ.get("RANK", "0") == "0":
-            print(FSDP_ON_CPU, file=sys.stderr, flush=True)
+    if mode == "fsdp":  # said by every rank: the first to exit has torchrun stop the others before they speak
+        print(FSDP_ON_CPU, file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     if mode == "cpu":
         os.environ["ACCELERATE_USE_CPU"] = "true"
     elif mode == "deepspeed":
         set_up_accelerate()
-    elif not plain and joins_group_first(args, os.environ):
+    elif not plain and joins_group_first(args, os.environ) and not os.environ.get("HFSCALE_INPROCESS_WORLD"):
+        # (with in-process restarts each attempt joins its own group: hfscale.restart_in_process)
         join_group(args)
     try:
         runpy.run_path(script, run_name="__main__")

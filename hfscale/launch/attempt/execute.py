@@ -28,10 +28,9 @@ from hfscale.launch.attempt.beats import LaunchBeats
 from hfscale.launch.attempt.console import Console, show_progress, never_raises
 from hfscale.launch.attempt.disk_full import told
 from hfscale.launch.attempt.follow import follow_detached
-from hfscale.launch.attempt.node_lines import Failure
 from hfscale.launch.attempt.output_lock import hold
-from hfscale.launch.attempt.run_output import RunOutput
-from hfscale.launch.run_dir import LOGS_DIR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
+from hfscale.launch.attempt.run_state import RunState
+from hfscale.launch.run_dir import LOGS_DIR, STORE_ADDR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
 from hfscale.launch.runners import scheduler
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.spec import LaunchPlan, Outcome, HangWatch
@@ -42,66 +41,15 @@ CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the sto
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCH_POLL_S = 5.0  # the ranks' progress is read this often (more often for a timeout under 20 s)
 DUMP_TIMEOUT_S = 30  # py-spy per rank, all ranks of a node at once; this bounds nodes that do not answer
+STORE_START_S = 60  # the in-process restarts' store imports torch before it listens
 
 
 def _env(cmd: Command) -> dict[str, str]:
     return {**os.environ, **cmd.real_env()}
 
 
-class _Run:
-    """Bookkeeping for one running plan: logs, first failure, stopping once."""
-
-    def __init__(self, plan: LaunchPlan, run_dir: Path, echo: Callable[[str], None], signals: list[int],
-                 beats: LaunchBeats | None = None):  # the launcher's heartbeats: its file and line
-        self.plan, self.beats, self.echo = plan, beats, echo
-        self._signals = signals  # execute's signal handler appends the first stop signal here
-        self.out = RunOutput(plan.logs, plan.runner, run_dir, echo, self._node_failed)
-        self.failure: tuple[str, int] | None = None  # (where, exit code) of the first failure
-        self.what, self.failed_at = "", 0.0  # what was said of it, and when
-        self.hung = False  # the failure is the hang watchdog's (a node may exit 4 too)
-        self._stop_lock = threading.Lock()
-        self._stopping = False
-        self._stopper: threading.Thread | None = None
-        self.proc: subprocess.Popen | None = None
-        self.following = False  # main started a detached job and ended: its process group is gone
-        self.ended = threading.Event()  # the job is over: the watchdog stops watching
-
-    @property
-    def signalled(self) -> int | None:
-        """The signal that stopped the job, if one did."""
-        return self._signals[0] if self._signals else None
-
-    @property
-    def exited(self) -> set[str]:
-        """The hosts that printed their exit line."""
-        return self.out.nodes.exited
-
-    def route(self, line: str) -> None:
-        self.out.route(line, self.failure is not None or self.signalled is not None)
-
-    def _node_failed(self, f: Failure) -> None:
-        if self.signalled is None:
-            self.fail(f.where, f.rc, f.what)
-
-    def fail(self, where: str, rc: int, what: str) -> None:
-        """The first failure: say it and stop the job everywhere."""
-        with self._stop_lock:
-            if self.failure is not None:
-                return
-            self.failure, self.what, self.failed_at = (where, rc), what, time.time()
-        self.echo(f"hfscale: {what}; stopping the job on every node")
-        self.stop()
-
-    def watch_main(self) -> None:
-        """``main`` killed by a signal hfscale did not send (pdsh, srun, the launcher): the job's
-        ranks live on and the processes it left hold its output open, so stop the job."""
-        assert self.proc is not None
-        rc = self.proc.wait()
-        if rc < 0 and self.failure is None and self.signalled is None and not self._stopping:
-            name = os.path.basename(self.plan.main.real_argv()[0])
-            if self.plan.runner == "local":  # a shell that became the launcher (exec)
-                name = os.path.basename(self.plan.nodes[0].command.items[0])  # type: ignore[arg-type]
-            self.fail(name, 128 - rc, f"{name} was killed ({signal_name(-rc)})")
+class _Run(RunState):
+    """One running plan (hfscale.launch.attempt.run_state), and its stop: once, reaching every node."""
 
     def stop(self) -> None:
         """Run the cleanup (once, in the background), then end what is left of the main process."""
@@ -157,10 +105,6 @@ class _Run:
             self.echo(f"hfscale: the cleanup did not finish in {CLEANUP_TIMEOUT_S} s")
         except OSError as e:
             self.echo(f"hfscale: cannot run the cleanup: {e.strerror or e}")
-
-    def close(self) -> None:
-        self.ended.set()
-        self.out.close()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -263,6 +207,9 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
         elif plan.mode == "submit":
             rc = submit(plan, run_dir, echo)
         else:
+            store = _start_store(plan.store, run_dir, echo) if plan.store is not None else None
+            if plan.store is not None and store is None:
+                return _end_state(run_dir, exitcodes.BAD_INPUT, plan, signalled, None)
             run = _Run(plan, run_dir, echo, signalled, beat)
             runs.append(run)
             shower = threading.Thread(target=show_progress, daemon=True, args=(
@@ -273,15 +220,15 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
                 rc = _stream(run)
             finally:
                 run.close()
+                if store is not None:
+                    _end_store(store)
                 if shower is not None and console is not None:
                     shower.join(5)  # its last line, before the launch's own
                     console.close()
         if rc != 0 and run is not None and not signalled:
             for line in told(run.out.disk, plan.output_dir):
                 echo(line)
-        record_state(run_dir, exit_code=rc, ended=time.time(), state=exitcodes.state_of(
-            rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
-        return rc
+        return _end_state(run_dir, rc, plan, signalled, run)
     finally:
         if beat is not None:  # the job has ended on every node (run.finish waited for the stop)
             beat.stop()
@@ -289,6 +236,43 @@ def _execute(plan: LaunchPlan, record: str, echo: Callable[[str], None] | None, 
             held.release()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _end_state(run_dir: Path, rc: int, plan: LaunchPlan, signalled: list[int], run: _Run | None) -> int:
+    record_state(run_dir, exit_code=rc, ended=time.time(), state=exitcodes.state_of(
+        rc, submitted=plan.mode == "submit", signalled=bool(signalled), hung=run is not None and run.hung))
+    return rc
+
+
+def _start_store(c: Command, run_dir: Path, echo: Callable[[str], None]) -> subprocess.Popen | None:
+    """The in-process restarts' store (hfscale.training.inprocess.store_host) once it listens: its port
+    is in the run directory, where the nodes read it. None, said, when it does not start."""
+    log = run_dir / LOGS_DIR / "_store.log"  # no host's: a host name begins with a letter or digit
+    try:
+        with open(log, "a", encoding="utf-8") as out:
+            proc = subprocess.Popen(c.real_argv(), env=_env(c), cwd=c.cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+        echo(f"hfscale: cannot start the in-process restarts' store: {e.strerror or e}; nothing was started")
+        return None
+    deadline = time.monotonic() + STORE_START_S
+    while not (run_dir / STORE_ADDR).is_file():
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            _signal_group(proc, signal.SIGKILL)
+            echo(f"hfscale: the in-process restarts' store did not start within {STORE_START_S} s (its log: {log}); "
+                 "nothing was started")
+            return None
+        time.sleep(0.1)
+    return proc
+
+
+def _end_store(store: subprocess.Popen) -> None:
+    _signal_group(store, signal.SIGTERM)
+    try:
+        store.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        _signal_group(store, signal.SIGKILL)
+        store.wait()
 
 
 def _prepare(step: Command, run_dir: Path, echo: Callable[[str], None]) -> int:
@@ -327,6 +311,8 @@ def _stream(run: _Run) -> int:
     watcher.start()
     if run.plan.watch is not None:
         threading.Thread(target=_watch_for_hang, args=(run, run.plan.watch), daemon=True).start()
+    if run.healing is not None:
+        threading.Thread(target=run.stop_the_rest, daemon=True).start()
     assert run.proc.stdout is not None
     for line in run.proc.stdout:
         run.route(line.rstrip("\n"))
@@ -334,6 +320,12 @@ def _stream(run: _Run) -> int:
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
     if run.signalled is None:
         run.out.first.settle()  # every node has reported: one that only lost a peer is the failure
+    if run.healing is not None and rc and run.failure is None and run.signalled is None and run.healing.healed:
+        if run.healing.finished(run.out.nodes.succeeded):
+            rc = 0  # the nodes the ranks healed around do not fail the job
+        else:
+            first = run.healing.healed[0]
+            run.fail(first.where, first.rc, first.what)
     if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
         # what main started may outlive it (a killed srun's step inside an allocation): stop it
         run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")

@@ -120,6 +120,7 @@ class Nodes:
     _lines: dict[str, int] = field(default_factory=dict)
     _last: dict[str, str] = field(default_factory=dict)
     lost_peer: set[str] = field(default_factory=set)  # hosts whose ranks printed a peer's loss
+    succeeded: set[str] = field(default_factory=set)  # hosts whose exit line said 0
 
     @property
     def exited(self) -> set[str]:
@@ -130,6 +131,8 @@ class Nodes:
         """Take one event; the failure it shows, if any (the caller keeps only the first)."""
         if isinstance(event, NodeExit):
             self.state[event.host] = "exited"
+            if not event.rc:
+                self.succeeded.add(event.host)
             return self._failed(event.host, event.rc) if event.rc else None
         if isinstance(event, Output):
             if event.host is not None and not event.from_pdsh:

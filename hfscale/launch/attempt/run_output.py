@@ -17,13 +17,14 @@ class RunOutput:
     """The job's output, line by line: logged per node, shown, and watched for a node's failure."""
 
     def __init__(self, logs: frozenset[str], runner: str, run_dir: Path, echo: Callable[[str], None],
-                 on_failure: Callable[[Failure], None]):
+                 on_failure: Callable[[Failure], None], every: bool = False):
         self.runner = runner
         self.echo = echo
         self.logs: dict[str, TextIO] = {h: open(run_dir / LOGS_DIR / f"{h}.log", "a", encoding="utf-8") for h in logs}
         self.nodes = Nodes()  # each host's state, from its lines
         self.disk = Signs()  # a full disk, as the ranks' errors show it (hfscale.launch.attempt.disk_full)
         self.first = FirstFailure(on_failure)  # the ranks a dead rank took down wait for it
+        self.every = on_failure if every else None  # in-process restarts: each node's failure, as it comes
 
     def route(self, line: str, failed: bool) -> None:
         """One line; ``failed``: the job already failed or was signalled (no failure is looked for)."""
@@ -38,7 +39,10 @@ class RunOutput:
         self.disk.see(host or (m["host"] if m else self.runner), line)
         failure = self.nodes.see(parse(line))
         if failure is not None and not failed:
-            self.first.offer(failure)
+            if self.every is not None:
+                self.every(failure)
+            else:
+                self.first.offer(failure)
 
     def close(self) -> None:
         for f in self.logs.values():

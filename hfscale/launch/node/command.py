@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from hfscale.config.envvars import FLIGHT_DUMP_NAME, FLIGHT_ENTRIES, flight_recorder_env, installed_torch, job_env, secret_names
 from hfscale.core.shell import Cat, Secret, Word
 from hfscale.launch.context import LaunchContext
-from hfscale.launch.run_dir import CONFIG_COPY
+from hfscale.launch.run_dir import CONFIG_COPY, STORE_ADDR
 from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
 from hfscale.rules.resolved import Job
 from hfscale.rules.script import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
@@ -42,7 +42,8 @@ def plain_needs_entry(job: Job) -> bool:
     return job.world_size > 1 or (job.config.runner.launcher == "accelerate" and job.deepspeed is not None)
 
 
-def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[str], list[str]]:
+def training_target(job: Job, run_dir: str, ctx: LaunchContext, expands: bool | None = None
+                    ) -> tuple[list[str], list[str]]:
     """(launcher flags that select the entry, [entry, *args]): hfscale's built-in entry point reading
     the resolved config from ``run_dir``; a Trainer script through ``hfscale.training.run_script`` with the
     YAML's flags (hfscale.rules.script); a plain script with its own arguments only (through
@@ -58,7 +59,7 @@ def training_target(job: Job, run_dir: str, ctx: LaunchContext) -> tuple[list[st
         else:
             plain = [PLAIN_FLAG] if t.pass_args == "none" else []
             flag, target = ["--module"], [SCRIPT_ENTRY, *plain, *argv]
-    if torchrun_expands(job):
+    if torchrun_expands(job) if expands is None else expands:
         target = [w.replace("$", "$$") for w in target]
     return flag, target
 
@@ -85,9 +86,45 @@ def default_rendezvous(job: Job, rank: Word, master: Word | None = None) -> Rend
     return Rendezvous(rank=rank, master=master, c10d=restarts(job) > 0)
 
 
-def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv: Rendezvous) -> list[Word]:
-    """argv of the per-node launcher (accelerate launch or torchrun), its entry and arguments."""
+NODE_AGENT = "hfscale.training.inprocess.node_agent"
+# how long the first rank back waits for the others before an in-process restart goes on without them: once
+# enough have come to fill every rank it waits only 0.5 s more; with too few (no standby left), long enough
+# for a node agent to start a killed rank again (its imports take seconds), which then takes its rank back
+IN_PROCESS_JOIN_S = 30
+STORE_HOST = "hfscale.training.inprocess.store_host"
+
+
+def in_process(job: Job) -> bool:
+    """Whether the job restarts in process (recovery.in_process): every node, spares too, runs
+    hfscale's node agent in torchrun's place, and the launch hosts the ranks' store."""
+    return job.config.recovery.in_process
+
+
+def launched_nodes(job: Job) -> int:
+    """The nodes a launch starts: the job's, and with in-process restarts its spares too (standbys)."""
+    return job.num_nodes + (len(job.spares) if in_process(job) else 0)
+
+
+def node_agent_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, node_rank: Word, reach: str
+                    ) -> list[Word]:
+    """argv of a node's in-process agent (hfscale.training.inprocess.node_agent) and its ranks' entry
+    (which it starts as given: no torchrun to expand ``$``): the ranks of spare nodes (node ranks
+    from ``num_nodes`` on) are the standbys."""
+    p = job.procs_per_node
+    module_flag, target = training_target(job, run_dir, ctx, expands=False)
+    return [python, "-m", NODE_AGENT, "--nproc", str(p), "--node-rank", node_rank, "--world", str(job.world_size),
+            "--launched", str(launched_nodes(job) * p), "--store-file", posixpath.join(run_dir, STORE_ADDR),
+            "--reach", reach, "--restarts", str(job.config.recovery.max_restarts), "--",
+            *(["-m"] if module_flag else []), *target]
+
+
+def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv: Rendezvous,
+                  reach: str = "ssh") -> list[Word]:
+    """argv of the per-node launcher (accelerate launch, torchrun, or with in-process restarts hfscale's
+    node agent: ``reach`` is how a node finds the launcher's host), its entry and arguments."""
     cfg = job.config
+    if in_process(job):
+        return node_agent_argv(job, python, run_dir, ctx, rdzv.rank, reach)
     module_flag, target = training_target(job, run_dir, ctx)
     master: Word = rdzv.master if rdzv.master is not None else job.master_addr
     port: Word = rdzv.port if rdzv.port is not None else str(cfg.cluster.master_port)
@@ -149,6 +186,11 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secr
         # NCCL also writes it here when its own watchdog times out
         env.update(flight_recorder_env(FLIGHT_ENTRIES, posixpath.join(run_dir, FLIGHT_DIR, FLIGHT_DUMP_NAME),
                                        installed_torch(), values))
+    if in_process(job):  # hfscale.training.inprocess.restart.Session
+        env["HFSCALE_INPROCESS_RESTARTS"] = str(job.config.recovery.max_restarts)
+        env["HFSCALE_INPROCESS_JOIN_S"] = str(IN_PROCESS_JOIN_S)
+        if job.config.watchdog.timeout is not None:  # a collective waits this long for a frozen or cut-off peer
+            env["HFSCALE_INPROCESS_TIMEOUT_S"] = str(job.config.watchdog.timeout)
     if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently
         # with gloo (pytorch/pytorch#135712); a separate store per round avoids it

@@ -23,7 +23,7 @@ LOG = "local"
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     """``accelerate launch`` (or torchrun) with the generated config, in the working directory;
     stopping it is stopping this job's processes here (torchrun's workers leave its process group)."""
-    argv = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, "0"))
+    argv = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, "0"), reach="local")
     host = job.hosts[0].host if job.hosts else LOG
     keeper = keeper_line(keeper_of(c.run_dir, LOCAL_REACH), Line((Sh(stop_script(ctx.job_id)),)))
     line = Line.of(Sh("export"), Assign(HOST_VAR, host), Sh(";", glue=True), keeper, Sh("exec"), words(argv))

@@ -10,7 +10,7 @@ import posixpath
 
 from hfscale.core.shell import Command, Line, Sh, Var, words
 from hfscale.launch.context import Common, LaunchContext
-from hfscale.launch.node.command import default_rendezvous, launcher_argv
+from hfscale.launch.node.command import default_rendezvous, in_process, launcher_argv
 from hfscale.launch.node.controls import controls
 from hfscale.launch.node.keeper import keeper_of
 from hfscale.launch.node.line import HOSTS_FILE, RANK_VAR, hosts_file, launch, prelude, private_files
@@ -24,7 +24,7 @@ RANK_DIR: str | None = None  # the ranks read the generated files in the run dir
 
 
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
-    hosts = tuple(h.host for h in job.hosts)
+    hosts = tuple(h.host for h in (*job.hosts, *(job.spares if in_process(job) else ())))  # spares: standbys
     launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
     listing = posixpath.join(c.run_dir, HOSTS_FILE)
     main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), launcher, Line((Sh(stop_script(ctx.job_id)),)))

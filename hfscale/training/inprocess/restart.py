@@ -32,18 +32,22 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from hfscale.core import exitcodes
 from hfscale.training.heartbeat import begin_attempt
 from hfscale.training.inprocess.assignment import (Assigned, Members, Relaunch, Replaced, assign, changes, decode,
                                                   encode, first)
 
 PREFIX = "hfscale/inprocess/"
-RELAUNCH_EXIT = 75  # EX_TEMPFAIL: the in-process restart could not go on; the launcher relaunches the job
+RELAUNCH_EXIT = exitcodes.RELAUNCH  # the in-process restart could not go on; the launcher relaunches the job
 POLL_S = 0.2  # how often a waiting process reads a key it waits for (TCPStore.check: one round trip)
 QUIET_S = 0.5  # arrivals enough for every rank and none new for this long: the attempt's members are written
 ENV_WORLD = "HFSCALE_INPROCESS_WORLD"  # the active world size; the launch's WORLD_SIZE counts the standbys too
 ENV_JOIN = "HFSCALE_INPROCESS_JOIN_S"
 ENV_RESTARTS = "HFSCALE_INPROCESS_RESTARTS"
 ENV_TIMEOUT = "HFSCALE_INPROCESS_TIMEOUT_S"  # a collective that waits longer fails: a frozen or cut-off peer
+ENV_RESTARTED = "HFSCALE_INPROCESS_RESTARTED"  # > 0: started again by its node (node_agent): a standby from the start
+LATEST = "latest"  # the current attempt's members (encode): where a process started again finds the job
+LATE_WAIT_S = 60.0  # a process started again waits this long for LATEST before it gives up (the job is relaunched)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Session:
     join_s: float = 3.0
     max_restarts: int = 10
     timeout_s: float | None = None  # the process groups' timeout (None: torch's default, 30 min)
+    restarted: int = 0  # how often its node started this process again (ENV_RESTARTED)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Session:
@@ -84,7 +89,8 @@ class Session:
         return cls(uid=number("RANK", 0, launched - 1), world_size=world, standbys=launched - world, master_addr=addr,
                    master_port=number("MASTER_PORT", 1, 65535), join_s=number(ENV_JOIN, 0, 3600, 3.0, float),
                    max_restarts=number(ENV_RESTARTS, 0, 10_000, 10),
-                   timeout_s=number(ENV_TIMEOUT, 1, 86_400, kind=float) if e.get(ENV_TIMEOUT) else None)
+                   timeout_s=number(ENV_TIMEOUT, 1, 86_400, kind=float) if e.get(ENV_TIMEOUT) else None,
+                   restarted=number(ENV_RESTARTED, 0, 1 << 20, 0))
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,8 @@ def join_next(store: Any, s: Session, previous: Members) -> Assigned | Relaunch:
         out = assign(previous, _arrived(store, k, n), s.world_size + s.standbys) if k <= s.max_restarts else Relaunch(
             f"{s.max_restarts} in-process restart(s) made, the most recovery.max_restarts allows")
         store.set(f"a{k}/members", encode(out.members) if isinstance(out, Assigned) else f"relaunch;{out.reason}")
+        if isinstance(out, Assigned):
+            store.set(LATEST, encode(out.members))
         return out
     got = _wait_for(store, f"a{k}/members", s.join_s + 30.0)
     if got is None:
@@ -267,9 +275,25 @@ def _tell_standbys(store: Any, standbys: int, bound_s: float = 10.0) -> None:
 def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], None]) -> int:
     """``run``'s loop; a store operation that fails raises RuntimeError (``fn``'s own errors are caught)."""
     store = connect(s)
-    members, replaced, ended = first(s.world_size, s.standbys), (), None
+    replaced: tuple[Replaced, ...] = ()
+    ended: float | None = None
+    if s.restarted:
+        found = _late(store, s)
+        if found is None:
+            return 0  # the job has finished
+        if isinstance(found, Relaunch):
+            tell(f"hfscale: no in-process restart: {found.reason}; the job is relaunched")
+            return RELAUNCH_EXIT
+        members, late = found, True
+        tell(f"hfscale: uid {s.uid}, started again by its node ({s.restarted}), waits as a standby from attempt "
+             f"{members.attempt}")
+    else:
+        members, late = first(s.world_size, s.standbys), False
+        if s.uid == 0:
+            store.compare_set(LATEST, "", encode(members))
     while True:
-        rank = members.rank_of(s.uid)
+        rank = None if late else members.rank_of(s.uid)
+        late = False
         if rank is None:  # a standby: wait for this attempt to end, or for the job to
             while not store.check([f"a{members.attempt}/over"]):
                 if store.check(["finished"]):
@@ -288,8 +312,9 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
                 raise
             except Exception as e:  # noqa: BLE001 - any failure of an attempt is restarted, within max_restarts
                 ended = time.time()
-                mine = f"rank {rank} (uid {s.uid}): {type(e).__name__}: {e}"
-                traceback.print_exc(file=sys.stderr)  # the node's log
+                first_line = (str(e).strip().splitlines() or [""])[0]
+                mine = f"rank {rank} (uid {s.uid}): {type(e).__name__}: {first_line[:200]}"
+                _keep_traceback(s.uid, members.attempt)
                 e.__traceback__ = None
                 del e
                 leave_group()
@@ -305,3 +330,40 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
             tell(f"hfscale: no in-process restart: {out.reason}; the job is relaunched")
             return RELAUNCH_EXIT
         members, replaced = out.members, out.replaced
+
+
+def _late(store: Any, s: Session) -> Members | Relaunch | None:
+    """Where a process its node started again stands: the current attempt's members, as a standby
+    of it (None: the job has finished). It was killed in some attempt; the others may not even have
+    noticed yet, and it must not take its old rank in a group that has it: it waits for the attempt
+    to end and arrives at the next, where ``assign`` makes it a standby, or gives it its old rank back."""
+    deadline = time.monotonic() + LATE_WAIT_S
+    while True:
+        if store.check(["finished"]):
+            store.add("finished/seen", 1)
+            return None
+        got = _get(store, LATEST)
+        if got is not None:
+            try:
+                return decode(got)
+            except ValueError as e:
+                return Relaunch(f"the store's current members are unreadable: {e}")
+        if time.monotonic() >= deadline:
+            return Relaunch(f"started again by its node, it found no attempt in the store within {LATE_WAIT_S:.0f} s")
+        time.sleep(POLL_S)
+
+
+def _keep_traceback(uid: int, attempt: int) -> None:
+    """The failed attempt's traceback, for the record but off the terminal (the failure is healed):
+    ``<run dir>/logs/_inprocess-<uid>.log`` (hfscale launch sets HFSCALE_RUN_DIR; no host's log begins with
+    "_"), else standard error."""
+    text = f"--- attempt {attempt} ended in uid {uid}, {time.strftime('%F %T')}\n" + traceback.format_exc()
+    run_dir = os.environ.get("HFSCALE_RUN_DIR")
+    if run_dir:
+        try:
+            with open(os.path.join(run_dir, "logs", f"_inprocess-{uid}.log"), "a", encoding="utf-8") as f:
+                f.write(text)
+            return
+        except OSError:
+            pass
+    sys.stderr.write(text)

@@ -1,0 +1,184 @@
+"""One node's agent for in-process restarts: it starts the node's ranks in torchrun's stead and keeps
+them going. ``python -m hfscale.training.inprocess.node_agent --nproc P --node-rank N --world W
+--launched L --store-file F --reach ssh --restarts K -- -m hfscale.training.train --config C``.
+
+torchrun's agent does not serve here: a node that loses one rank stops and restarts all of them, a
+worker that asks for a relaunch is restarted like any failed one, and at its end it waits for every
+other node's agent (its exit barrier), which a lost node's never reaches. This agent:
+
+- starts rank process ``i`` (0 .. P-1) with torchrun's variables (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``GROUP_RANK``), ``RANK`` = its uid ``N * P + i`` and ``WORLD_SIZE`` = ``L``, every process the launch
+  started, standbys included, ``HFSCALE_INPROCESS_WORLD`` = ``W``, the active ranks, and
+  ``MASTER_ADDR``/``MASTER_PORT`` = the store (hfscale.training.inprocess.store_host: its port read from
+  ``F``, its host the launcher's as this node sees it: ``--reach``);
+- starts again a process that died (a signal, the OOM killer, a crash outside the training function),
+  up to K times, with ``HFSCALE_INPROCESS_RESTARTED`` = how often: it joins as a standby at the next
+  attempt (hfscale.training.inprocess.restart), so a spare used up is replaced by the node it left;
+- ends with 75 (RELAUNCH_EXIT) as soon as one of its processes does (the others are stopped: the job is
+  relaunched), and with 0 once all of them ended with 0.
+A TERM or INT goes to every process it started, and nothing is started again after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hfscale.training.inprocess.restart import RELAUNCH_EXIT
+
+ENV_RESTARTED = "HFSCALE_INPROCESS_RESTARTED"
+STORE_WAIT_S = 60.0  # the launch writes the store's port before it starts the nodes: this bounds a slow file system
+STOP_GRACE_S = 10.0
+REACH = {"local": None, "ssh": "SSH_CONNECTION", "srun": "SLURM_LAUNCH_NODE_IPADDR"}
+
+
+def store_port(path: str, wait_s: float = STORE_WAIT_S) -> int:
+    """The store's port from its file (a regular file of one number); ValueError naming the file."""
+    from hfscale.core.untrusted import Missing, Unreadable, read_bytes
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            text = read_bytes(path, 64).decode("ascii", "replace").strip()
+            break
+        except Missing:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"{path}: not written within {wait_s:.0f} s (the launch starts the store first)") from None
+            time.sleep(0.2)
+        except Unreadable as e:
+            raise ValueError(str(e)) from None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"{path}: {text[:20]!r} is not a port")
+    return int(text)
+
+
+def store_host(reach: str, env: dict[str, str]) -> str:
+    """The launcher's address as this node sees it; ValueError when the variable it is read from is unset."""
+    var = REACH[reach]
+    if var is None:
+        return "127.0.0.1"
+    value = env.get(var, "").split(" ")[0]
+    if not value:
+        raise ValueError(f"--reach {reach}: ${var} is not set here")
+    return value
+
+
+def rank_env(base: dict[str, str], a: argparse.Namespace, local: int, host: str, port: int, restarted: int
+             ) -> dict[str, str]:
+    env = dict(base)
+    env.update(RANK=str(a.node_rank * a.nproc + local), WORLD_SIZE=str(a.launched), LOCAL_RANK=str(local),
+               LOCAL_WORLD_SIZE=str(a.nproc), GROUP_RANK=str(a.node_rank), MASTER_ADDR=host, MASTER_PORT=str(port),
+               HFSCALE_INPROCESS_WORLD=str(a.world), **{ENV_RESTARTED: str(restarted)})
+    if a.nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for more than one process on a node
+    return env
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m hfscale.training.inprocess.node_agent")
+    p.add_argument("--nproc", type=int, required=True)
+    p.add_argument("--node-rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--launched", type=int, required=True)
+    p.add_argument("--store-file", required=True)
+    p.add_argument("--reach", choices=sorted(REACH), required=True)
+    p.add_argument("--restarts", type=int, default=0)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the rank's python arguments")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command or not 1 <= a.nproc <= 1024 or a.node_rank < 0 or not 1 <= a.world <= a.launched \
+            or (a.node_rank + 1) * a.nproc > a.launched or a.restarts < 0:
+        print("hfscale: node agent: bad arguments (--nproc, --node-rank, --world, --launched, --restarts, command)",
+              file=sys.stderr)
+        return 2
+    try:
+        host, port = store_host(a.reach, dict(os.environ)), store_port(a.store_file)
+    except ValueError as e:
+        print(f"hfscale: node agent: {e}; the job is relaunched", file=sys.stderr, flush=True)
+        return RELAUNCH_EXIT
+    stopping: list[int] = []
+    procs: dict[int, subprocess.Popen] = {}
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+
+    def start(local: int, restarted: int) -> None:
+        env = rank_env(dict(os.environ), a, local, host, port, restarted)
+        procs[local] = subprocess.Popen([sys.executable, *command], env=env)
+
+    for local in range(a.nproc):
+        start(local, 0)
+    restarts = {local: 0 for local in range(a.nproc)}
+    left = a.restarts
+    while procs:
+        local, rc = _wait_any(procs)
+        uid = a.node_rank * a.nproc + local
+        if rc == 0:
+            continue
+        if rc == RELAUNCH_EXIT or stopping or left <= 0:
+            _stop(procs)
+            if rc == RELAUNCH_EXIT or stopping:
+                return RELAUNCH_EXIT if rc == RELAUNCH_EXIT else rc if rc > 0 else 128 - rc
+            print(f"hfscale: rank process {uid} ended ({_how(rc)}) and the node has restarted {a.restarts} already",
+                  file=sys.stderr, flush=True)
+            return rc if rc > 0 else 128 - rc
+        left -= 1
+        restarts[local] += 1
+        print(f"hfscale: rank process {uid} ended ({_how(rc)}); started again, as a standby "
+              f"({a.restarts - left} of {a.restarts})", file=sys.stderr, flush=True)
+        start(local, restarts[local])
+    return 0
+
+
+def _wait_any(procs: dict[int, subprocess.Popen]) -> tuple[int, int]:
+    """The local index and exit code of the next process to end (removed from ``procs``)."""
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:  # none left that we started: each ended and was reaped
+            local = next(iter(procs))
+            return local, procs.pop(local).wait()
+        except InterruptedError:
+            continue
+        for local, p in list(procs.items()):
+            if p.pid == pid:
+                p.returncode = os.waitstatus_to_exitcode(status)
+                del procs[local]
+                return local, p.returncode
+
+
+def _how(rc: int) -> str:
+    return f"signal {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.Signals._value2member_map_ else \
+        f"exit code {rc}"
+
+
+def _stop(procs: dict[int, subprocess.Popen]) -> None:
+    """TERM to the processes left, KILL after STOP_GRACE_S."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
