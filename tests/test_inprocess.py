@@ -300,8 +300,8 @@ def test_a_user_script_that_opts_in_restarts_in_process_under_hfscale_launch(tmp
     assert "rank 0 stays and rejoins" in log, log[-3000:]
 
 
-def _ranks_of(under: str) -> dict[int, int]:
-    """LOCAL_RANK -> pid of this machine's rank processes (hfscale.training.run_script, started by an
+def _ranks_of(under: str, module: bytes = b"hfscale.training.run_script") -> dict[int, int]:
+    """LOCAL_RANK -> pid of this machine's rank processes (``python -m <module>``, started by an
     in-process node agent) whose run directory is under ``under``."""
     found = {}
     for entry in Path("/proc").iterdir():
@@ -313,7 +313,53 @@ def _ranks_of(under: str) -> dict[int, int]:
                        if "=" in v)
         except OSError:
             continue
-        if argv[1:3] == [b"-m", b"hfscale.training.run_script"] and env.get("HFSCALE_RUN_DIR", "").startswith(under) \
+        if argv[1:3] == [b"-m", module] and env.get("HFSCALE_RUN_DIR", "").startswith(under) \
                 and "HFSCALE_INPROCESS_WORLD" in env:
             found[int(env["LOCAL_RANK"])] = int(entry.name)
     return found
+
+
+NEVER_REJOINS = """\
+import os
+if os.environ.get("HFSCALE_INPROCESS_RESTARTED", "0") != "0":  # a rank its node agent started again
+    import time
+    import hfscale.training.inprocess.restart as restart
+
+    def _never(store, session):
+        time.sleep(3600)
+
+    restart._late = _never  # it never finds the attempt in the store: it cannot rejoin
+"""
+
+
+def test_a_rank_that_cannot_rejoin_falls_back_to_a_full_relaunch_that_finishes(tmp_path):
+    """Runner local, 2 ranks, no spare: rank 1 SIGKILLed after checkpoint 8; its node agent starts it
+    again, but the new process never rejoins (put in from outside: a sitecustomize.py). Rank 0 waits
+    the join bound (30 s), finds too few ranks and exits 75; the agent stops the stuck process and ends
+    with 75; the launch stops and relaunches the job (recovery.max_restarts), which resumes and finishes."""
+    import yaml
+
+    config = _trainer_config(tmp_path, "fallback")
+    doc = yaml.safe_load(config.read_text())
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NEVER_REJOINS)
+    doc.update(runner={"type": "local", "launcher": "torchrun", "run_dir": str(tmp_path / "runs")},
+               recovery={"max_restarts": 2, "in_process": True}, watchdog={"timeout": 60},
+               env={"vars": {"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}})
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    out = tmp_path / "fallback" / "out"
+    job = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoint-10" / "hfscale_complete.json").exists():
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()[-3000:] if job.stdout else ""
+        time.sleep(0.2)
+    ranks = _ranks_of(str(tmp_path), b"hfscale.training.train")
+    os.kill(ranks[1], signal.SIGKILL)
+    text, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, text[-4000:]
+    assert "hfscale: no in-process restart: 1 rank(s) lost (rank 1) and 0 standby rank(s) to take their place; the " \
+           "job is relaunched" in text, text[-4000:]
+    assert re.search(r"hfscale: restart 1 \(at most 2\): .*exit code 75", text), text[-4000:]
+    assert sorted(losses(out / "checkpoint-30")) == list(range(1, 31))  # every step, the relaunch's included

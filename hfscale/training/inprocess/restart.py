@@ -1,8 +1,8 @@
 """The in-process restart loop each rank runs around its training function (``run``).
 
 The processes meet on a ``torch.distributed`` TCPStore at ``MASTER_ADDR:MASTER_PORT`` that must outlive
-any one rank (tests/test_inprocess.py hosts it; the launcher's part is not built yet); its keys are
-under ``hfscale/inprocess/``. A store that cannot be reached ends the process with ``RELAUNCH_EXIT``.
+any one rank (hfscale launch runs it beside the launcher: hfscale.training.inprocess.store_host); its keys
+are under ``hfscale/inprocess/``. A store that cannot be reached ends the process with ``RELAUNCH_EXIT``.
 Attempt ``k``:
 
 - the members (hfscale.training.inprocess.assignment) join a process group of their own over the
@@ -18,6 +18,9 @@ Attempt ``k``:
   as it would without in-process restarts.
 
 A rank that finds nothing written within its bound exits the same way (a leader lost as it led).
+A process its node started again (``HFSCALE_INPROCESS_RESTARTED``: hfscale.training.inprocess.node_agent)
+reads the current members (``latest``, written with each attempt's) and waits as a standby for that
+attempt to end.
 """
 
 from __future__ import annotations
