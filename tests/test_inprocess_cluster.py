@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.recovery.timeline import read_timeline
 from test_orphans_cluster import SLOW
-from test_recovery_cluster import INPROCESS_FAULTS, INPROCESS_STEPS, _step, largest_loss_difference, launched, run_dir_of, train_config, \
+from test_recovery_cluster import fault_rng, INPROCESS_FAULTS, INPROCESS_STEPS, _step, largest_loss_difference, launched, run_dir_of, train_config, \
     wait_for
 
 pytestmark = pytest.mark.slow
@@ -69,9 +68,7 @@ def _pids(cluster, node: str) -> set[int]:
 
 
 def test_killed_ranks_are_back_in_seconds_with_a_warm_standby_each_time(make_cluster, tmp_path, uninterrupted_losses):
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments), {FAULTS} faults")
+    rng = fault_rng(f", {FAULTS} faults")
     cluster = make_cluster(4)
     out = tmp_path / "out"
     config = train_config(tmp_path, "inproc", out, 29946, cluster.nodes[:3],

@@ -16,8 +16,6 @@ before the failure; at the end every step's loss equals the uninterrupted run's 
 
 from __future__ import annotations
 
-import os
-import random
 import re
 import textwrap
 import time
@@ -27,7 +25,7 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from hfscale.launch.recovery.timeline import read_timeline
-from test_recovery_cluster import CHAOS_KILLS, CHAOS_STEPS, _attempt_training, largest_loss_difference, run_dir_of, train_config, launched, wait_for
+from test_recovery_cluster import fault_rng, CHAOS_KILLS, CHAOS_STEPS, _attempt_training, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 EVERY = 2
@@ -77,9 +75,7 @@ SLOW_COPY = textwrap.dedent('''\
 def test_kills_at_random_moments_never_resume_from_an_incomplete_checkpoint(make_cluster, tmp_path,
                                                                             uninterrupted_losses):
     kills = CHAOS_KILLS
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments), {kills} kills")
+    rng = fault_rng(f", {kills} kills")
     max_steps = CHAOS_STEPS
     cluster = make_cluster(3)
     out = tmp_path / "out"

@@ -17,8 +17,6 @@ the uninterrupted run's within 1e-3.
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 import shutil
 
@@ -29,7 +27,7 @@ from cluster import leftover_processes, run_on
 from hfscale.checkpoints.local_tier import node_dir
 from hfscale.launch.recovery.timeline import read_timeline
 from test_local_tier import flip
-from test_recovery_cluster import _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
+from test_recovery_cluster import fault_rng, _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 90
@@ -54,9 +52,7 @@ def rot(local, host: str, out, kind: str, steps: str = "all") -> list[str]:
 
 def test_a_killed_node_resumes_from_the_local_tier_and_a_lost_folder_from_its_buddy(make_cluster, tmp_path,
                                                                                      uninterrupted_losses):
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    rng = fault_rng()
     cluster = make_cluster(3)
     out = tmp_path / "out"
     local = tmp_path / "local" / "{host}"

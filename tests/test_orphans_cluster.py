@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -35,7 +34,7 @@ from cluster import leftover_processes
 from conftest import ROOT
 from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.training.heartbeat import read_progress
-from test_recovery_cluster import REFERENCE_STEPS, largest_loss_difference, train_config
+from test_recovery_cluster import fault_rng, REFERENCE_STEPS, largest_loss_difference, train_config
 
 pytestmark = pytest.mark.slow
 UNWATCHED_BOUND_S = 60
@@ -176,9 +175,7 @@ def complete_steps(out: Path) -> list[int]:
 
 def test_a_killed_launcher_s_job_stops_itself_and_the_next_launch_resumes_from_either_host(
         make_cluster, tmp_path, uninterrupted_losses):
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    rng = fault_rng()
     cluster = make_cluster(4)  # node0-2 train; node3 is a second login host
     out = tmp_path / "out"
     config = train_config(tmp_path, "orph", out, 29961, cluster.nodes[:3],

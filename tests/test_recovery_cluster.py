@@ -53,6 +53,14 @@ INPROCESS_STEPS = 40 + INPROCESS_PER_FAULT * (INPROCESS_FAULTS + 1)  # and a fre
 REFERENCE_STEPS = max(240, CHAOS_STEPS, INPROCESS_STEPS)
 
 
+def fault_rng(also: str = "") -> random.Random:
+    """The faults' moments: drawn from HFSCALE_FAULT_SEED, or from a seed drawn now and printed, so
+    that a failing run can be repeated (``also``: more to print on that line)."""
+    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
+    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments){also}")
+    return random.Random(seed)
+
+
 def node_env() -> dict[str, str]:
     return {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
             "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -147,9 +155,7 @@ def launched(config: Path, env: dict[str, str], tmp: Path, timeout: float = 900)
 
 
 def test_a_job_heals_around_a_killed_a_frozen_and_a_cut_off_node(make_cluster, tmp_path, uninterrupted_losses):
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    rng = fault_rng()
     want = uninterrupted_losses  # the same job, uninterrupted (its first MAX_STEPS steps)
 
     cluster = make_cluster(3)

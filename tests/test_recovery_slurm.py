@@ -26,8 +26,6 @@ cannot finish the job first.
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 import subprocess
 import sys
@@ -42,7 +40,7 @@ from conftest import ROOT
 from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.launch.runners.slurm_script import BATCH_HOST_LOST_S, REQUEUE_LOG
 from test_orphans_cluster import SLOW
-from test_recovery_cluster import largest_loss_difference, node_env
+from test_recovery_cluster import fault_rng, largest_loss_difference, node_env
 
 pytestmark = pytest.mark.slow
 MAX_STEPS = 240  # a node whose slurmd stopped trains on for ~30 s (~100 steps) before Slurm notices
@@ -139,9 +137,7 @@ def output(run: Path, job: str) -> str:
 
 
 def test_a_slurm_job_heals_around_a_killed_and_a_slurmd_less_node(make_slurm, tmp_path, uninterrupted_losses):
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    rng = fault_rng()
     slurm = make_slurm(4, slurmd_timeout=SLURMD_TIMEOUT)
     cluster = slurm.cluster
     out = tmp_path / "out"

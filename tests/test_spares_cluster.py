@@ -17,8 +17,6 @@ host just taken out.
 
 from __future__ import annotations
 
-import os
-import random
 import subprocess
 import sys
 import time
@@ -30,15 +28,13 @@ from cluster import leftover_processes, run_on
 from conftest import ROOT
 from hfscale.launch.recovery.timeline import read_timeline
 from test_healing_trips_cluster import GRAB_PORT
-from test_recovery_cluster import MAX_STEPS, _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
+from test_recovery_cluster import fault_rng, MAX_STEPS, _attempt_training, _step, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_killed_node_is_replaced_by_its_spare(make_cluster, tmp_path, uninterrupted_losses):
-    seed = int(os.environ.get("HFSCALE_FAULT_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    print(f"fault seed {seed} (HFSCALE_FAULT_SEED={seed} repeats these moments)")
+    rng = fault_rng()
     cluster = make_cluster(4)
     out = tmp_path / "out"
     config = train_config(tmp_path, "spare", out, 29936, cluster.nodes[:3],

@@ -76,6 +76,7 @@ from hfscale.checkpoints.resume import checkpoints, decide, first_start, scan_ou
 from hfscale.rules.script import PLAIN_FLAG
 from hfscale.rules.trainer_args import given_flags
 from hfscale.training.heartbeat import fit_flight_recorder
+from hfscale.training.inprocess.restart import ENV_WORLD
 from hfscale.training.shutdown import exit_cleanly
 
 EXIT_BAD_INPUT = 2
@@ -208,7 +209,7 @@ def plan_start(args: list[str], env: Mapping[str, str]) -> Start:
     if "use_cpu" not in given and not sees_gpu(env):
         extra += [CPU_FLAG, "true"]
     output_dir = _value(args, "output_dir")
-    if "resume_from_checkpoint" in given or not output_dir or env.get("HFSCALE_INPROCESS_WORLD"):
+    if "resume_from_checkpoint" in given or not output_dir or env.get(ENV_WORLD):
         return Start(args + extra, "", 0)
     max_steps = _value(args, "max_steps")
     try:
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ACCELERATE_USE_CPU"] = "true"
     elif mode == "deepspeed":
         set_up_accelerate()
-    elif not plain and joins_group_first(args, os.environ) and not os.environ.get("HFSCALE_INPROCESS_WORLD"):
+    elif not plain and joins_group_first(args, os.environ) and not os.environ.get(ENV_WORLD):
         # (with in-process restarts each attempt joins its own group: hfscale.restart_in_process)
         join_group(args)
     try:

@@ -18,6 +18,7 @@ from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
 from hfscale.rules.resolved import Job
 from hfscale.rules.script import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
 from hfscale.training.heartbeat import FLIGHT_DIR
+from hfscale.training.inprocess.restart import ENV_JOIN, ENV_RESTARTS, ENV_TIMEOUT
 
 BUILTIN_ENTRY = "hfscale.training.train"
 def restarts(job: Job) -> int:
@@ -187,10 +188,10 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secr
         env.update(flight_recorder_env(FLIGHT_ENTRIES, posixpath.join(run_dir, FLIGHT_DIR, FLIGHT_DUMP_NAME),
                                        installed_torch(), values))
     if in_process(job):  # hfscale.training.inprocess.restart.Session
-        env["HFSCALE_INPROCESS_RESTARTS"] = str(job.config.recovery.max_restarts)
-        env["HFSCALE_INPROCESS_JOIN_S"] = str(IN_PROCESS_JOIN_S)
+        env[ENV_RESTARTS] = str(job.config.recovery.max_restarts)
+        env[ENV_JOIN] = str(IN_PROCESS_JOIN_S)
         if job.config.watchdog.timeout is not None:  # a collective waits this long for a frozen or cut-off peer
-            env["HFSCALE_INPROCESS_TIMEOUT_S"] = str(job.config.watchdog.timeout)
+            env[ENV_TIMEOUT] = str(job.config.watchdog.timeout)
     if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently
         # with gloo (pytorch/pytorch#135712); a separate store per round avoids it

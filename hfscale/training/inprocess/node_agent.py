@@ -28,9 +28,9 @@ import subprocess
 import sys
 import time
 
-from hfscale.training.inprocess.restart import RELAUNCH_EXIT
+from hfscale.core.exitcodes import signal_name
+from hfscale.training.inprocess.restart import ENV_RESTARTED, ENV_WORLD, RELAUNCH_EXIT
 
-ENV_RESTARTED = "HFSCALE_INPROCESS_RESTARTED"
 STORE_WAIT_S = 60.0  # the launch writes the store's port before it starts the nodes: this bounds a slow file system
 STOP_GRACE_S = 10.0
 REACH = {"local": None, "ssh": "SSH_CONNECTION", "srun": "SLURM_LAUNCH_NODE_IPADDR"}
@@ -72,7 +72,7 @@ def rank_env(base: dict[str, str], a: argparse.Namespace, local: int, host: str,
     env = dict(base)
     env.update(RANK=str(a.node_rank * a.nproc + local), WORLD_SIZE=str(a.launched), LOCAL_RANK=str(local),
                LOCAL_WORLD_SIZE=str(a.nproc), GROUP_RANK=str(a.node_rank), MASTER_ADDR=host, MASTER_PORT=str(port),
-               HFSCALE_INPROCESS_WORLD=str(a.world), **{ENV_RESTARTED: str(restarted)})
+               **{ENV_WORLD: str(a.world), ENV_RESTARTED: str(restarted)})
     if a.nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does for more than one process on a node
     return env
@@ -162,8 +162,7 @@ def _wait_any(procs: dict[int, subprocess.Popen]) -> tuple[int, int]:
 
 
 def _how(rc: int) -> str:
-    return f"signal {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.Signals._value2member_map_ else \
-        f"exit code {rc}"
+    return f"signal {signal_name(-rc)}" if rc < 0 else f"exit code {rc}"
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:

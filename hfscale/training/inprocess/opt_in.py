@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Callable
 
-ENV_WORLD = "HFSCALE_INPROCESS_WORLD"
+from hfscale.training.inprocess.restart import ENV_WORLD, Session, run
 
 
 def _code(returned: object) -> int:
@@ -32,7 +32,6 @@ def restart_in_process(train: Callable[[], object]) -> int:
     """Run ``train`` in attempts when the launch restarts in process (``recovery.in_process``), else once."""
     if not os.environ.get(ENV_WORLD):
         return _code(train())
-    from hfscale.training.inprocess.restart import Session, run
 
     try:
         session = Session.from_env()
