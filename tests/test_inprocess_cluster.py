@@ -97,6 +97,7 @@ def test_killed_ranks_are_back_in_seconds_with_a_warm_standby_each_time(make_clu
             at = min(_step(run) + rng.randint(3, 8), MAX_STEPS - 8)
             wait_for(f"step {at}", lambda: _step(run) >= at, job.proc)
             survivors = {node: _pids(cluster, node) for node in cluster.nodes if node != victim}
+            assert sum(map(len, survivors.values())) >= 3, survivors  # 2 training ranks and the standby: seen
             run_on(cluster, victim, f"pkill -KILL -f {RANK}", timeout=30)
             killed = time.time()
             faults.append((f"kill {victim}'s rank", killed, _step(run)))
