@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 from test_recovery_cluster import losses
 
+from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.training.inprocess.restart import ENV_JOIN, ENV_TIMEOUT, ENV_WORLD, RELAUNCH_EXIT
 
 pytestmark = pytest.mark.slow
@@ -46,10 +47,11 @@ def _port() -> int:
 
 class Launch:
     """``world`` active ranks and ``standbys`` more, each a process of its own, and the store. ``args``:
-    the loop script's; ``entry``: another command line instead (the built-in entry point)."""
+    the loop script's. (The built-in entry point restarting in process: tests/test_inprocess_cluster.py,
+    under hfscale launch.)"""
 
     def __init__(self, out: Path, world: int, standbys: int, args: list[str], join_s: float = 3.0,
-                 entry: list[str] | None = None, store_process: bool = False, env: dict[str, str] | None = None) -> None:
+                 store_process: bool = False, env: dict[str, str] | None = None) -> None:
         import torch.distributed as dist
 
         out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +67,7 @@ class Launch:
         self.logs = [open(out.parent / f"{out.name}.uid{u}.log", "w") for u in range(total)]
         env = {**os.environ, "WORLD_SIZE": str(total), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                ENV_WORLD: str(world), ENV_JOIN: str(join_s), "PYTHONPATH": str(ROOT), **(env or {})}
-        cmd = entry or [sys.executable, str(SCRIPT), str(out), *args]
+        cmd = [sys.executable, str(SCRIPT), str(out), *args]
         self.procs = [subprocess.Popen(cmd, stdout=self.logs[u], stderr=subprocess.STDOUT, cwd=out,
                                        env={**env, "RANK": str(u), "LOCAL_RANK": str(u),
                                             "LOCAL_WORLD_SIZE": str(total)},
@@ -222,30 +224,6 @@ def _trainer_config(tmp: Path, name: str) -> Path:
     return path
 
 
-def test_the_built_in_entry_point_restarts_in_process_with_deepspeed_and_loses_nothing(tmp_path):
-    """The Trainer, DeepSpeed ZeRO-2 and accelerate set up again inside the surviving process (their
-    process-group caches forgotten: hfscale.training.inprocess.restart.forget_singletons), the standby's
-    first attempt its first: every step's loss is the uninterrupted run's."""
-    entry = lambda cfg: [sys.executable, "-m", "hfscale.training.train", "--config", str(cfg)]  # noqa: E731
-    ref_cfg, job_cfg = _trainer_config(tmp_path, "ref"), _trainer_config(tmp_path, "job")
-    ref = Launch(tmp_path / "ref", 2, 0, [], entry=entry(ref_cfg))
-    assert ref.wait() == [0, 0], ref.log(0)[-3000:]
-    expected = losses(tmp_path / "ref" / "out" / "checkpoint-30")
-    assert sorted(expected) == list(range(1, 31))
-
-    job = Launch(tmp_path / "job", 2, 1, [], entry=entry(job_cfg))
-    out = tmp_path / "job" / "out"
-    job.until((out / "checkpoint-10" / "hfscale_complete.json").exists, timeout=180)
-    job.procs[1].send_signal(signal.SIGKILL)
-    rcs = job.wait()
-    assert rcs == [0, -signal.SIGKILL, 0], (rcs, job.log(0)[-3000:], job.log(2)[-3000:])
-    log0 = job.log(0)
-    assert "rank 0 stays and rejoins" in log0 and re.search(r"Connection (reset|closed) by peer", log0)  # its death
-    assert log0.index("rank 0 stays and rejoins") < log0.index("hfscale: resuming from " + str(out / "checkpoint-1"))
-    assert "HFSCALE_TRAIN done step=30" in log0
-    assert losses(out / "checkpoint-30") == expected
-
-
 CLM = ROOT / "tests" / "scripts" / "hf_clm_inprocess.py"
 CLM_MODEL = "n_layer=2,n_head=2,n_embd=32,vocab_size=256,n_positions=64,bos_token_id=0,eos_token_id=0"
 
@@ -298,6 +276,16 @@ def test_a_user_script_that_opts_in_restarts_in_process_under_hfscale_launch(tmp
     log = next((tmp_path / "runs").glob("job-*/logs/local.log")).read_text()
     assert "rank process 1 ended (signal SIGKILL); started again, as a standby" in log, log[-3000:]
     assert "rank 0 stays and rejoins" in log, log[-3000:]
+    # the restart, in the timeline (hfscale.launch.recovery.in_process_events) and in hfscale status
+    (run,) = (tmp_path / "runs").glob("job-*")
+    (healed,) = [e for e in read_timeline(run).events if e.kind == "in_process"]
+    # rank 0 may have reached checkpoint 12 before the kill was seen (checkpoints every 4 steps)
+    assert healed.in_process == 1 and healed.resume_step in (8, 12) and healed.failed_step >= healed.resume_step, healed
+    assert healed.what.startswith("rank ") and {"engine", "first_step"} <= set(healed.phases), healed
+    status = subprocess.run([sys.executable, "-m", "hfscale", "status", str(run)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert "restarts     0 (and 1 in process)" in status.stdout, status.stdout
+    assert "last start   attempt 0, restart in process 1 (rank " in status.stdout, status.stdout
 
 
 def _ranks_of(under: str, module: bytes = b"hfscale.training.run_script") -> dict[int, int]:
@@ -362,4 +350,9 @@ def test_a_rank_that_cannot_rejoin_falls_back_to_a_full_relaunch_that_finishes(t
     assert "hfscale: no in-process restart: 1 rank(s) lost (rank 1) and 0 standby rank(s) to take their place; the " \
            "job is relaunched" in text, text[-4000:]
     assert re.search(r"hfscale: restart 1 \(at most 2\): .*exit code 75", text), text[-4000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    failure = next(e for e in read_timeline(run).events if e.kind == "failure")
+    assert "could not restart in process (exit code 75): the job is relaunched" in failure.what, failure
+    assert failure.error == ("no in-process restart: 1 rank(s) lost (rank N) and 0 standby rank(s) to take their "
+                             "place"), failure
     assert sorted(losses(out / "checkpoint-30")) == list(range(1, 31))  # every step, the relaunch's included

@@ -127,6 +127,12 @@ def test_killed_ranks_are_back_in_seconds_with_a_warm_standby_each_time(make_clu
     assert "still run (a rank frozen or cut off): stopping them" in output, output[-3000:]
     events = read_timeline(run_dir_of(tmp_path)).events
     assert [e.kind for e in events if e.kind in ("failure", "relaunch", "gave_up")] == [], output[-4000:]
+    healed = [e for e in events if e.kind == "in_process"]  # hfscale.launch.recovery.in_process_events
+    assert [e.in_process for e in healed] == list(range(1, FAULTS + 2)), healed
+    assert all(e.what and e.phases and "first_step" in e.phases for e in healed), healed
+    status = subprocess.run([sys.executable, "-m", "hfscale", "status", str(run)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert f"restarts     0 (and {FAULTS + 1} in process)" in status.stdout, status.stdout
     median = statistics.median(restarts)
     print(f"R after {FAULTS} SIGKILLed ranks: " + ", ".join(f"{r:.2f}" for r in restarts) + f" s; median {median:.2f} s")
     assert median <= R_BOUND_S, restarts

@@ -480,9 +480,12 @@ def test_two_node_deepspeed_training_in_containers(podman2, cluster2, tmp_path):
     model = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 256, "n_positions": 64,
              "bos_token_id": 0, "eos_token_id": 0}
     config = tmp_path / "job.yaml"
+    # the interpreter's ninja first, as on the hosts: the image's PATH finds the system's, which hashes DeepSpeed's
+    # JIT build otherwise and rebuilt the shared op twice per .ci/run (here, then the next ZeRO test; conftest.same_ninja)
+    path = f"{os.path.dirname(sys.executable)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     write_docker_config(podman2, tmp_path, cluster2.nodes, port=29631, launcher="accelerate",
                         script=str(ROOT / "examples" / "accelerate_loop" / "train.py"),
-                        script_args=["--config", str(config), "--max-steps", "4"],
+                        script_args=["--config", str(config), "--max-steps", "4"], env={"PATH": path},
                         extra={"training": {"model": {"config": model}, "data": {"block_size": 32}}})
     r = launch(cluster2, config)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -263,8 +263,8 @@ def test_in_process_restarts_start_the_spares_as_standbys_and_host_the_store_in_
 @pytest.mark.parametrize("old, new, said", [
     ("max_restarts: 3", "max_restarts: 0", "needs recovery.max_restarts > 0"),
     ("launcher: torchrun", "launcher: accelerate", "set runner.launcher to torchrun"),
-    ("type: pdsh,", "type: pdsh_docker, docker: {image: x},", "runner pdsh_docker: in-process restarts work with runners local "
-                                                    "and pdsh so far"),
+    ("type: pdsh,", "type: pdsh_docker, docker: {image: x},", "runner pdsh_docker: in-process restarts work with runners local, "
+                                                    "pdsh and slurm so far"),
 ])
 def test_in_process_restarts_name_what_they_need(old, new, said):
     assert old in IN_PROCESS

@@ -217,6 +217,23 @@ def test_last_error_of_a_torch_traceback_is_the_rank_exception():
     assert last_error(TRACEBACK.splitlines()) == "ZeroDivisionError: division by zero"
 
 
+def test_last_error_of_a_node_whose_ranks_could_not_restart_in_process_is_why():
+    """Exit 75 (hfscale.training.inprocess.restart): the ranks said why on their node's log; that is
+    the error, before a standby's traceback that may follow it."""
+    log = ["node1: hfscale: attempt 2 ended (rank 1 (uid 1): RuntimeError: Connection closed by peer); rank 0 "
+           "stays and rejoins",
+           "node1: hfscale: no in-process restart: 1 rank(s) lost (rank 1) and 0 standby rank(s) to take their "
+           "place; the job is relaunched",
+           "node1: RuntimeError: the store went away"]
+    assert last_error(log) == ("no in-process restart: 1 rank(s) lost (rank N) and 0 standby rank(s) to take "
+                               "their place")
+    from hfscale.launch.attempt.node_lines import Nodes
+
+    failed = Nodes(("node1",))._failed("node1", 75)
+    assert failed.what == "node1's ranks could not restart in process (exit code 75): the job is relaunched"
+    assert Nodes(("node1",))._failed("node1", 1).what == "node1 failed (exit code 1)"
+
+
 def test_last_error_falls_back_on_torchruns_root_cause():
     killed = [line for line in TRACEBACK.splitlines() if "Error" not in line and "raise" not in line]
     assert last_error(killed + ["  exitcode  : -9 (pid: 1234)"]) == "exitcode -9"
@@ -301,6 +318,71 @@ def test_goodput_of_two_failures():
     assert g.ratio == 0.5
     assert lines(g) == ["goodput 50.0% (productive 30.0 s of 60.0 s); lost: start 3.0 s, detection 4.5 s, "
                         "stop 1.5 s, restart 9.5 s, recompute 4.0 s, other 7.5 s", "restarts 2, excluded: node1"]
+
+
+IN_PROCESS = (event("launch", 0, 0), event("training", 0, 3, step=1),
+              event("in_process", 0, 20, in_process=1, what="rank 1 (uid 1): RuntimeError: Connection closed",
+                    failed_step=14, resume_step=10, step=11,
+                    phases={"model": 0.5, "engine": 1.0, "checkpoint": 0.5, "data": 0.2, "first_step": 0.8}),
+              event("in_process", 0, 40, in_process=2, failed_step=30, resume_step=30, step=31,
+                    phases={"engine": 2.0, "first_step": 1.0}),
+              event("finished", 0, 60, step=50, step_time=1.0))
+
+
+def test_goodput_status_and_report_of_restarts_made_in_process(tmp_path):
+    """hfscale.launch.recovery.in_process_events: each restart the ranks made in their processes is a
+    restart in the goodput (its parts) and a recompute (from the failed step back to the one resumed from)."""
+    from hfscale.runs.goodput import status_lines
+    from hfscale.runs.report import _segments
+
+    g = goodput(Timeline(IN_PROCESS))
+    assert (g.restarts, g.in_process, g.productive) == (0, 2, 50.0)
+    assert g.lost["restart"] == 6.0 and g.lost["recompute"] == 4.0 and g.lost["start"] == 3.0
+    assert lines(g)[1] == "restarts 0 (and 2 in process), no host excluded"
+    assert timeline_lines(Timeline(IN_PROCESS)) == [
+        "+20.0 s  attempt 0  restart in process 1 (rank 1 (uid 1): RuntimeError: Connection closed), from step 14: "
+        "resumed from step 10, step 11 after 3.0 s: model 0.5 s, engine and process group 1.0 s, checkpoint load "
+        "0.5 s, data fast-forward 0.2 s, first step 0.8 s",
+        "+40.0 s  attempt 0  restart in process 2, from step 30: resumed from step 30, step 31 after 3.0 s: engine "
+        "and process group 2.0 s, first step 1.0 s"]
+    for e in IN_PROCESS:
+        append_event(tmp_path, e)
+    shown = status_lines(tmp_path)
+    assert shown[0] == "restarts     0 (and 2 in process)"
+    assert shown[-1] == ("last start   attempt 0, restart in process 2, from step 30: resumed from step 30, step 31 "
+                         "after 3.0 s: engine and process group 2.0 s, first step 1.0 s")
+    segments = [(w, round(a - T0, 1), round(b - T0, 1)) for w, a, b in _segments(Timeline(IN_PROCESS), T0 + 60)]
+    assert segments == [("start", 0, 3), ("training", 3, 20), ("restart", 20, 23), ("training", 23, 40),
+                        ("restart", 40, 43), ("training", 43, 60)]
+
+
+def test_in_process_restarts_reach_the_timeline_once_their_first_step_is_marked(tmp_path, monkeypatch):
+    """Rank 0's side (heartbeat.begin_attempt) and the launch's (in_process_events.record_new), through
+    the real progress/metrics.json: one event per in-process attempt, written when its first step is."""
+    from hfscale.launch.recovery.in_process_events import record_new
+    from hfscale.training import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_state", {})
+    monkeypatch.setenv("HFSCALE_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    heartbeat.report(resumed=0)
+    heartbeat.step(7)
+    heartbeat.begin_attempt(T0 + 10, 1, "rank 1 (uid 1): RuntimeError: Connection closed")
+    heartbeat.report(resumed=5)
+    heartbeat.phase("engine", at=T0 + 11)
+    assert record_new(tmp_path, 0, 0) == 0 and read_timeline(tmp_path).events == ()  # no first step yet
+    heartbeat.phase("first_step", at=T0 + 12.5)
+    assert record_new(tmp_path, 0, 0) == 1 and record_new(tmp_path, 0, 1) == 1  # once
+    (e,) = read_timeline(tmp_path).events
+    assert (e.kind, e.in_process, e.at, e.failed_step, e.resume_step, e.step) == ("in_process", 1, T0 + 10, 7, 5, 6)
+    assert e.what == "rank 1 (uid 1): RuntimeError: Connection closed" and e.phases == {"engine": 1.0,
+                                                                                            "first_step": 1.5}
+    heartbeat.begin_attempt(T0 + 20, 2, "")  # a standby took rank 0: it had done no step
+    (tmp_path / "progress" / "metrics.json").write_text("{half")
+    assert record_new(tmp_path, 0, 1) == 1  # not a record: tried again later
+    heartbeat.phase("first_step", at=T0 + 21)
+    assert record_new(tmp_path, 0, 1) == 2
+    assert read_timeline(tmp_path).events[-1].what is None
 
 
 def test_goodput_counts_only_the_steps_this_run_made():

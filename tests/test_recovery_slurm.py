@@ -206,6 +206,51 @@ def test_a_slurm_job_heals_around_a_killed_and_a_slurmd_less_node(make_slurm, tm
     assert slurm.job_processes(timeout=60, but=[victim]) == {}
 
 
+def test_a_slurm_job_restarts_in_process_inside_its_allocation(make_slurm, tmp_path, uninterrupted_losses):
+    """recovery.in_process under Slurm (issue 38): 3 nodes and a spare, one srun step over all four (the
+    spare's rank a standby, imports done). node1's rank SIGKILLed: the standby takes its rank, the
+    other ranks keep their processes, and neither srun nor the supervisor sees a failure (--no-kill):
+    one in_process event, no relaunch, every loss the uninterrupted run's."""
+    from test_inprocess_cluster import RANK, _marks, _pids
+
+    rng = fault_rng()
+    slurm = make_slurm(4, slurmd_timeout=SLURMD_TIMEOUT)
+    cluster = slurm.cluster
+    out, steps = tmp_path / "out", 60
+    config = slurm_config(tmp_path, out, 29972, spares=1, max_steps=steps, watchdog=30)
+    doc = yaml.safe_load(config.read_text())
+    doc["recovery"]["in_process"] = True
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    job, run = submit(slurm, config)
+    try:
+        wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600, run=run)
+        at = _step(run) + rng.randint(3, 8)
+        wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
+        survivors = {node: _pids(cluster, node) for node in ("node0", "node2", "node3")}
+        assert sum(map(len, survivors.values())) == 3, survivors  # two training ranks and the standby
+        run_on(cluster, "node1", f"pkill -KILL -f {RANK}", timeout=30)
+        killed = time.time()
+        wait_for("the first step after the kill", lambda: _marks(run).get("first_step", 0.0) > killed, slurm, job,
+                 run=run)
+        r = _marks(run)["first_step"] - killed
+        kept = {node: _pids(cluster, node) & pids for node, pids in survivors.items()}
+        (tmp_path / "slow").unlink()
+        info = slurm.wait(job, timeout=600)
+    finally:
+        slurm.run("scancel", job, check=False)
+    text = output(run, job)
+    print(f"node1's rank killed: back to training in {r:.2f} s")
+    assert info["JobState"] == "COMPLETED", text[-6000:]
+    assert kept == survivors, (survivors, kept)  # the standby on node3 among them: it took node1's rank
+    events = read_timeline(run).events
+    assert [e.kind for e in events if e.kind in ("failure", "relaunch", "gave_up")] == [], text[-6000:]
+    (healed,) = [e for e in events if e.kind == "in_process"]
+    assert healed.in_process == 1 and "first_step" in healed.phases, healed
+    assert largest_loss_difference(out, steps, uninterrupted_losses) == 0.0
+    assert slurm.run("squeue", "-h").stdout.strip() == ""
+    assert leftover_processes(cluster, timeout=60, contains=str(tmp_path)) == {}
+
+
 def test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts(make_slurm, tmp_path, uninterrupted_losses):
     """Issue 35: Slurm's own SlurmdTimeout (300 s, the default many sites keep) does not notice a node
     whose link is cut for minutes. The watchdog calls it a hang with no culprit ("every rank waits in

@@ -152,6 +152,27 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
                                                  "--nodes=1", "--ntasks=1", "--quiet", "bash", "-c", "true"]
 
 
+def test_an_attempt_with_in_process_restarts_keeps_its_step_and_its_spares_run_standbys():
+    """recovery.in_process inside the allocation: the spare is in the step (its ranks are the standbys),
+    each node runs hfscale's node agent, which finds the store on srun's launch host, and the step
+    goes on past a failed task or a lost node (the ranks heal it; a node that asks for a relaunch,
+    exit 75, ends the attempt: hfscale.launch.attempt.in_process)."""
+    text = CONFIG.replace("training: {pass_args: none, script: train.py}", "training: {max_steps: 10}").replace(
+        "recovery: {max_restarts: 3, spares: 1}", "recovery: {max_restarts: 3, spares: 1, in_process: true}")
+    _, plan = plan_of(INSIDE, text)
+    argv = shlex.split(plan.main.shown_argv()[2].split("; fi; exec ", 1)[1])
+    assert argv[:11] == ["srun", "--overlap", f"--nodelist={RUN}/step_hosts", "--nodes=3", "--ntasks=3",
+                         "--ntasks-per-node=1", "--no-kill", "--kill-on-bad-exit=0", "--unbuffered", "bash", "-c"]
+    assert dict(plan.files)["step_hosts"] == "node0\nnode1\nnode2\n"  # the spare too
+    inner = shlex.split(argv[11])[-1]
+    assert ('/opt/py/bin/python -m hfscale.training.inprocess.node_agent --nproc 1 --node-rank "$HFSCALE_NODE_RANK" '
+            f'--world 2 --launched 3 --store-file {RUN}/inprocess.store --reach srun --restarts 3 -- -m '
+            'hfscale.training.train') in inner, inner
+    assert plan.store is not None and "hfscale.training.inprocess.store_host" in plan.store.shown_argv()
+    private = dict((n, t.shown) for n, t in plan.private)
+    assert "  node2) export HFSCALE_NODE_RANK=2 ;;" in private["nodes.sh"]
+
+
 @pytest.mark.parametrize("line, event, failure", [
     ("srun: error: Node failure on node2", SrunSaid("node2", lost=True),
      ("node2", 3, "Slurm lost node2: its slurmd stopped answering (stopped, or its link cut)")),

@@ -338,7 +338,7 @@ class RecoveryConfig(Strict):
         "their processes (imports done) and join the next attempt's process group; each spare host runs standby ranks, "
         "imports done, that take the lost ranks' places, and a node whose rank died starts it again as a new standby. "
         "Up to max_restarts in-process restarts per launch; when one cannot complete (too few standbys, a survivor "
-        "that does not rejoin) the job is relaunched as without it. Runners local and pdsh, launcher torchrun, "
+        "that does not rejoin) the job is relaunched as without it. Runners local, pdsh and slurm, launcher torchrun, "
         "hfscale's built-in entry point.")
 
 

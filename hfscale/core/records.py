@@ -131,6 +131,11 @@ class Rank0Metrics(Record):
     # checkpoint restored by the ranks may be newer than the one the launch planned
     resumed: Count | None = None
     phases: PhaseMarks | None = None  # when each part of this start ended (hfscale.training.heartbeat.phase)
+    # an in-process restart's attempt (hfscale.training.heartbeat.begin_attempt): its number, why the one
+    # before ended, and the last step rank 0 did before it (none: rank 0 is a standby that took its rank)
+    in_process: Count | None = None
+    in_process_why: Annotated[str, Field(max_length=500)] | None = None
+    failed_step: Count | None = None
 
 
 class CleanupRecord(Record):
@@ -242,7 +247,7 @@ class TimelineEvent(Record):
     """One line of ``<run dir>/timeline.jsonl`` (hfscale.launch.recovery.timeline): what happened to the attempts
     of a job that recovers from failures (hfscale.launch.recovery.supervisor); hfscale.runs.goodput reads them."""
 
-    kind: Literal["launch", "failure", "stopped", "relaunch", "training", "gave_up", "finished"]
+    kind: Literal["launch", "failure", "stopped", "relaunch", "training", "gave_up", "finished", "in_process"]
     attempt: Count
     at: Timestamp
     cause: Cause | None = None
@@ -261,3 +266,7 @@ class TimelineEvent(Record):
     accumulation: Count | None = None
     step_time: Annotated[float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)] | None = None  # s/step
     phases: PhaseSeconds | None = None  # training: this start's parts, from its launch to its first step
+    # in_process: a restart the ranks made in their processes (at: when the attempt before it ended; step,
+    # resume_step, phases as for training): its attempt's number, and the last step before the failure
+    in_process: Count | None = None
+    failed_step: Count | None = None

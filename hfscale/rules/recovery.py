@@ -114,7 +114,7 @@ def _spare_findings(job: Job) -> tuple[Found, Found]:
     return [], []
 
 
-IN_PROCESS_RUNNERS = ("local", "pdsh")
+IN_PROCESS_RUNNERS = ("local", "pdsh", "slurm")
 
 
 def _in_process_findings(job: Job) -> tuple[Found, Found]:
@@ -128,7 +128,7 @@ def _in_process_findings(job: Job) -> tuple[Found, Found]:
                          "the relaunches when one cannot complete"))
     if cfg.runner.type not in IN_PROCESS_RUNNERS:
         problems.append((key, f"runner {cfg.runner.type}: in-process restarts work with runners "
-                         f"{' and '.join(IN_PROCESS_RUNNERS)} so far"))
+                         f"{', '.join(IN_PROCESS_RUNNERS[:-1])} and {IN_PROCESS_RUNNERS[-1]} so far"))
     if cfg.runner.launcher != "torchrun":
         problems.append((key, "hfscale starts the ranks itself (hfscale.training.inprocess.node_agent), with torchrun's "
                          "environment: set runner.launcher to torchrun"))

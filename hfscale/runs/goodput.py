@@ -22,6 +22,10 @@ From the events of ``timeline.jsonl`` (hfscale.core.records.TimelineEvent):
     be newer than the durable one the relaunch planned), else the ``relaunch``'s ``resume_step``
     (none: step 0).
 
+- per restart the ranks made in their processes (``in_process``: hfscale.launch.recovery.in_process_events):
+  **restart**: from the failed attempt's end to the next one's first step (its parts); **recompute**:
+  (rank 0's last step before it - the step it resumed from) x the median step time, at least 0.
+
 - **productive**: the steps this run made (the step of the last ``finished`` or ``failure`` event,
   less the step the first launch resumed from, as above) x the median of the attempts' step times, at most wall.
 - **other**: wall - productive - the time lost above, at least 0 (steps not otherwise counted,
@@ -54,6 +58,7 @@ class Goodput:
     lost: dict[str, float]
     restarts: int
     excluded: tuple[str, ...]
+    in_process: int = 0  # restarts the ranks made in their processes (within ``restarts``' attempts)
 
     @property
     def ratio(self) -> float:
@@ -130,10 +135,15 @@ def goodput(timeline: "Timeline", now: float | None = None, last: tuple[float, i
         final = max(final, last[1])
     done = max(0, final - _resumed(launch, trainings))  # the run may have started from an earlier run's checkpoint
     productive = min(wall, done * statistics.median(step_times)) if step_times else 0.0
+    healed = [e for e in events if e.kind == "in_process"]
+    for e in healed:
+        lost["restart"] += sum((e.phases or {}).values())
+        if e.failed_step is not None and e.resume_step is not None and step_times:
+            lost["recompute"] += max(0, e.failed_step - e.resume_step) * statistics.median(step_times)
     lost["other"] = max(0.0, wall - productive - sum(lost.values()))
     relaunches = [e for e in events if e.kind == "relaunch"]
     excluded = tuple(relaunches[-1].excluded or ()) if relaunches else ()
-    return Goodput(wall, productive, lost, len(relaunches), excluded)
+    return Goodput(wall, productive, lost, len(relaunches), excluded, len(healed))
 
 
 def _s(seconds: float) -> str:
@@ -150,7 +160,11 @@ def lines(g: Goodput) -> list[str]:
     lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"
     excluded = f"excluded: {_names(g.excluded)}" if g.excluded else "no host excluded"
     return [f"goodput {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}",
-            f"restarts {g.restarts}, {excluded}"]
+            f"restarts {g.restarts}{_in_process(g)}, {excluded}"]
+
+
+def _in_process(g: Goodput) -> str:
+    return f" (and {g.in_process} in process)" if g.in_process else ""
 
 
 def _event_line(e: "TimelineEvent", t0: float, resumed: int | None = None) -> str:
@@ -178,6 +192,8 @@ def _event_line(e: "TimelineEvent", t0: float, resumed: int | None = None) -> st
     if e.kind == "training" and e.phases:
         where = f"step {e.step}" if e.step is not None else "its first step"
         return f"{head}  {where} after {sum(e.phases.values()):.1f} s: " + start_parts_text(e.phases)
+    if e.kind == "in_process":
+        return f"{head.removesuffix('  in_process')}  {in_process_text(e)}"
     return f"{head}  {printable(e.what or '', 1000)}".rstrip()
 
 
@@ -189,6 +205,19 @@ def start_parts_text(phases: "dict[str, float]") -> str:
     """``process start 2.1 s, imports 7.6 s, ...``: the parts of a start, in order (a part a start did
     not mark is inside the next one)."""
     return ", ".join(f"{PART_NAMES[k]} {v:.1f} s" for k, v in phases.items() if k in PART_NAMES)
+
+
+def in_process_text(e: "TimelineEvent") -> str:
+    """``restart in process 2 (rank 1 (uid 1): RuntimeError: ...), from step 18: resumed from step 10, step
+    11 after 3.9 s: model 0.2 s, ...``: one restart the ranks made in their processes."""
+    text = f"restart in process {e.in_process}"
+    text += f" ({printable(e.what, 300)})" if e.what else ""
+    text += f", from step {e.failed_step}" if e.failed_step is not None else ""
+    text += f": resumed from step {e.resume_step}" if e.resume_step is not None else ""
+    if e.phases:
+        where = f"step {e.step}" if e.step is not None else "its first step"
+        text += f", {where} after {sum(e.phases.values()):.1f} s: " + start_parts_text(e.phases)
+    return text
 
 
 def _t0(t: "Timeline") -> float:
@@ -224,8 +253,8 @@ def timeline_lines(t: "Timeline") -> list[str]:
         return []
     t0 = _t0(t)
     trainings = _firsts(t.events, "training")
-    out = [_event_line(e, t0, getattr(trainings.get(e.attempt), "resume_step", None))
-           for e in t.events if e.kind in ("failure", "relaunch", "gave_up") or (e.kind == "training" and e.phases)]
+    out = [_event_line(e, t0, getattr(trainings.get(e.attempt), "resume_step", None)) for e in t.events
+           if e.kind in ("failure", "relaunch", "gave_up", "in_process") or (e.kind == "training" and e.phases)]
     if t.skipped:
         out.append(f"({t.skipped} bad timeline line{'s' * (t.skipped != 1)} skipped)")
     if t.cut:
@@ -247,14 +276,15 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
     if g is None:
         return []
     lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"
-    out = [f"restarts     {g.restarts}" + (f"; excluded: {_names(g.excluded)}" if g.excluded else ""),
+    out = [f"restarts     {g.restarts}{_in_process(g)}" + (f"; excluded: {_names(g.excluded)}" if g.excluded else ""),
            f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
     out += replacement_lines(t)
     out += requeue_lines(t)
-    starts = [e for e in t.events if e.kind == "training" and e.phases]
+    starts = [e for e in t.events if e.kind in ("training", "in_process") and e.phases]
     if starts:  # the newest start's parts: what the last restart (or the launch) spent where
         e = starts[-1]
-        out.append(f"last start   attempt {e.attempt}, first step after {sum(e.phases.values()):.1f} s: "  # type: ignore[union-attr]
+        out.append(f"last start   attempt {e.attempt}, {in_process_text(e)}" if e.kind == "in_process" else
+                   f"last start   attempt {e.attempt}, first step after {sum(e.phases.values()):.1f} s: "  # type: ignore[union-attr]
                    + start_parts_text(e.phases))  # type: ignore[arg-type]
     gave_up = [e for e in t.events if e.kind == "gave_up"]
     if gave_up:

@@ -265,7 +265,8 @@ _SEGMENT_COLOURS = {"training": "#2e7d32", "start": "#9e9e9e", "detection": "#ef
 
 def _segments(t: Timeline, end: float) -> list[tuple[str, float, float]]:
     """(what, from, to) along the run: start, training, detection (the end of a failed attempt's
-    training, from its last step), stop and restart, from the timeline's events."""
+    training, from its last step), stop and restart (a relaunch's, or one the ranks made in their
+    processes), from the timeline's events."""
     out: list[tuple[str, float, float]] = []
     mark, what = None, "start"
     for e in t.events:
@@ -282,6 +283,10 @@ def _segments(t: Timeline, end: float) -> list[tuple[str, float, float]]:
                     last = min(max(first.at + (e.step - first.step) * e.step_time, mark), e.at)
             out += [(what, mark, last), ("detection", last, e.at)]
             mark, what = e.at, "stop"
+        elif e.kind == "in_process" and mark is not None and e.at >= mark:  # healed in the ranks' processes
+            back = e.at + sum((e.phases or {}).values())
+            out += [(what, mark, e.at), ("restart", e.at, back)]
+            mark, what = back, "training"
         elif e.kind == "stopped" and mark is not None:
             out.append(("stop", mark, e.at))
             mark, what = e.at, "restart"

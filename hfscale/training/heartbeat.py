@@ -106,11 +106,15 @@ def phase(name: str, at: float | None = None) -> None:
     report(phases=dict(marks))  # type: ignore[call-overload]
 
 
-def begin_attempt(at: float) -> None:
-    """An in-process restart's new attempt (hfscale.training.inprocess.restart) began in this process:
-    its start's parts are marked again, from ``at`` (when the previous attempt ended): no process
-    started, so the "process" part is that moment."""
+def begin_attempt(at: float, attempt: int = 0, why: str = "") -> None:
+    """An in-process restart's new attempt ``attempt`` (hfscale.training.inprocess.restart) began in
+    this process: its start's parts are marked again, from ``at`` (when the previous attempt ended,
+    ``why``): no process started, so the "process" part is that moment. Rank 0 reports the attempt,
+    why and its last step before it, for the launch's timeline (hfscale.launch.recovery.in_process_events)."""
+    last = _state.get("step")
     _state["phases"] = {}
+    report(in_process=attempt, in_process_why=why[:500], failed_step=last if isinstance(last, int) else None,
+           resumed=None)
     phase("process", at)
 
 

@@ -328,7 +328,9 @@ def _stream(run: _Run) -> int:
             run.fail(first.where, first.rc, first.what)
     if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
         # what main started may outlive it (a killed srun's step inside an allocation): stop it
-        run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch ended with exit code {rc}")
+        run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch's ranks could not restart in process (exit code "
+                 f"{rc}): the job is relaunched" if rc == exitcodes.RELAUNCH and run.healing is not None
+                 else f"the {run.plan.runner} launch ended with exit code {rc}")
     if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
         run.following = True  # main only started the nodes: its process group is gone
         follow_detached(run, run.plan.follow, run.beats.line if run.beats is not None else None)

@@ -175,4 +175,7 @@ class Nodes:
         return self._failed(host, event.rc) if event.rc else None
 
     def _failed(self, host: str, rc: int) -> Failure:
+        if rc == exitcodes.RELAUNCH:  # its ranks said why in its log (hfscale.training.inprocess.restart)
+            return Failure(host, rc, f"{host}'s ranks could not restart in process (exit code {rc}): the job is "
+                                     "relaunched", lost_peer=host in self.lost_peer)
         return Failure(host, rc, f"{host} failed (exit code {rc})", lost_peer=host in self.lost_peer)

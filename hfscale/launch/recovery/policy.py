@@ -143,6 +143,8 @@ _EXC_NAME = re.compile(r"(?:\w+\.)*(?:[A-Z]\w*)?(?:Error|Exception)")
 _EXCEPTION = re.compile(rf"^(?P<name>{_EXC_NAME.pattern})(?::\s.*|:)?$")
 _ROOT_CAUSE = re.compile(r"^exitcode\s*:\s*(?P<rc>-?\d+)")
 _WRAPPER = "ChildFailedError"  # torchrun's summary of its ranks' failures: the root cause follows
+# "hfscale: no in-process restart: <why>; the job is relaunched" (its "hfscale: " taken as a host's prefix)
+_NO_IN_PROCESS = re.compile(r"^(?P<why>no in-process restart: .+?)(?:; the job is relaunched)?$")
 _VARIABLE = [  # what differs between the same failure on two hosts, ranks or runs
     (re.compile(r"\b\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"), "<time>"),
     (re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?\b"), "<time>"),
@@ -183,10 +185,15 @@ def normalise_error(line: str) -> str:
 def last_error(lines: Iterable[str]) -> str:
     """The failing rank's error among ``lines``, normalised: the last line that is a Python exception
     ("ValueError: ...", "...Exception: ...", a bare "RuntimeError"), torchrun's ChildFailedError
-    summary aside; without one, torchrun's root cause ("exitcode  : -9" -> "exitcode -9"); "" if neither."""
-    exception = root = ""
+    summary aside; without one, torchrun's root cause ("exitcode  : -9" -> "exitcode -9"); "" if neither.
+    Why a rank's in-process restart could not go on ("no in-process restart: ...", its node's exit 75:
+    hfscale.training.inprocess.restart) comes before either: it is why the node ended."""
+    exception = root = no_restart = ""
     for line in lines:
         text = _strip_prefixes(line[:LINE_CAP])
+        if (n := _NO_IN_PROCESS.match(text)) is not None:
+            no_restart = normalise_error(n["why"])
+            continue
         m = _EXCEPTION.match(text)
         if m and not m["name"].endswith(_WRAPPER):
             exception = normalise_error(text)
@@ -194,7 +201,7 @@ def last_error(lines: Iterable[str]) -> str:
         r = _ROOT_CAUSE.match(text)
         if r:
             root = f"exitcode {r['rc']}"
-    return exception or root
+    return no_restart or exception or root
 
 
 def _names(hosts: Iterable[str]) -> str:

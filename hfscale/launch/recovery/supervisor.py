@@ -5,12 +5,14 @@ up; probe the excluded hosts again (ssh + preflight) and admit a healthy one bac
 the newest complete checkpoint (converted for another world size by the plan's own step), into the
 same run directory. Every failure, stop, relaunch and first step after it goes to the run's
 timeline (hfscale.launch.recovery.timeline), the first step with its start's parts, which ``hfscale
-status`` and ``report`` read. Starts no process: each attempt and probe is hfscale.launch.attempt.execute's."""
+status`` and ``report`` read; so does each restart the ranks make in their processes (recovery.in_process:
+hfscale.launch.recovery.in_process_events). Starts no process: each attempt and probe is execute's."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +29,7 @@ from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probe
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.preflight.probes import evaluate, local_need, probes
-from hfscale.launch.recovery import settle
+from hfscale.launch.recovery import in_process_events, settle
 from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
 from hfscale.launch.attempt.output_lock import Refused
@@ -242,6 +244,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
             lambda s, t, r: _event(run_dir, kind="training", attempt=n, at=t, step=s, resume_step=r,
                                    phases=start_parts(run_dir, began))))
         watcher.start()
+        restarts = in_process_events.follow(run_dir, attempt, done) if job.config.recovery.in_process else None
         _end_gap(gap)
         try:
             outcome = execute_attempt(plan, plan.render(), echo_for(plan), attempt)
@@ -251,7 +254,8 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
             return exitcodes.BAD_INPUT
         finally:
             done.set()
-            watcher.join(5)
+            for thread in (watcher, restarts) if restarts else (watcher,):
+                thread.join(5)
         stopped = time.time()
         if attempt == 0 and not launched.is_set() and os.path.isdir(run_dir):  # it ended before the watcher looked
             _event(run_dir, **launch, at=_started(run_dir) or stopped)
@@ -272,7 +276,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
         grace = 0 if outcome.hung and plan.kill is not None else STOP_GRACE_S  # after a hang: killed, no grace
         answers, healthy = _after_stop(job, current, plan, grace, targets + ((host,) if host and cause ==
-                                       "host_lost" else ()), python or _python(), say)
+                                       "host_lost" else ()), python or sys.executable, say)
         silent = tuple(h for h in order if answers.get(h) is None)
         if cause == "host_lost" and host is not None and host in healthy:
             # ssh's session ended (its remote command killed, a dropped connection) but the host answers
@@ -296,7 +300,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         except ConfigError as e:
             return _give_up(run_dir, attempt, outcome.rc, f"cannot relaunch on {', '.join(decision.hosts)}: "
                             f"{e.render()}", say)
-        _master_port(current, order, answers, decision.hosts, python or _python(), say)
+        _master_port(current, order, answers, decision.hosts, python or sys.executable, say)
         attempt += 1
         within = f" within {policy.window} s" if policy.window else ""
         say(f"hfscale: restart {attempt} (at most {policy.max_restarts}{within}): {decision.reason}; attempt "
@@ -374,12 +378,6 @@ def _started(run_dir: str) -> float | None:
         return read_state(run_dir).started
     except (Unreadable, OSError):
         return None
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable
 
 
 _ESSENTIAL = ("kind", "attempt", "at", "cause", "host", "what", "hosts", "excluded", "readmitted", "replaced", "spares")

@@ -37,7 +37,7 @@ from hfscale.config.errors import ConfigError, Problem
 from hfscale.config.model import HostSpec
 from hfscale.core.shell import Command, Line, Script, Sh, Var, Word, and_then, words
 from hfscale.launch.context import Common, LaunchContext
-from hfscale.launch.node.command import default_rendezvous, launcher_argv
+from hfscale.launch.node.command import default_rendezvous, in_process, launcher_argv
 from hfscale.launch.node.controls import controls
 from hfscale.launch.node.keeper import HOST_VAR, SRUN_REACH, keeper_line, keeper_of
 from hfscale.launch.node.line import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
@@ -97,15 +97,18 @@ def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
     return replace(job, hosts=hosts, spares=spare, master_addr=job.config.cluster.master_addr or hosts[0].host)
 
 
-def srun_argv(hosts_file: str, n: int) -> list[str]:
+def srun_argv(hosts_file: str, n: int, heals: bool = False) -> list[str]:
     """The step of one attempt: one task on each of the ``n`` hosts listed in ``hosts_file`` (a path
-    with a '/', which srun reads as a file of host names); a task that fails ends the step.
+    with a '/', which srun reads as a file of host names); a task that fails ends the step, unless the
+    ranks ``heals`` it in their processes (recovery.in_process: ``--no-kill``, the step goes on without
+    a task that failed or a node Slurm lost; a node whose ranks ask for a relaunch, exit 75, ends the
+    attempt through hfscale.launch.attempt.in_process).
     ``--overlap``: the previous attempt's step keeps its CPUs until every node of it has answered,
     and a node whose link is cut answers only once Slurm sets it DOWN (``SlurmdTimeout``, 300 s by
     default): a step that waited for free CPUs would wait that long (the supervisor has made sure
     that the previous attempt's processes are gone: hfscale.launch.recovery.settle)."""
     return ["srun", "--overlap", f"--nodelist={hosts_file}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", "--unbuffered"]
+            *(["--no-kill", "--kill-on-bad-exit=0"] if heals else ["--kill-on-bad-exit=1"]), "--unbuffered"]
 
 
 def still_allocated(hosts_file: str, wait: bool = True) -> str:
@@ -168,10 +171,10 @@ def node_line(job: Job, c: Common, job_id: str, launcher: list[Word]) -> Line:
 
 def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     """One attempt inside the allocation: an srun step over ``job.hosts``."""
-    hosts = tuple(h.host for h in job.hosts)
+    hosts = tuple(h.host for h in (*job.hosts, *(job.spares if in_process(job) else ())))  # spares: standbys
     listing, fanout = posixpath.join(c.run_dir, STEP_HOSTS_FILE), job.config.runner.fanout
-    launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)))
-    step = srun_argv(listing, len(hosts))
+    launcher = launcher_argv(job, c.python, c.rank_dir, ctx, default_rendezvous(job, Var(RANK_VAR)), "srun")
+    step = srun_argv(listing, len(hosts), heals=in_process(job))
     main = Command(("bash", "-c", Line.of(Sh(still_allocated(listing, wait=not ctx.unreachable)), Sh("exec"),
                                           words(step), Sh("bash -c"),
                                           Script(node_line(job, c, ctx.job_id, launcher)))))
@@ -179,7 +182,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     cleanup, dump, kill = controls(lambda line: on_each_node(listing, line, fanout, unreached), ctx.job_id, c.watch,
                                    c.python)
     nodes = tuple(NodeLaunch(h, i, words(launcher_argv(job, c.python, c.rank_dir, ctx,
-                                                       default_rendezvous(job, str(i)))))
+                                                       default_rendezvous(job, str(i)), "srun")))
                   for i, h in enumerate(hosts))
     notes = c.notes + (f"inside Slurm allocation {dict(ctx.shell_env).get(ALLOCATION_VAR, '?')}: supervised here, "
                        f"each attempt one srun step over its nodes" + (f"; spares {', '.join(s.host for s in job.spares)}"

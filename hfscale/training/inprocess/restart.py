@@ -280,6 +280,7 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
     store = connect(s)
     replaced: tuple[Replaced, ...] = ()
     ended: float | None = None
+    why = ""  # why the attempt before ended
     if s.restarted:
         found = _late(store, s)
         if found is None:
@@ -303,11 +304,11 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
                     store.add("finished/seen", 1)
                     return 0
                 time.sleep(POLL_S)
-            ended = time.time()
+            ended, why = time.time(), _get(store, f"a{members.attempt}/over") or ""
         else:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(members.world_size))
-            if ended is not None:
-                begin_attempt(ended)  # this start's parts, marked again (rank 0 of the attempt writes them)
+            if ended is not None:  # this start's parts, marked again (rank 0 of the attempt writes them)
+                begin_attempt(ended, members.attempt, why)
             _join_group(store, members, rank, s.timeout_s)
             try:
                 rc = fn(Attempt(members.attempt, rank, members.world_size, s.uid, ended, replaced))
