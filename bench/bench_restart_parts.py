@@ -47,7 +47,8 @@ from hfscale.launch.recovery.timeline import read_timeline  # noqa: E402
 from hfscale.runs.goodput import PART_NAMES  # noqa: E402
 
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32}
-RANK = r"'^\S+ -m hfscale\.training\.train '"  # a rank's command line (an in-process node agent's holds it further in)
+# a rank's command line (torchrun's ranks run python -u; an in-process node agent's holds it further in)
+RANK = r"'^\S+( -u)? -m hfscale\.training\.train '"
 PARTS = ("detection", "stop", "decision", *PART_NAMES)
 SHOWN = (*PARTS, "other")
 
@@ -69,7 +70,8 @@ def config(tmp: Path, nodes: list[str], name: str, in_process: bool, args: argpa
            "env": {"vars": {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
                             "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}},
            "watchdog": {"timeout": 600, "first_step": 1200},
-           "training": {"output_dir": str(tmp / "out"), "max_steps": args.save + 3, "save_steps": args.save,
+           "training": {"output_dir": str(tmp / "out"), "max_steps": args.save + (60 if name == "tiny" else 3),
+                        "save_steps": args.save,
                         "logging_steps": 1, "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "seed": 3,
                         "model": {"config": model(name, args.large_layers)}, "data": {"block_size": 64}},
            "recovery": {"max_restarts": 2, "strikes": 2, "spares": 1, "in_process": in_process}}
@@ -118,7 +120,7 @@ def one(cluster, name: str, in_process: bool, args: argparse.Namespace) -> dict:
             proc.terminate()
             proc.wait(timeout=120)
     events = read_timeline(run).events
-    out = {"model": name, "way": "in process" if in_process else "relaunch", "R": first - killed,
+    out = {"size": name, "way": "in process" if in_process else "relaunch", "R": first - killed,
            "rc": proc.returncode}
     if in_process:
         (e,) = [e for e in events if e.kind == "in_process"]
@@ -133,9 +135,13 @@ def one(cluster, name: str, in_process: bool, args: argparse.Namespace) -> dict:
         out.update(training[0].phases or {} if training else {})
     out["other"] = out["R"] - sum(out.get(k, 0.0) for k in PARTS)  # between the parts (the relaunch to its start)
     out["params"] = params(model(name, args.large_layers))
-    print(f"{name:5} ({out['params'] / 1e6:.1f}M) {out['way']:10} R {out['R']:6.2f} s  " + "  ".join(
+    print(f"{name:5} ({_count(out['params'])}) {out['way']:10} R {out['R']:6.2f} s  " + "  ".join(
         f"{k} {out[k]:.2f}" for k in SHOWN if k in out), flush=True)
     return out
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
 def params(m: dict) -> int:
@@ -164,7 +170,7 @@ def main() -> int:
     print("\n| model | way | " + " | ".join(PART_NAMES.get(k, k) for k in SHOWN) + " | **R** |")
     print("| --- | --- | " + " | ".join("---" for _ in SHOWN) + " | --- |")
     for r in rows:
-        print(f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['way']} | "
+        print(f"| {r['size']} ({_count(r['params'])}) | {r['way']} | "
               + " | ".join(f"{r[k]:.2f} s" if k in r else "-" for k in SHOWN) + f" | **{r['R']:.2f} s** |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
