@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_recovery import MODEL, wait  # noqa: E402
 from cluster import run_on, start_cluster, stop_cluster  # noqa: E402
 from hfscale.launch.recovery.timeline import read_timeline  # noqa: E402
 from hfscale.runs.goodput import PART_NAMES  # noqa: E402
 
-TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32}
 # a rank's command line (torchrun's ranks run python -u; an in-process node agent's holds it further in)
 RANK = r"'^\S+( -u)? -m hfscale\.training\.train '"
 PARTS = ("detection", "stop", "decision", *PART_NAMES)
@@ -54,9 +54,8 @@ SHOWN = (*PARTS, "other")
 
 
 def model(name: str, layers: int) -> dict:
-    size = TINY if name == "tiny" else {"n_layer": layers, "n_head": 16, "n_embd": 1024}
-    return {"model_type": "gpt2", **size, "vocab_size": 256, "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    """``tiny``: the healing tests' GPT-2 (bench_recovery.MODEL); ``large``: ``layers`` x 1024 of it."""
+    return MODEL if name == "tiny" else {**MODEL, "n_layer": layers, "n_head": 16, "n_embd": 1024}
 
 
 def config(tmp: Path, nodes: list[str], name: str, in_process: bool, args: argparse.Namespace) -> Path:
@@ -87,57 +86,48 @@ def _json(path: Path) -> dict:
         return {}
 
 
-def _wait(what: str, cond, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise SystemExit(f"the launch ended (exit {proc.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
-
 def one(cluster, name: str, in_process: bool, args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"parts-{name}-", dir=args.tmp))
     path = config(tmp, cluster.nodes, name, in_process, args)
     proc = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(path)], cwd=tmp, env=cluster.env(),
                             stdout=open(tmp / "launch.log", "w"), stderr=subprocess.STDOUT)
     try:
-        _wait("the run directory", lambda: (tmp / "runs").is_dir() and any((tmp / "runs").iterdir()), proc, 120)
+        wait(lambda: (tmp / "runs").is_dir() and any((tmp / "runs").iterdir()), proc, "the run directory", 120)
         (run,) = (tmp / "runs").iterdir()
         marker = tmp / "out" / f"checkpoint-{args.save}" / "hfscale_complete.json"
         step = lambda: _json(run / "progress" / "metrics.json").get("step") or 0  # noqa: E731
-        _wait(f"checkpoint {args.save} and a step after it", lambda: marker.exists() and step() > args.save, proc,
-              args.timeout)
+        wait(lambda: marker.exists() and step() > args.save, proc, f"checkpoint {args.save} and a step after it",
+             args.timeout)
         run_on(cluster, cluster.nodes[1], f"pkill -KILL -f {RANK}", timeout=30)
         killed = time.time()
         phases = lambda: _json(run / "progress" / "metrics.json").get("phases") or {}  # noqa: E731
-        _wait("the first step after the kill", lambda: phases().get("first_step", 0.0) > killed, proc, args.timeout)
+        wait(lambda: phases().get("first_step", 0.0) > killed, proc, "the first step after the kill", args.timeout)
         first = phases()["first_step"]
         proc.wait(timeout=args.timeout)
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=120)
-    events = read_timeline(run).events
     out = {"size": name, "way": "in process" if in_process else "relaunch", "R": first - killed,
-           "rc": proc.returncode}
-    if in_process:
-        (e,) = [e for e in events if e.kind == "in_process"]
-        out["detection"] = e.at - killed
-        out.update(e.phases or {})
-    else:
-        failure = next(e for e in events if e.kind == "failure")
-        stopped = next(e for e in events if e.kind == "stopped")
-        relaunch = next(e for e in events if e.kind == "relaunch")
-        training = [e for e in events if e.kind == "training" and e.attempt == relaunch.attempt]
-        out.update(detection=failure.at - killed, stop=stopped.at - failure.at, decision=relaunch.at - stopped.at)
-        out.update(training[0].phases or {} if training else {})
+           "rc": proc.returncode, **restart_parts(read_timeline(run).events, killed)}
     out["other"] = out["R"] - sum(out.get(k, 0.0) for k in PARTS)  # between the parts (the relaunch to its start)
     out["params"] = params(model(name, args.large_layers))
     print(f"{name:5} ({_count(out['params'])}) {out['way']:10} R {out['R']:6.2f} s  " + "  ".join(
         f"{k} {out[k]:.2f}" for k in SHOWN if k in out), flush=True)
     return out
+
+
+def restart_parts(events, failed_at: float) -> dict[str, float]:
+    """A restart's parts from its run's timeline, counted from ``failed_at`` (the fault): in process, the
+    failure seen (to the end of the attempt) and the ``in_process`` event's parts; a relaunch, detection
+    (to the failure the launch saw), the stop, the decision and the new start's parts."""
+    healed = [e for e in events if e.kind == "in_process"]
+    if healed:
+        return {"detection": healed[0].at - failed_at, **(healed[0].phases or {})}
+    failure, stopped, relaunch = (next(e for e in events if e.kind == k) for k in ("failure", "stopped", "relaunch"))
+    training = next((e for e in events if e.kind == "training" and e.attempt == relaunch.attempt), None)
+    return {"detection": failure.at - failed_at, "stop": stopped.at - failure.at, "decision": relaunch.at - stopped.at,
+            **((training.phases or {}) if training is not None else {})}
 
 
 def _count(n: int) -> str:

@@ -38,10 +38,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_restart_parts import PARTS, restart_parts  # noqa: E402
 from hfscale.launch.recovery.timeline import read_timeline  # noqa: E402
 from hfscale.runs.goodput import PART_NAMES  # noqa: E402
 
-PARTS = ("detection", "stop", "decision", *PART_NAMES)
 # raises once, in the step after checkpoint FAIL_AFTER, while the file FAIL_ONCE exists (then removes it)
 FAIL = textwrap.dedent('''\
     import os, time
@@ -108,20 +108,9 @@ def one(in_process: bool, a: argparse.Namespace) -> dict:
         raise SystemExit(f"the launch failed (exit {rc}): {log}\n" + log.read_text()[-3000:])
     failed = float((tmp / "fail.at").read_text())
     (run,) = (tmp / "runs").iterdir()
-    events = read_timeline(run).events
-    row: dict = {"way": "in process" if in_process else "relaunch"}
-    if in_process:
-        (e,) = [e for e in events if e.kind == "in_process"]
-        start, phases = e.at, dict(e.phases or {})
-        row["detection"] = start - failed
-    else:
-        failure, stopped, relaunch = (next(e for e in events if e.kind == k) for k in ("failure", "stopped", "relaunch"))
-        (training,) = [e for e in events if e.kind == "training" and e.attempt == relaunch.attempt]
-        phases = dict(training.phases or {})
-        row.update(detection=failure.at - failed, stop=stopped.at - failure.at, decision=relaunch.at - stopped.at)
-        start = training.at - sum(phases.values())
-    row.update(phases)
-    row["R"] = start + sum(phases.values()) - failed
+    first = json.loads((run / "progress" / "metrics.json").read_text())["phases"]["first_step"]  # the newest start's
+    row: dict = {"way": "in process" if in_process else "relaunch", "R": first - failed,
+                 **restart_parts(read_timeline(run).events, failed)}
     row["other"] = row["R"] - sum(row.get(k, 0.0) for k in PARTS)
     print(f"{row['way']:10} R {row['R']:7.2f} s  " + "  ".join(f"{k} {row[k]:.2f}" for k in (*PARTS, "other")
                                                            if k in row), flush=True)

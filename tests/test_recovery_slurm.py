@@ -214,7 +214,7 @@ def test_a_slurm_job_restarts_in_process_inside_its_allocation(make_slurm, tmp_p
     from test_inprocess_cluster import RANK, _marks, _pids
 
     rng = fault_rng()
-    slurm = make_slurm(4, slurmd_timeout=SLURMD_TIMEOUT)
+    slurm = make_slurm(4, slurmd_timeout=300)  # Slurm's default: the ranks heal it, Slurm need notice nothing
     cluster = slurm.cluster
     out, steps = tmp_path / "out", 60
     config = slurm_config(tmp_path, out, 29972, spares=1, max_steps=steps, watchdog=30)

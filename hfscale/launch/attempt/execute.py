@@ -28,6 +28,7 @@ from hfscale.launch.attempt.beats import LaunchBeats
 from hfscale.launch.attempt.console import Console, show_progress, never_raises
 from hfscale.launch.attempt.disk_full import told
 from hfscale.launch.attempt.follow import follow_detached
+from hfscale.launch.attempt.node_lines import no_restart_in_process
 from hfscale.launch.attempt.output_lock import hold
 from hfscale.launch.attempt.run_state import RunState
 from hfscale.launch.run_dir import LOGS_DIR, STORE_ADDR, mark_stopping, move_aside, record_state, this_launcher, write_run_dir
@@ -328,8 +329,8 @@ def _stream(run: _Run) -> int:
             run.fail(first.where, first.rc, first.what)
     if rc > 0 and run.failure is None and run.signalled is None and run.plan.follow is None:
         # what main started may outlive it (a killed srun's step inside an allocation): stop it
-        run.fail(run.plan.runner, rc, f"the {run.plan.runner} launch's ranks could not restart in process (exit code "
-                 f"{rc}): the job is relaunched" if rc == exitcodes.RELAUNCH and run.healing is not None
+        run.fail(run.plan.runner, rc, no_restart_in_process(f"the {run.plan.runner} launch", rc)
+                 if rc == exitcodes.RELAUNCH and run.healing is not None
                  else f"the {run.plan.runner} launch ended with exit code {rc}")
     if run.plan.follow is not None and rc == 0 and run.failure is None and run.signalled is None:
         run.following = True  # main only started the nodes: its process group is gone

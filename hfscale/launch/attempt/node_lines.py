@@ -175,7 +175,11 @@ class Nodes:
         return self._failed(host, event.rc) if event.rc else None
 
     def _failed(self, host: str, rc: int) -> Failure:
-        if rc == exitcodes.RELAUNCH:  # its ranks said why in its log (hfscale.training.inprocess.restart)
-            return Failure(host, rc, f"{host}'s ranks could not restart in process (exit code {rc}): the job is "
-                                     "relaunched", lost_peer=host in self.lost_peer)
-        return Failure(host, rc, f"{host} failed (exit code {rc})", lost_peer=host in self.lost_peer)
+        what = no_restart_in_process(host, rc) if rc == exitcodes.RELAUNCH else f"{host} failed (exit code {rc})"
+        return Failure(host, rc, what, lost_peer=host in self.lost_peer)
+
+
+def no_restart_in_process(who: str, rc: int = exitcodes.RELAUNCH) -> str:
+    """A node (or a local launch) whose ranks asked for a relaunch: they said why in its log
+    (hfscale.training.inprocess.restart), which the supervisor reads as the error (policy.last_error)."""
+    return f"{who}'s ranks could not restart in process (exit code {rc}): the job is relaunched"
