@@ -208,7 +208,9 @@ def test_a_job_heals_around_a_killed_a_frozen_and_a_cut_off_node(make_cluster, t
         print(e.model_dump(exclude_none=True))
     assert len(failures) >= 3 and len(relaunches) == len(failures), output[-6000:]
     assert (failures[0].cause, failures[0].host) == ("rank_failed", "node2")  # its rank's death, named on node2
-    assert any(f.cause == "hang" for f in failures)  # the frozen node: the watchdog
+    # the frozen node: the watchdog, naming it (its stopped rank cannot answer the stack dump; its peers'
+    # flight recorders alone once blamed node2, whose rank waited in the ring for node1's part)
+    assert any(f.cause == "hang" and f.host == "node1" for f in failures), [f.what for f in failures]
     # after a hang the job is stopped with no grace (stuck ranks cannot save): the stop took under the 10 s
     # grace that TERM-ignoring stuck ranks made every stop after a hang wait (10.4 s after a frozen node's
     # verdict, 13.2 s after a cut link's, before LaunchPlan.kill)

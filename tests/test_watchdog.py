@@ -3,9 +3,12 @@ clock), which rank holds it up (from steps and py-spy / faulthandler stacks), an
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from hfscale.launch.attempt.watchdog import LastCollective, Watchdog, analyze, collective, main_stack, read_stacks, report, where
 from hfscale.launch.spec import HangWatch
@@ -234,3 +237,50 @@ def test_flight_recorder_counts_name_the_rank_when_stacks_are_silent():
     assert "rank 1 on node1 issued 43 collectives, the others 44 (the last: nccl:all_gather)" in v.line
     same = {0: (44, "nccl:all_gather", "scheduled"), 1: (44, "nccl:all_gather", "scheduled")}
     assert analyze(_ranks(5, 5), {}, 2, same).stuck == ()
+
+
+@pytest.mark.parametrize("dumper", ["faulthandler", "py-spy"])
+def test_a_rank_that_did_not_answer_the_dump_is_named(tmp_path, dumper):
+    """node1's rank was SIGSTOPped (a frozen driver): it cannot run faulthandler's handler nor its flight
+    recorder's thread, so only an earlier dump's files of it are there (py-spy reads a stopped process,
+    so with py-spy its stack is fresh, but that is no answer). Its peers' flight recorders disagree
+    among themselves (rank 2 waits in the ring for rank 1's part): once they named rank 2."""
+    from hfscale.launch.attempt.dump_files import DumpMarks, answers, await_answers
+    from hfscale.launch.attempt.watchdog import judge
+    stacks, flight = tmp_path / "stacks", tmp_path / "flight"
+    stacks.mkdir()
+    flight.mkdir()
+    for r in range(3):
+        (stacks / f"rank-{r}.fh").write_text(FAULTHANDLER_WAITING)  # an earlier dump
+        (flight / f"rank-{r}.json").write_text("[]")
+    watch = HangWatch(progress_dir=str(tmp_path / "progress"), stacks_dir=str(stacks), timeout=15,
+                      report=str(tmp_path / "hang-report.txt"), first_step=None, world_size=3)
+    before = DumpMarks.take(watch)
+    for r in range(3):  # the dump
+        if dumper == "py-spy":
+            (stacks / f"rank-{r}.txt").write_text(PYSPY_WAITING)
+        if r == 1:
+            continue
+        if dumper == "faulthandler":
+            with open(stacks / f"rank-{r}.fh", "a") as f:
+                f.write(FAULTHANDLER_WAITING)
+        entry = {"collective_seq_id": 128 - r // 2, "profiling_name": "gloo:all_gather", "state": "scheduled"}
+        (flight / f"rank-{r}.json").write_text(json.dumps([{"entries": [entry]}]))
+    assert answers(watch, before) == {0, 2}
+    want = [0, 1, 2] if dumper == "py-spy" else [0, 2]
+    assert sorted(read_stacks(str(stacks), before.stacks)) == want
+    assert sorted(read_stacks(str(stacks))) == [0, 1, 2]  # without marks: every file, an earlier dump's too
+    clock = iter(range(100))
+    waited: list[float] = []
+    got = await_answers(watch, range(3), before, wait_s=5, clock=lambda: next(clock), sleep=waited.append)
+    assert got == {0, 2} and len(waited) == 4  # read 5 times, for rank 1, until the bound (5 ticks)
+    dog = Watchdog(watch, 0.0)
+    dog.ranks = _ranks(22, 22, 22)
+    verdict, text = judge(dog, "no rank finished a step for 15 s", 100.0, before, got)
+    assert verdict.stuck == (1,), verdict.line
+    assert verdict.line.startswith("rank 1 on node1 did not answer the stack dump while the others wait in ")
+    assert verdict.line.endswith("(step 22): stopped, stuck in the kernel or a driver, or out of reach")
+    # without the answers, the flight recorders alone name the wrong rank: what the fix is for
+    assert judge(dog, "no rank finished a step for 15 s", 100.0, before)[0].stuck == (2,)
+    # more silent ranks than answering ones: the dump itself is in doubt, no one is named for silence
+    assert "did not answer" not in analyze(_ranks(22, 22, 22), {}, 3, None, frozenset({0})).line

@@ -35,7 +35,7 @@ from hfscale.launch.run_dir import LOGS_DIR, STORE_ADDR, mark_stopping, move_asi
 from hfscale.launch.runners import scheduler
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.spec import LaunchPlan, Outcome, HangWatch
-from hfscale.launch.attempt.watchdog import Watchdog, conclude
+from hfscale.launch.attempt.watchdog import DumpMarks, Watchdog, conclude
 
 CLEANUP_TIMEOUT_S = 60  # the stop returns at once on a node; this bounds hosts that do not answer
 CLEANUP_AGAIN_S = 3.0  # while main still waits for a node after a stop, the stop runs again this often
@@ -355,14 +355,14 @@ def _watch_for_hang(run: _Run, watch: HangWatch) -> None:
         reason = dog.poll(time.monotonic())
         if reason is None:
             continue
-        d = run.plan.dump
+        d, before = run.plan.dump, DumpMarks.take(watch)
         if d is not None:
             try:
                 subprocess.run(d.real_argv(), env=_env(d), cwd=d.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, timeout=DUMP_TIMEOUT_S, start_new_session=True)
             except (subprocess.TimeoutExpired, OSError) as e:
                 run.echo(f"hfscale: the stack dump did not finish: {e}")
-        hang = conclude(dog, reason, time.monotonic(), run.echo)
+        hang = conclude(dog, reason, time.monotonic(), run.echo, before)
         if run.failure is None and run.signalled is None:
             run.hung = True
             run.fail(hang.where, exitcodes.HUNG, hang.what)

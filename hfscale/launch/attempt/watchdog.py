@@ -6,6 +6,8 @@ for ``timeout`` seconds, hfscale.launch.attempt.execute has every rank's Python 
 faulthandler through SIGUSR2) and :func:`analyze` names the stuck rank(s):
 
 - ranks that never reported a step;
+- ranks that did not answer the stack dump while most did (hfscale.launch.attempt.dump_files): a
+  stopped process (SIGSTOP, a frozen container), or one stuck in the kernel or a driver, cannot;
 - ranks behind the others in steps that are not inside a collective (stuck before it);
 - ranks ahead of the others while those wait in a collective: they passed a collective the
   others are still in, so they skipped it (or the others repeat one);
@@ -25,10 +27,10 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from hfscale.core.atomic_files import write_files
-from hfscale.core.records import FLIGHT_CAP, TEXT_CAP
-from hfscale.core.untrusted import Unreadable, read_bytes, read_json
+from hfscale.launch.attempt.dump_files import (DumpMarks, LastCollective, await_answers, flight_dir, read_flight,
+                                               read_stacks)
 from hfscale.launch.spec import HangWatch
-from hfscale.training.heartbeat import FAULTHANDLER_SUFFIX, FLIGHT_DIR, Progress, read_progress
+from hfscale.training.heartbeat import Progress, read_progress
 
 _PYSPY = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)$")
 _FAULT = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
@@ -131,9 +133,10 @@ class Verdict:
 
 
 def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
-            flight: dict[int, LastCollective] | None = None) -> Verdict:
-    """Which rank(s) hold the job up, from their last steps, their stacks and, where the stacks
-    show no cause, their flight recorders' collective counts."""
+            flight: dict[int, LastCollective] | None = None, answered: frozenset[int] = frozenset()) -> Verdict:
+    """Which rank(s) hold the job up, from their last steps, which of them ``answered`` the dump
+    (:func:`answers`), their stacks and, where the stacks show no cause, their flight recorders'
+    collective counts."""
     missing = tuple(r for r in range(world) if r not in ranks)
     if missing:
         return Verdict(missing, f"{_names(missing, ranks)} never finished a step")
@@ -141,6 +144,12 @@ def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
     coll = {r: collective(frames[r]) for r in ranks}
     steps = {r: p.step for r, p in ranks.items()}
     low, high = min(steps.values()), max(steps.values())
+    silent = tuple(r for r in sorted(ranks) if answered and r not in answered)
+    if silent and 2 * len(silent) <= len(ranks):  # most answered: the dump worked, these could not run
+        waiting = next((c for c in coll.values() if c is not None), None)
+        return Verdict(silent, f"{_names(silent, ranks)} did not answer the stack dump while the others "
+                               f"{'wait in ' + waiting if waiting else 'did'} (step {low}): "
+                               "stopped, stuck in the kernel or a driver, or out of reach")
     if low != high:
         behind = tuple(r for r in ranks if steps[r] == low)
         ahead = tuple(r for r in ranks if steps[r] > low)
@@ -173,14 +182,6 @@ def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
     return Verdict((), f"no rank finished a step since step {low}; no stack shows a cause")
 
 
-class LastCollective(NamedTuple):
-    """A rank's newest flight recorder entry: collectives issued, the last one's name, its state."""
-
-    issued: int
-    name: str
-    state: str
-
-
 class Behind(NamedTuple):
     """Ranks with fewer collectives issued, their count, the others' count, the others' last collective."""
 
@@ -207,55 +208,6 @@ def _names(ranks_: tuple[int, ...], ranks: dict[int, Progress]) -> str:
     named = [f"rank {r}" + (f" on {ranks[r].host}" if r in ranks else "") for r in ranks_[:8]]
     more = f" and {len(ranks_) - 8} more" if len(ranks_) > 8 else ""
     return ", ".join(named) + more
-
-
-def read_stacks(stacks_dir: str) -> dict[int, str]:
-    """rank -> its dumped stack (py-spy's file, else faulthandler's)."""
-    out: dict[int, str] = {}
-    folder = Path(stacks_dir)
-    try:
-        entries = sorted(folder.iterdir())
-    except OSError:
-        return out
-    for e in entries:
-        m = re.match(r"^rank-(\d+)(\.txt|" + re.escape(FAULTHANDLER_SUFFIX) + ")$", e.name)
-        if not m:
-            continue
-        try:  # faulthandler appends each dump: the newest is at the end
-            text = read_bytes(e, TEXT_CAP, folder, tail=True).decode("utf-8", "replace")
-        except Unreadable:
-            continue
-        rank = int(m[1])
-        if text.strip() and (m[2] == ".txt" or rank not in out):
-            out[rank] = text
-    return out
-
-
-def read_flight(flight_dir: str) -> dict[int, LastCollective]:
-    """rank -> (collectives issued, the last one's name, its state) from the flight recorder dumps
-    hfscale.training.heartbeat wrote (the default process group's entries)."""
-    out: dict[int, LastCollective] = {}
-    try:
-        files = sorted(Path(flight_dir).glob("rank-*.json"))
-    except OSError:
-        return out
-    def seq(e: dict) -> int:
-        n = e.get("collective_seq_id")
-        return n if isinstance(n, int) and not isinstance(n, bool) else 0
-
-    for f in files:
-        try:
-            dumps = read_json(f, FLIGHT_CAP, flight_dir)
-            rank = int(f.stem.removeprefix("rank-"))
-        except (Unreadable, ValueError):
-            continue
-        groups = [d.get("entries") for d in dumps if isinstance(d, dict)] if isinstance(dumps, list) else []
-        entries = [e for g in groups if isinstance(g, list) for e in g if isinstance(e, dict)]
-        if entries:
-            last = max(entries, key=seq)
-            out[rank] = LastCollective(seq(last), str(last.get("profiling_name", "?"))[:80],
-                                       str(last.get("state", "?"))[:40])
-    return out
 
 
 def flight_line(flight: dict[int, LastCollective]) -> str | None:
@@ -293,9 +245,13 @@ class Hang:
     what: str
 
 
-def conclude(dog: Watchdog, reason: str, now: float, echo: Callable[[str], None]) -> Hang:
-    """Judge the hang once the stacks are on disk, write the report (a write that fails is said)."""
-    verdict, text = judge(dog, reason, now)
+def conclude(dog: Watchdog, reason: str, now: float, echo: Callable[[str], None],
+             before: DumpMarks | None = None) -> Hang:
+    """Judge the hang once the stacks are on disk (those written since ``before``, the marks taken
+    before the dump; the ranks' answers awaited for up to ``ANSWER_WAIT_S``), write the report (a
+    write that fails is said)."""
+    answered = await_answers(dog.watch, dog.ranks, before) if before is not None else frozenset()
+    verdict, text = judge(dog, reason, now, before, answered)
     report_path = Path(dog.watch.report)
     try:
         write_files(report_path.parent, {report_path.name: text})
@@ -306,9 +262,11 @@ def conclude(dog: Watchdog, reason: str, now: float, echo: Callable[[str], None]
     return Hang(where, f"hang: {verdict.line} ({reason}); report in {report_path}")
 
 
-def judge(dog: Watchdog, reason: str, now: float) -> tuple[Verdict, str]:
-    """(the verdict, the report's text) once the stacks and flight recorders are on disk."""
-    stacks = read_stacks(dog.watch.stacks_dir)
-    flight = read_flight(str(Path(dog.watch.stacks_dir).parent / FLIGHT_DIR))
-    verdict = analyze(dog.ranks, stacks, dog.watch.world_size, flight)
+def judge(dog: Watchdog, reason: str, now: float, before: DumpMarks | None = None,
+          answered: frozenset[int] = frozenset()) -> tuple[Verdict, str]:
+    """(the verdict, the report's text) once the stacks and flight recorders are on disk (with
+    ``before``, only those written since), knowing which ranks ``answered`` the dump."""
+    stacks = read_stacks(dog.watch.stacks_dir, before and before.stacks)
+    flight = read_flight(flight_dir(dog.watch), before and before.flight)
+    verdict = analyze(dog.ranks, stacks, dog.watch.world_size, flight, answered)
     return verdict, report(reason, verdict, dog.ranks, dog.changed, stacks, now, flight)
