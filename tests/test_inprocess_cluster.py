@@ -123,7 +123,9 @@ def test_killed_ranks_are_back_in_seconds_with_a_warm_standby_each_time(make_clu
               f"{timeout} s)")
     output = job.output()
     assert job.proc.returncode == 0, output[-6000:]
-    assert thawed <= timeout + 5.0, thawed
+    # the timeout, then a restart like the kills' (measured in this run: 4 s on an idle machine, 7-10 s on a
+    # loaded one that is 1.3x slower)
+    assert thawed <= timeout + max(restarts) + 2.0, (thawed, restarts)
     assert "still run (a rank frozen or cut off): stopping them" in output, output[-3000:]
     events = read_timeline(run_dir_of(tmp_path)).events
     assert [e.kind for e in events if e.kind in ("failure", "relaunch", "gave_up")] == [], output[-4000:]

@@ -253,10 +253,11 @@ def test_a_slurm_job_restarts_in_process_inside_its_allocation(make_slurm, tmp_p
 
 def test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts(make_slurm, tmp_path, uninterrupted_losses):
     """Issue 35: Slurm's own SlurmdTimeout (300 s, the default many sites keep) does not notice a node
-    whose link is cut for minutes. The watchdog calls it a hang with no culprit ("every rank waits in
-    all_reduce"); hfscale then probes every node of the attempt itself (an srun step each, within its
-    own bound), finds node1 silent and puts the spare in its place: training again within 90 s of the
-    cut, every loss equal to the uninterrupted run's."""
+    whose link is cut for minutes. The watchdog calls it a hang: with no culprit ("every rank waits in
+    all_reduce"), or, since node1's rank cannot answer the stack dump, names node1; else hfscale probes
+    every node of the attempt itself (an srun step each, within its own bound) and finds node1 silent.
+    The spare takes node1's place: training again within 90 s of the cut, every loss equal to the
+    uninterrupted run's."""
     slurm = make_slurm(4, slurmd_timeout=300)
     cluster = slurm.cluster
     out = tmp_path / "out"
@@ -287,7 +288,9 @@ def test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts(make_slurm, tmp
     assert info["JobState"] == "COMPLETED", text[-6000:]
     failures = [e for e in events if e.kind == "failure"]
     relaunches = [e for e in events if e.kind == "relaunch"]
-    assert [(f.cause, f.host) for f in failures] == [("host_lost", "node1")], text[-6000:]
+    # the watchdog names node1 itself (its rank cannot answer the stack dump: out of reach), or, were no rank
+    # named, hfscale's own probe of every node finds node1 silent
+    assert [(f.cause, f.host) for f in failures] in ([("hang", "node1")], [("host_lost", "node1")]), text[-6000:]
     assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
     assert t_back - t_cut <= 90, text[-6000:]
     worst = largest_loss_difference(out, max_steps, uninterrupted_losses)  # every step logged, against the reference
