@@ -245,7 +245,7 @@ def test_a_rank_that_did_not_answer_the_dump_is_named(tmp_path, dumper):
     recorder's thread, so only an earlier dump's files of it are there (py-spy reads a stopped process,
     so with py-spy its stack is fresh, but that is no answer). Its peers' flight recorders disagree
     among themselves (rank 2 waits in the ring for rank 1's part): once they named rank 2."""
-    from hfscale.launch.attempt.dump_files import DumpMarks, answers, await_answers
+    from hfscale.launch.attempt.dump_files import DumpMarks, answered, await_answers
     from hfscale.launch.attempt.watchdog import judge
     stacks, flight = tmp_path / "stacks", tmp_path / "flight"
     stacks.mkdir()
@@ -255,7 +255,7 @@ def test_a_rank_that_did_not_answer_the_dump_is_named(tmp_path, dumper):
         (flight / f"rank-{r}.json").write_text("[]")
     watch = HangWatch(progress_dir=str(tmp_path / "progress"), stacks_dir=str(stacks), timeout=15,
                       report=str(tmp_path / "hang-report.txt"), first_step=None, world_size=3)
-    before = DumpMarks.take(watch)
+    before = DumpMarks.take(watch, range(3))
     for r in range(3):  # the dump
         if dumper == "py-spy":
             (stacks / f"rank-{r}.txt").write_text(PYSPY_WAITING)
@@ -266,7 +266,7 @@ def test_a_rank_that_did_not_answer_the_dump_is_named(tmp_path, dumper):
                 f.write(FAULTHANDLER_WAITING)
         entry = {"collective_seq_id": 128 - r // 2, "profiling_name": "gloo:all_gather", "state": "scheduled"}
         (flight / f"rank-{r}.json").write_text(json.dumps([{"entries": [entry]}]))
-    assert answers(watch, before) == {0, 2}
+    assert {r for r in range(3) if answered(watch, r, before)} == {0, 2}
     want = [0, 1, 2] if dumper == "py-spy" else [0, 2]
     assert sorted(read_stacks(str(stacks), before.stacks)) == want
     assert sorted(read_stacks(str(stacks))) == [0, 1, 2]  # without marks: every file, an earlier dump's too
@@ -284,3 +284,28 @@ def test_a_rank_that_did_not_answer_the_dump_is_named(tmp_path, dumper):
     assert judge(dog, "no rank finished a step for 15 s", 100.0, before)[0].stuck == (2,)
     # more silent ranks than answering ones: the dump itself is in doubt, no one is named for silence
     assert "did not answer" not in analyze(_ranks(22, 22, 22), {}, 3, None, frozenset({0})).line
+
+
+def test_a_flight_recorder_rewritten_with_the_same_bytes_in_the_same_tick_is_an_answer(tmp_path):
+    """A hung rank's flight recorder holds the same collectives at each dump, and heartbeat's atomic replace
+    can land in the same mtime tick (a coarse clock on a shared file system): the new inode still tells
+    the answer apart from the earlier dump's file; a file left alone, or a link put there, is no answer."""
+    import os
+
+    from hfscale.launch.attempt.dump_files import DumpMarks, answered
+    stacks, flight = tmp_path / "stacks", tmp_path / "flight"
+    stacks.mkdir()
+    flight.mkdir()
+    for r in range(3):
+        (flight / f"rank-{r}.json").write_text('[{"entries": []}]')
+    watch = HangWatch(progress_dir=str(tmp_path / "progress"), stacks_dir=str(stacks), timeout=15,
+                      report=str(tmp_path / "hang-report.txt"), first_step=None, world_size=3)
+    old = (flight / "rank-0.json").stat()
+    before = DumpMarks.take(watch, range(3))
+    new = flight / "rank-0.json.tmp"  # rank 0 answers: the same bytes, replaced, its time set back
+    new.write_text('[{"entries": []}]')
+    os.replace(new, flight / "rank-0.json")
+    os.utime(flight / "rank-0.json", ns=(old.st_atime_ns, old.st_mtime_ns))
+    (flight / "rank-2.json").unlink()  # rank 2: a link to another rank's answer in its place
+    (flight / "rank-2.json").symlink_to(flight / "rank-0.json")
+    assert [answered(watch, r, before) for r in range(3)] == [True, False, False]

@@ -1,7 +1,9 @@
 """What a hang's stack dump leaves on the shared file system, and who answered it.
 
-Before the dump, :class:`DumpMarks` notes each stack and flight recorder file's size and time;
-after it, only files written since are read (an earlier dump's are not this hang's). A rank
+Before the dump, :class:`DumpMarks` notes each rank's stack and flight recorder files (inode, size,
+time, taken from the opened file: opening is what makes an NFS client check its cached attributes,
+and the files are looked up by name, not listed, as a cached listing may lack a new file); after
+it, only files written since are read (an earlier dump's are not this hang's). A rank
 answers through its own code: the flight recorder's thread (``flight/rank-N.json``) or
 faulthandler's handler (``stacks/rank-N.fh``), both from hfscale.training.heartbeat; a stopped
 rank, or one stuck in the kernel or a driver with the GIL held, cannot. py-spy's ``rank-N.txt`` is
@@ -10,6 +12,7 @@ no answer: py-spy reads a stopped process too. Reads files only, each capped and
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from hfscale.core.records import FLIGHT_CAP, TEXT_CAP
-from hfscale.core.untrusted import Unreadable, read_bytes, read_json
+from hfscale.core.untrusted import Unreadable, open_regular, read_bytes, read_json
 from hfscale.launch.spec import HangWatch
 from hfscale.training.heartbeat import FAULTHANDLER_SUFFIX, FLIGHT_DIR
 
@@ -30,34 +33,26 @@ class LastCollective(NamedTuple):
     state: str
 
 
-Marks = dict[str, tuple[int, int]]  # file name -> (size, mtime in ns)
+Mark = tuple[int, int, int]  # (inode, size, mtime in ns) of the opened file: a replace changes the inode
+Marks = dict[str, Mark]  # file name -> its mark
 
 
-def marks(folder: str) -> Marks:
-    """The size and modification time of each file in ``folder``, taken before a dump: files that
-    are the same after it are an earlier dump's, and a rank that wrote none did not answer."""
-    out: Marks = {}
+def mark(path: Path) -> Mark | None:
+    """The file's mark, None when it is missing or not a regular file (hfscale.core.untrusted)."""
     try:
-        entries = list(Path(folder).iterdir())
-    except OSError:
-        return out
-    for e in entries:
-        try:
-            st = e.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        out[e.name] = (st.st_size, st.st_mtime_ns)
-    return out
+        fd, st = open_regular(path)
+    except Unreadable:
+        return None
+    os.close(fd)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _fresh(e: Path, before: Marks | None) -> bool:
-    if before is None or e.name not in before:
+def _fresh(path: Path, before: Marks | None) -> bool:
+    """Written since ``before`` (or no marks to compare with)."""
+    if before is None:
         return True
-    try:
-        st = e.stat(follow_symlinks=False)
-    except OSError:
-        return False
-    return (st.st_size, st.st_mtime_ns) != before[e.name]
+    now = mark(path)
+    return now is not None and now != before.get(path.name)
 
 
 def read_stacks(stacks_dir: str, before: Marks | None = None) -> dict[int, str]:
@@ -113,16 +108,22 @@ def read_flight(flight_dir: str, before: Marks | None = None) -> dict[int, LastC
     return out
 
 
+def _stack_names(rank: int) -> tuple[str, str]:
+    return f"rank-{rank}{FAULTHANDLER_SUFFIX}", f"rank-{rank}.txt"
+
+
 @dataclass(frozen=True)
 class DumpMarks:
-    """The stack and flight recorder files as they were before the dump."""
+    """The ranks' stack and flight recorder files as they were before the dump."""
 
     stacks: Marks
     flight: Marks
 
     @classmethod
-    def take(cls, watch: HangWatch) -> DumpMarks:
-        return cls(marks(watch.stacks_dir), marks(flight_dir(watch)))
+    def take(cls, watch: HangWatch, ranks: Iterable[int]) -> DumpMarks:
+        stacks, flight, ranks = Path(watch.stacks_dir), Path(flight_dir(watch)), list(ranks)
+        return cls({n: m for r in ranks for n in _stack_names(r) if (m := mark(stacks / n)) is not None},
+                   {n: m for r in ranks if (m := mark(flight / (n := f"rank-{r}.json"))) is not None})
 
 
 def flight_dir(watch: HangWatch) -> str:
@@ -130,33 +131,25 @@ def flight_dir(watch: HangWatch) -> str:
 
 
 ANSWER_WAIT_S = 5.0  # a live rank's thread answers in well under this, on a loaded machine too
-_ANSWER = re.compile(r"^rank-(\d{1,7})(" + re.escape(FAULTHANDLER_SUFFIX) + r"|\.json)$")
 
 
-def answers(watch: HangWatch, before: DumpMarks) -> frozenset[int]:
-    """The ranks that answered the dump: their own code wrote since ``before``, their flight
-    recorder's thread (``flight/rank-N.json``) or faulthandler's signal handler (``stacks/rank-N.fh``).
-    py-spy's file is no answer: py-spy reads a stopped process's stack too."""
-    out: set[int] = set()
-    for folder, marked in ((watch.stacks_dir, before.stacks), (flight_dir(watch), before.flight)):
-        try:
-            entries = list(Path(folder).iterdir())
-        except OSError:
-            continue
-        for e in entries:
-            m = _ANSWER.match(e.name)
-            if m and _fresh(e, marked):
-                out.add(int(m[1]))
-    return frozenset(out)
+def answered(watch: HangWatch, rank: int, before: DumpMarks) -> bool:
+    """The rank's own code wrote since ``before``: its flight recorder's thread (``flight/rank-N.json``)
+    or faulthandler's signal handler (``stacks/rank-N.fh``). py-spy's file is no answer: py-spy reads
+    a stopped process's stack too."""
+    fh = Path(watch.stacks_dir) / _stack_names(rank)[0]
+    return _fresh(Path(flight_dir(watch)) / f"rank-{rank}.json", before.flight) or _fresh(fh, before.stacks)
 
 
 def await_answers(watch: HangWatch, ranks: Iterable[int], before: DumpMarks, wait_s: float = ANSWER_WAIT_S,
                   clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], None] = time.sleep) -> frozenset[int]:
-    """:func:`answers`, read again until all of ``ranks`` have answered or ``wait_s`` has passed."""
-    deadline, want = clock() + wait_s, set(ranks)
+    """The ranks of ``ranks`` that :func:`answered`, looked at again (those not yet) until all have or
+    ``wait_s`` has passed."""
+    deadline, pending, got = clock() + wait_s, set(ranks), set()
     while True:
-        got = answers(watch, before)
-        if want <= got or clock() >= deadline:
-            return got
+        got |= {r for r in pending if answered(watch, r, before)}
+        pending -= got
+        if not pending or clock() >= deadline:
+            return frozenset(got)
         sleep(0.5)

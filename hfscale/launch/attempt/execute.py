@@ -355,7 +355,8 @@ def _watch_for_hang(run: _Run, watch: HangWatch) -> None:
         reason = dog.poll(time.monotonic())
         if reason is None:
             continue
-        d, before = run.plan.dump, DumpMarks.take(watch)
+        d = run.plan.dump
+        before = DumpMarks.take(watch, dog.ranks) if d is not None else None  # no dump: no answers to wait for
         if d is not None:
             try:
                 subprocess.run(d.real_argv(), env=_env(d), cwd=d.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

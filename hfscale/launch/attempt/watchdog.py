@@ -7,7 +7,8 @@ faulthandler through SIGUSR2) and :func:`analyze` names the stuck rank(s):
 
 - ranks that never reported a step;
 - ranks that did not answer the stack dump while most did (hfscale.launch.attempt.dump_files): a
-  stopped process (SIGSTOP, a frozen container), or one stuck in the kernel or a driver, cannot;
+  stopped process (SIGSTOP, a frozen container), one stuck in the kernel or a driver, or one on a
+  node out of reach cannot;
 - ranks behind the others in steps that are not inside a collective (stuck before it);
 - ranks ahead of the others while those wait in a collective: they passed a collective the
   others are still in, so they skipped it (or the others repeat one);
@@ -135,8 +136,8 @@ class Verdict:
 def analyze(ranks: dict[int, Progress], stacks: dict[int, str], world: int,
             flight: dict[int, LastCollective] | None = None, answered: frozenset[int] = frozenset()) -> Verdict:
     """Which rank(s) hold the job up, from their last steps, which of them ``answered`` the dump
-    (:func:`answers`), their stacks and, where the stacks show no cause, their flight recorders'
-    collective counts."""
+    (hfscale.launch.attempt.dump_files.await_answers), their stacks and, where the stacks show no
+    cause, their flight recorders' collective counts."""
     missing = tuple(r for r in range(world) if r not in ranks)
     if missing:
         return Verdict(missing, f"{_names(missing, ranks)} never finished a step")
