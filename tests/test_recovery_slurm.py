@@ -253,11 +253,10 @@ def test_a_slurm_job_restarts_in_process_inside_its_allocation(make_slurm, tmp_p
 
 def test_a_cut_link_heals_within_90_s_at_slurms_default_timeouts(make_slurm, tmp_path, uninterrupted_losses):
     """Issue 35: Slurm's own SlurmdTimeout (300 s, the default many sites keep) does not notice a node
-    whose link is cut for minutes. The watchdog calls it a hang: with no culprit ("every rank waits in
-    all_reduce"), or, since node1's rank cannot answer the stack dump, names node1; else hfscale probes
-    every node of the attempt itself (an srun step each, within its own bound) and finds node1 silent.
-    The spare takes node1's place: training again within 90 s of the cut, every loss equal to the
-    uninterrupted run's."""
+    whose link is cut for minutes. hfscale's hang watchdog names node1 (its rank cannot answer the stack
+    dump); were no rank named, hfscale would probe every node of the attempt itself (an srun step each,
+    within its own bound) and find node1 silent. The spare takes node1's place: training again within
+    90 s of the cut, every loss equal to the uninterrupted run's."""
     slurm = make_slurm(4, slurmd_timeout=300)
     cluster = slurm.cluster
     out = tmp_path / "out"
