@@ -11,9 +11,12 @@ In one run, interleaved, medians of 5 rounds:
   * one optimizer step of the README job's model (examples/tiny_cpu: GPT-2, 4 layers, 128 wide,
     micro batch 8 x 128 tokens, AdamW) in this process on CPU: forward, backward, step.
 
-Not measured here: getting the loss to the host (``loss.item()``: a device sync on a GPU, which the
-Trainer already does at each logging step) and agreeing on an alarm across ranks (one all-reduce of
-a flag); they come with the wiring, not built yet.
+  * the wiring's per-step work on 2 ranks (hfscale.training.callbacks.loss_guard's ``on_step_end``):
+    the step's loss to the host, one 2-element float64 ``all_reduce`` over gloo between 2 processes
+    on this machine, and the judgement; median over 2,000 steps.
+
+On a GPU the loss's trip to the host is a device sync per step (the Trainer already makes one at
+each logging step, and PreemptionCallback's flag one every step): not measured here.
 
     python bench/bench_loss_guard.py
 """
@@ -85,6 +88,45 @@ def model_step_s(rounds: int = 10) -> float:
     return statistics.median(times)
 
 
+def _wiring(rank: int, port: int, steps: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    g, values, times = LossGuard(), curve(steps + 100), []
+    loss = torch.tensor(0.0)
+    for i, (value, grad) in enumerate(values, 1):
+        loss.fill_(value)
+        t0 = time.perf_counter()
+        t = torch.tensor([float(loss.item()), 1.0], dtype=torch.float64)
+        dist.all_reduce(t)
+        total, count = t.tolist()
+        g.observe(i, total / count, grad)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(statistics.median(times[100:]))
+
+
+def wiring_per_step(steps: int = 2000) -> float:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_wiring, args=(r, port, steps, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    value = out.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return value
+
+
 def main() -> int:
     values = curve(STEPS)
     ours, theirs = [], []
@@ -98,6 +140,9 @@ def main() -> int:
           f"ratio {f / g:.1f}x")
     print(f"README job's model, one optimizer step in this process on CPU: {step * 1e3:.1f} ms")
     print(f"the judgement's share of a step: {g / step:.2e} ({g / step * 100:.4f} %)")
+    w = wiring_per_step()
+    print(f"the wiring on 2 ranks (loss to host, 2-element all_reduce over gloo, judgement): {w * 1e6:.1f} us per "
+          f"step; its share of a step: {w / step:.2e} ({w / step * 100:.3f} %)")
     return 0
 
 

@@ -45,6 +45,8 @@ def test_check_prints_summary(tmp_path):
         "1.9 GiB more (stage3_max_live_parameters)",
         "  runner       pdsh (accelerate)",
         "  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job stopped (exit 4)",
+        "  loss guard   every step: NaN/inf; loss > 2x median (+0.5) or grad norm > 10x, 3 steps running; an alarm "
+        "stops the job unsaved (recovery.max_restarts 0); a relaunch rolls back and replays",
         "  entry        built-in entry point (python -m hfscale.training.train)",
     ]
 

@@ -61,6 +61,8 @@ def test_readme_main_job_trains_checkpoints_and_resumes(tmp_path):
     out = tmp_path / "output" / "tiny_cpu"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-150", "checkpoint-200"]  # limit 2
     assert all((p / "hfscale_complete.json").is_file() for p in out.glob("checkpoint-*"))
+    assert all((p / "hfscale_loss_guard.json").is_file() for p in out.glob("checkpoint-*"))  # its windows, saved
+    assert not (out / "hfscale_rollbacks.json").exists()  # the loss guard, on by default, fired no alarm
     records = [json.loads(line) for line in (out / "hfscale_metrics.jsonl").read_text().splitlines()]
     metrics = [m for m in records if m["event"] == "metrics"]
     assert [m["step"] for m in metrics] == [50, 100, 150, 200]

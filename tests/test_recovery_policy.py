@@ -313,8 +313,9 @@ def test_goodput_of_two_failures():
     assert (g.wall, g.productive, g.restarts, g.excluded) == (60.0, 30.0, 2, ("node1",))
     # start 0 -> 3; detection: last steps at 3 + 13 * 1.0 = 16 (failure 20) and 26 + 9 * 1.5 = 39.5 (failure 40);
     # stop 1 + 0.5; restart 21 -> 26 and 40.5 -> 45; recompute (14 - 10) * 1.0 + 0; other: the rest of 60
-    assert g.lost == {"start": 3.0, "detection": 4.5, "stop": 1.5, "restart": 9.5, "recompute": 4.0, "other": 7.5}
-    assert list(g.lost) == ["start", "detection", "stop", "restart", "recompute", "other"]
+    assert g.lost == {"start": 3.0, "detection": 4.5, "stop": 1.5, "restart": 9.5, "recompute": 4.0, "rollback": 0.0,
+                      "other": 7.5}
+    assert list(g.lost) == ["start", "detection", "stop", "restart", "recompute", "rollback", "other"]
     assert g.ratio == 0.5
     assert lines(g) == ["goodput 50.0% (productive 30.0 s of 60.0 s); lost: start 3.0 s, detection 4.5 s, "
                         "stop 1.5 s, restart 9.5 s, recompute 4.0 s, other 7.5 s", "restarts 2, excluded: node1"]

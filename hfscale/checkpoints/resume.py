@@ -203,8 +203,12 @@ def latest_checkpoint(output_dir: str | os.PathLike[str] | None, world_size: int
     """
     if output_dir is None:
         return None
-    found = checkpoints(output_dir)
+    found, before = checkpoints(output_dir), rollback_bound(output_dir)[0]
     for ckpt in reversed(found):
+        if before is not None and ckpt.step >= before:
+            warnings.warn(f"hfscale: not resuming from {ckpt.path}: {rolled_back(before)}", IncompleteCheckpointWarning,
+                          stacklevel=2)
+            continue
         why = checkpoint_problem(ckpt.path, world_size)
         if why is None:
             return str(ckpt.path)
@@ -216,6 +220,22 @@ def latest_checkpoint(output_dir: str | os.PathLike[str] | None, world_size: int
             stacklevel=2,
         )
     return None
+
+
+def rollback_bound(output_dir: str | os.PathLike[str]) -> tuple[int | None, str | None]:
+    """The loss guard's rollback bound in ``output_dir`` (hfscale.checkpoints.rollbacks: a start resumes
+    from a checkpoint saved before that step; None: any), and why its record cannot be read (None: it can)."""
+    from hfscale.checkpoints.rollbacks import read_rollbacks, rollback_before
+
+    try:
+        return rollback_before(read_rollbacks(output_dir)), None
+    except Unreadable as e:
+        return None, str(e)
+
+
+def rolled_back(before: int) -> str:
+    return (f"saved at or after step {before}, where the loss spike the loss guard stopped the job for began "
+            "(rolled back: hfscale_rollbacks.json)")
 
 
 def rotate_checkpoints(
@@ -269,6 +289,8 @@ class OutputScan:
     # the output_dir holds a lineage (hfscale.checkpoints.lineage): hfscale started this job here, so the
     # checkpoints in it are its own
     lineage: bool = False
+    rolled_back: tuple[str, ...] = ()  # complete or not, saved at or after the loss guard's rollback step
+    rollbacks_problem: str | None = None  # the loss guard's record cannot be read (hfscale.checkpoints.rollbacks)
 
 
 def saved_state(ckpt: str | os.PathLike[str]) -> SavedState | None:
@@ -303,14 +325,20 @@ def scan_output(output_dir: str | os.PathLike[str], world_size: int | None, resh
 
 def _scan_output(output_dir: str | os.PathLike[str], world_size: int | None, reshard: bool) -> OutputScan:
     found = checkpoints(output_dir)
-    skipped = []
+    before, problem = rollback_bound(output_dir)
+    late = tuple(c.path.name for c in found if before is not None and c.step >= before)
+    skipped = [(name, rolled_back(before)) for name in reversed(late) if before is not None]
+    names = tuple(c.path.name for c in found)
     for ckpt in reversed(found):
+        if ckpt.path.name in late:
+            continue
         why = checkpoint_problem(ckpt.path, world_size, reshard)
         if why is None:
-            return OutputScan(str(output_dir), tuple(c.path.name for c in found), str(ckpt.path), tuple(skipped),
-                              saved_state(ckpt.path), deepspeed_ranks(ckpt.path), universal_ready(ckpt.path))
+            return OutputScan(str(output_dir), names, str(ckpt.path), tuple(skipped), saved_state(ckpt.path),
+                              deepspeed_ranks(ckpt.path), universal_ready(ckpt.path), rolled_back=late,
+                              rollbacks_problem=problem)
         skipped.append((ckpt.path.name, why))
-    return OutputScan(str(output_dir), tuple(c.path.name for c in found), None, tuple(skipped), None)
+    return OutputScan(str(output_dir), names, None, tuple(skipped), None, rolled_back=late, rollbacks_problem=problem)
 
 
 Action = Literal["fresh", "resume", "done", "refuse"]
@@ -326,6 +354,7 @@ class ResumeDecision:
     checkpoint: str | None = None
     reason: str = ""
     set_aside: tuple[str, ...] = ()
+    rolled_back: tuple[str, ...] = ()  # saved at or after the loss guard's rollback step: moved aside too
 
 
 def decide(scan: OutputScan, max_steps: int | None) -> ResumeDecision:
@@ -335,17 +364,18 @@ def decide(scan: OutputScan, max_steps: int | None) -> ResumeDecision:
     lineage hfscale begins at a fresh start (before any checkpoint is there, so every checkpoint in
     it was saved since, by this job), and a save cut short by a failure is set aside, never a reason
     to stop the job."""
-    own = tuple(name for name, _why in scan.skipped) if scan.lineage else ()
+    late = scan.rolled_back
+    own = tuple(name for name, _why in scan.skipped if name not in late) if scan.lineage else ()
     if scan.resume is not None:
         step = scan.state.global_step if scan.state is not None else None
         if max_steps is not None and step is not None and step >= max_steps:
             return ResumeDecision("done", scan.resume, f"{scan.resume} is at step {step}, max_steps is {max_steps}")
-        return ResumeDecision("resume", scan.resume, set_aside=own)
-    if scan.found and not scan.lineage:
+        return ResumeDecision("resume", scan.resume, set_aside=own, rolled_back=late)
+    if scan.found and not scan.lineage and len(late) < len(scan.found):
         why = "; ".join(f"{name}: {reason}" for name, reason in scan.skipped)
         return ResumeDecision("refuse", None, f"{scan.output_dir} holds {len(scan.found)} checkpoint(s) but none "
                                               f"is complete ({why}); training would start over and overwrite them")
-    return ResumeDecision("fresh", set_aside=own)
+    return ResumeDecision("fresh", set_aside=own, rolled_back=late)
 
 
 def first_start(env: Mapping[str, str]) -> bool:

@@ -49,6 +49,7 @@ def summary(job: Job) -> str:
         ("runner", f"{cfg.runner.type} ({cfg.runner.launcher})"),
         ("watchdog", _watchdog(job)),
         *([("recovery", _recovery(job))] if cfg.recovery.max_restarts else []),
+        ("loss guard", loss_guard_line(job)),
         *([("checkpoints", tiers)] if (tiers := tiers_line(job)) else []),
         ("entry", _entry(job)),
     ]
@@ -82,6 +83,23 @@ def _watchdog(job: Job) -> str:
     if job.config.runner.type == "slurm" and not job.config.recovery.max_restarts:
         return f"a submitted job: off; launched inside an allocation (salloc): {what}"
     return what
+
+
+def loss_guard_line(job: Job) -> str:
+    """What the loss guard watches (training.loss_guard) and what an alarm does, in one line."""
+    g, t = job.config.training.loss_guard, job.config.training
+    if not g.enabled:
+        return "off"
+    if t.script is not None and t.pass_args == "none":
+        return "off: a plain loop (pass_args: none) has no Trainer to watch"
+    spikes = [f"loss > {g.loss_factor:g}x median (+{g.loss_rise:g})"] if g.loss_factor is not None else []
+    spikes += [f"grad norm > {g.grad_norm_factor:g}x"] if g.grad_norm_factor is not None else []
+    watched = (["NaN/inf"] if g.nan else []) + ([f"{' or '.join(spikes)}, {g.patience} steps running"] if spikes else [])
+    heal = (f"an alarm rolls back before it, replays, skips its batches (+{g.skip_margin}) if it comes back; at most "
+            f"{g.max_rollbacks} rollbacks") if job.config.recovery.max_restarts else \
+        "an alarm stops the job unsaved (recovery.max_restarts 0); a relaunch rolls back and replays"
+    where = "" if t.script is None else " (a script: if it calls hfscale.instrument)"
+    return f"every step{where}: {'; '.join(watched) or 'nothing'}; {heal}"
 
 
 def _recovery(job: Job) -> str:

@@ -28,6 +28,7 @@ from hfscale.config.base import (
 )
 from hfscale.config.accelerate import AccelerateSection, FsdpSection, ParallelismConfig
 from hfscale.config.deepspeed import DeepSpeedSection
+from hfscale.config.loss_guard import LossGuardConfig
 from hfscale.config.runners import DockerConfig, KubernetesConfig, SlurmConfig
 
 
@@ -279,6 +280,9 @@ class TrainingConfig(Strict):
         "(hfscale_complete.json) only once every rank's writes are committed, at the next optimizer step or the end "
         "of training. DeepSpeed ZeRO stage 1-3 only; the model's safetensors file is still written by the Trainer "
         "before training goes on. See docs/engines.md.")
+    loss_guard: LossGuardConfig = Field(
+        default_factory=LossGuardConfig, description="Loss spikes and NaNs: the job stops without saving, rolls back, "
+        "replays once and skips the spike's batches if it comes back (hfscale.config.loss_guard).")
     gradient_checkpointing: bool = Field(
         False, description="Recompute each layer's activations in backward (the Trainer's gradient_checkpointing): "
         "about a third more compute for a fraction of the activation memory.")

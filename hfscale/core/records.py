@@ -49,7 +49,8 @@ RunState = Literal["running", "finished", "failed", "stopped", "hung", "preempte
 Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # why an attempt of a job failed (hfscale.launch.recovery.policy); port_busy: the master port was still held on
 # node 0 when the attempt started (the job's own earlier attempt, or another process): no host's fault
-Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy"]
+# loss_spike: the loss guard stopped training (hfscale.checkpoints.rollbacks): a rollback, no host's fault unless struck
+Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy", "loss_spike"]
 
 
 def _no_bool(v: Any) -> Any:

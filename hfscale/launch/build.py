@@ -36,6 +36,7 @@ __all__ = ["LaunchPlan", "build_plan", "resolved_config_yaml"]
 
 IN_PROCESS_MARGIN_S = 30  # see build_plan's watch
 INCOMPLETE_DIR = "_hfscale-incomplete"  # in the output_dir: the job's own saves cut short, a folder per launch
+ROLLED_BACK_DIR = "_hfscale-rolled-back"  # in the output_dir: saved after a loss spike began, a folder per launch
 
 
 def resolved_config_yaml(job: Job) -> str:
@@ -81,6 +82,10 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
             moves += ((posixpath.join(scan.output_dir, LINEAGE_FILE), posixpath.join(dest, LINEAGE_FILE)),)
         return _ResumeStep([f"--restart: training starts at step 0; the {len(scan.found)} checkpoint(s) of "
                             f"{t.output_dir} move to {dest} first"] if moves else [], moves)
+    if scan.rollbacks_problem is not None:
+        raise ConfigError(job.source, [Problem("training.output_dir", f"{scan.rollbacks_problem}: the loss guard's "
+                                               "record of rollbacks and skipped batches cannot be read; restore it, or "
+                                               "move it aside to start a new one", job.line_of(("training", "output_dir")))])
     d = decide(scan, t.max_steps)
     if d.action == "refuse":
         path = ("training", "output_dir")
@@ -92,6 +97,8 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
                             "with --restart)"], done=True)
     aside = posixpath.join(scan.output_dir, INCOMPLETE_DIR, ctx.job_id)
     moves = tuple((posixpath.join(scan.output_dir, n), posixpath.join(aside, n)) for n in d.set_aside)
+    back = posixpath.join(scan.output_dir, ROLLED_BACK_DIR, ctx.job_id)
+    moves += tuple((posixpath.join(scan.output_dir, n), posixpath.join(back, n)) for n in d.rolled_back)
     notes = []
     if d.action == "resume":
         notes.append(f"resumes from {d.checkpoint} (each rank checks again when it starts, so a restart "
@@ -105,7 +112,9 @@ def _resume_step(job: Job, ctx: LaunchContext) -> _ResumeStep:
         notes.append(f"the ranks first look at the nodes' local checkpoints ({local.dir}): the newest step complete "
                      "between them, newer than the durable one and saved at this world size, is restored into "
                      f"{t.output_dir} and resumed from")
-    return _ResumeStep(notes, moves, told=_skipped(scan, aside if moves else None))
+    if d.rolled_back:
+        notes.append(f"rolls back: {', '.join(d.rolled_back)} (saved after the loss spike began) move to {back}")
+    return _ResumeStep(notes, moves, told=_skipped(scan, aside if d.set_aside else None))
 
 
 def reshards(job: Job, ctx: LaunchContext) -> bool:

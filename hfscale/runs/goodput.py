@@ -39,13 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hfscale.checkpoints.rollbacks import LOSS_GUARD_SAID
 from hfscale.core.untrusted import printable
 
 if TYPE_CHECKING:
     from hfscale.core.records import TimelineEvent
     from hfscale.launch.recovery.timeline import Timeline
 
-BUCKETS = ("start", "detection", "stop", "restart", "recompute", "other")
+# rollback: all a loss spike cost (its stop, restart and the steps replayed; hfscale.checkpoints.rollbacks)
+BUCKETS = ("start", "detection", "stop", "restart", "recompute", "rollback", "other")
 MAX_NAMES = 8  # hosts named on a line; the rest are counted
 
 
@@ -118,14 +120,15 @@ def goodput(timeline: "Timeline", now: float | None = None, last: tuple[float, i
         later = events[i + 1:]
         stopped = next((s for s in later if s.kind == "stopped" and s.attempt == e.attempt), None)
         relaunch = next((r for r in later if r.kind == "relaunch" and r.attempt > e.attempt), None)
-        lost["detection"] += max(0.0, _detection(e, trainings.get(e.attempt)))
+        spike = e.cause == "loss_spike"
+        lost["rollback" if spike else "detection"] += max(0.0, _detection(e, trainings.get(e.attempt)))
         if stopped is not None:
-            lost["stop"] += max(0.0, stopped.at - e.at)
+            lost["rollback" if spike else "stop"] += max(0.0, stopped.at - e.at)
         if relaunch is not None:
             since = stopped.at if stopped is not None else e.at
-            lost["restart"] += max(0.0, first_step_or_failure(relaunch.attempt) - since)
+            lost["rollback" if spike else "restart"] += max(0.0, first_step_or_failure(relaunch.attempt) - since)
             if e.step is not None and e.step_time is not None:
-                lost["recompute"] += max(0, e.step - _resumed(relaunch, trainings)) * e.step_time
+                lost["rollback" if spike else "recompute"] += max(0, e.step - _resumed(relaunch, trainings)) * e.step_time
     step_times = [e.step_time for e in events if e.kind in ("failure", "finished") and e.step_time is not None]
     started = [e for e in events if e.kind == "training" and e.step is not None]
     if not ends and last is not None and started and last[1] > started[-1].step and last[0] > started[-1].at:
@@ -278,6 +281,8 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
     lost = ", ".join(f"{k} {_s(v)}" for k, v in g.lost.items() if round(v, 1) > 0) or "nothing"
     out = [f"restarts     {g.restarts}{_in_process(g)}" + (f"; excluded: {_names(g.excluded)}" if g.excluded else ""),
            f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
+    out += [f"rollback     {printable((e.what or '').removeprefix(LOSS_GUARD_SAID), 1000)}" for e in t.events
+            if e.kind == "failure" and e.cause == "loss_spike"]
     out += replacement_lines(t)
     out += requeue_lines(t)
     starts = [e for e in t.events if e.kind in ("training", "in_process") and e.phases]

@@ -24,6 +24,7 @@ from typing import Any
 from hfscale.core.atomic_files import write_files
 from hfscale.core.untrusted import Unreadable
 from hfscale.launch.context import run_of
+from hfscale.checkpoints.rollbacks import incident_line, read_rollbacks
 from hfscale.launch.recovery.timeline import Timeline, read_timeline
 from hfscale.launch.run_dir import CONFIG_COPY, PLAN_FILE
 from hfscale.runs.goodput import goodput, lines, timeline_lines
@@ -91,7 +92,7 @@ def _memory_series(metrics: list[dict[str, Any]]) -> list[Series]:
     return [s for label, at in (("max", 2), ("median", 1), ("min", 0)) for s in _series(metrics, stat(at), label)]
 
 
-def _svg(series: list[Series], title: str, ylabel: str, uid: str) -> str:
+def _svg(series: list[Series], title: str, ylabel: str, uid: str, marks: tuple[int, ...] = ()) -> str:
     """A line plot as inline SVG: no XML prolog, ids prefixed with ``uid`` so that several plots
     in one page never share one (their clip paths and glyphs refer to ids)."""
     from matplotlib import rc_context
@@ -111,11 +112,13 @@ def _svg(series: list[Series], title: str, ylabel: str, uid: str) -> str:
                     label=(label or None) if first else None, gid=f"series{n}")  # <g id=...>: each line findable
         for i, x in enumerate(sorted(starts)):
             ax.axvline(x, color="0.6", linestyle=":", linewidth=1, label=None if i else "relaunch")
+        for i, x in enumerate(marks):  # the loss guard's alarms (hfscale.checkpoints.rollbacks)
+            ax.axvline(x, color="C3", linestyle="--", linewidth=1, label=None if i else "rollback", gid=f"rollback{i}")
         ax.set_xlabel("step")  # the title is the figure's caption in the page
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if any(label for label, _, _ in series) or starts:
+        if any(label for label, _, _ in series) or starts or marks:
             ax.legend(fontsize=7, ncols=2 if len(colors) > 6 else 1)
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Creator": None, "Date": None, "Format": None, "Type": None})
@@ -146,13 +149,24 @@ def _plots_drawn() -> bool:
     return True
 
 
-def _figure(key: str, title: str, series: list[Series], ylabel: str, missing: str) -> str:
+def _figure(key: str, title: str, series: list[Series], ylabel: str, missing: str, marks: tuple[int, ...] = (),
+            said: tuple[str, ...] = ()) -> str:
     head = f'<figure id="plot-{key}"><figcaption>{_e(title)}</figcaption>'
+    told = "".join(f'<p class="rollback">{_e(line)}</p>' for line in said)
     if not series:
-        return head + _note(missing) + "</figure>"
+        return head + _note(missing) + told + "</figure>"
     if not _plots_drawn():
-        return head + f'<p class="note">{_e(NO_PLOTS)}</p></figure>'
-    return head + _svg(series, title, ylabel, key) + "</figure>"
+        return head + f'<p class="note">{_e(NO_PLOTS)}</p>{told}</figure>'
+    return head + _svg(series, title, ylabel, key, marks) + told + "</figure>"
+
+
+def _rollbacks(d: RunData) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The loss guard's incidents in the output_dir: their steps (marked on the loss curve) and lines."""
+    try:
+        incidents = read_rollbacks(d.output_dir).incidents
+    except Unreadable as e:
+        return (), (f"the loss guard's record is unreadable: {e}",)
+    return tuple(i.step for i in incidents), tuple(incident_line(i) for i in incidents)
 
 
 def _plots(d: RunData) -> str:
@@ -164,7 +178,7 @@ def _plots(d: RunData) -> str:
     mfu_why = metrics_where or ("MFU needs one device's peak FLOP/s: set training.peak_tflops (it is looked up "
                                 "for known CUDA GPUs; a CPU has none)")
     figs = [
-        ("loss", "Loss", _series(hist, lambda e: _num(e.get("loss"))), "loss", state_where),
+        ("loss", "Loss", _series(hist, lambda e: _num(e.get("loss"))), "loss", state_where, *_rollbacks(d)),
         ("learning-rate", "Learning rate", _series(hist, lambda e: _num(e.get("learning_rate"))), "learning rate",
          state_where),
         ("grad-norm", "Gradient norm", _series(hist, lambda e: _num(e.get("grad_norm"))), "gradient norm",

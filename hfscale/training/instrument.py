@@ -18,7 +18,9 @@ Under ``hfscale launch`` (``$HFSCALE_CONFIG`` names the run's copy of the YAML) 
   ``training.async_save`` sets DeepSpeed's decoupled writer up: hfscale.training.async_save),
   ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) and
   ``DataStateCallback`` (a streaming ``datasets.IterableDataset`` resumes from the position saved with
-  the checkpoint instead of being replayed: hfscale.training.callbacks.data_state) always.
+  the checkpoint instead of being replayed: hfscale.training.callbacks.data_state) always;
+- ``LossGuardCallback`` as ``training.loss_guard`` says (on by default: a loss spike or a NaN stops
+  training without saving, for a rollback: hfscale.training.callbacks.loss_guard).
 
 Outside it, the defaults: all six, MFU looked up for known GPUs at the Trainer's bf16/fp16. A
 callback of a kind the Trainer already has is not added twice. Returns the newest complete
@@ -53,6 +55,7 @@ class Chosen:
     # look the peak up by GPU name: the YAML's precision is not "no" (None: the Trainer's bf16/fp16 decides)
     lookup_peak: bool | None = None
     async_save: bool = False  # training.async_save: CheckpointCompleteCallback sets DeepSpeed's writer up
+    loss_guard: Any = None  # training.loss_guard (None: its defaults; enabled false: no guard)
 
 
 def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
@@ -63,7 +66,7 @@ def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
     t = job.config.training
     kinds = tuple(k for k in KINDS if k != "stragglers" or job.world_size > 1)
     return Chosen(kinds, t.data.block_size if t.script is None else seq_len, t.peak_tflops,
-                  job.config.precision != "no", t.async_save)
+                  job.config.precision != "no", t.async_save, t.loss_guard)
 
 
 def peak_flops(chosen: Chosen, half_precision: bool) -> float | None:
@@ -116,7 +119,13 @@ def add_callbacks(trainer: Any, chosen: Chosen) -> list[Any]:
     from hfscale.training.callbacks.data_state import attach
 
     stream = attach(trainer)  # ahead of CheckpointCompleteCallback: its marker lists the position's file
-    return added + ([stream] if stream is not None else [])
+    added += [stream] if stream is not None else []
+    if chosen.loss_guard is None or chosen.loss_guard.enabled:
+        from hfscale.training.callbacks.loss_guard import attach as guard
+
+        watching = guard(trainer, chosen.loss_guard)  # ahead of it too: the marker lists the judgement's file
+        added += [watching] if watching is not None else []
+    return added
 
 
 def instrument(trainer: Any, *, seq_len: int | None = None) -> str | None:

@@ -8,7 +8,9 @@ not raise the median it is judged against. Nothing is judged before ``warmup`` v
 window: the loss falls fast at first. A NaN or an infinity fires at once.
 
 Pure and standard library only: :class:`LossGuard` is fed ``(step, loss, grad_norm)`` and answers an
-:class:`Alarm` or None. What stops the job, rolls it back and replays it is not built yet.
+:class:`Alarm` or None; its windows go into each checkpoint (``state``/``restore``) so that a replay
+from that checkpoint judges its steps as the run that spiked did. What an alarm does on the ranks is
+hfscale.training.callbacks.loss_guard, across launches hfscale.checkpoints.rollbacks.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class GuardSettings:
 
 
 Measure = Literal["loss", "grad_norm"]
+
+
+class LossAlarm(RuntimeError):
+    """The loss guard stopped training (raised out of ``trainer.train()`` on every rank at the same step);
+    ``<output_dir>/hfscale_rollbacks.json`` says what the next start does."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,17 @@ class _Watch:
         self.window.add(value)
         return None
 
+    def state(self) -> dict[str, list]:
+        return {"window": list(self.window.order), "run": [list(r) for r in self.run]}
+
+    def restore(self, state: dict) -> None:
+        self.window = _Rolling(self.settings.window)
+        for v in state.get("window", [])[-self.settings.window:]:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self.window.add(float(v))
+        self.run = [(int(s), float(v)) for s, v in state.get("run", [])[:self.settings.patience]
+                    if isinstance(s, int) and isinstance(v, (int, float)) and not isinstance(v, bool)]
+
 
 class LossGuard:
     """Feed it every optimizer step; it answers the first alarm of that step (the loss's before the
@@ -130,3 +148,25 @@ class LossGuard:
         if grad_norm is not None:
             alarm = alarm or self._grad.observe(step, float(grad_norm))
         return alarm
+
+    @property
+    def suspect(self) -> bool:
+        """Values above the threshold are running (not yet ``patience`` of them): a checkpoint saved now
+        may hold the start of a spike."""
+        return bool(self._loss.run or self._grad.run)
+
+    def state(self) -> dict[str, dict[str, list]]:
+        """The windows and runs, JSON-ready (saved with each checkpoint)."""
+        return {"loss": self._loss.state(), "grad_norm": self._grad.state()}
+
+    def restore(self, state: object) -> None:
+        """Take the windows back from :meth:`state`'s output (what does not parse is left out)."""
+        if not isinstance(state, dict):
+            return
+        for key, watch in (("loss", self._loss), ("grad_norm", self._grad)):
+            part = state.get(key)
+            if isinstance(part, dict):
+                try:
+                    watch.restore(part)
+                except (TypeError, ValueError):
+                    watch.restore({})

@@ -73,10 +73,12 @@ from typing import Mapping, NamedTuple, Sequence
 
 from hfscale.checkpoints.lineage import begin_lineage
 from hfscale.checkpoints.resume import checkpoints, decide, first_start, scan_output
+from hfscale.core import exitcodes
 from hfscale.rules.script import PLAIN_FLAG
 from hfscale.rules.trainer_args import given_flags
 from hfscale.training.heartbeat import fit_flight_recorder
 from hfscale.training.inprocess.restart import ENV_WORLD
+from hfscale.training.loss_guard import LossAlarm
 from hfscale.training.shutdown import exit_cleanly
 
 EXIT_BAD_INPUT = 2
@@ -281,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
+    except LossAlarm:  # rank 0 said why; the launch rolls back (hfscale.checkpoints.rollbacks)
+        return exitcodes.LOSS_ALARM
     except AssertionError as e:
         hint = batch_hint(e, os.environ)
         if hint and os.environ.get("RANK", "0") == "0":

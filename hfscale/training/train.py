@@ -24,12 +24,14 @@ import sys
 from pathlib import Path
 
 from hfscale.config.errors import ConfigError
+from hfscale.core import exitcodes
 from hfscale.config.model import DEFAULT_MODEL_CONFIG, DataConfig, ModelConfig
 from hfscale.rules.config_file import load_job
 from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import fit_flight_recorder, phase
 from hfscale.training.inprocess.restart import ENV_WORLD
 from hfscale.training.instrument import add_callbacks, choose, with_local_tier
+from hfscale.training.loss_guard import LossAlarm
 from hfscale.training.shutdown import exit_cleanly
 
 BYTE_VOCAB = 256
@@ -245,7 +247,10 @@ def train_once(job: Job) -> int:
         resume = with_local_tier(trainer, t.local_checkpoints, resume)
     if resume and trainer.is_world_process_zero():
         print(f"hfscale: resuming from {resume}", flush=True)
-    result = trainer.train(resume_from_checkpoint=resume)
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+    except LossAlarm:  # rank 0 said why; the launch rolls back (hfscale.checkpoints.rollbacks)
+        return exitcodes.LOSS_ALARM
     if trainer.is_world_process_zero():
         state = trainer.state
         how = "preempted, checkpoint saved" if preemption.preempted else "done"

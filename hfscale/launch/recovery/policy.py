@@ -326,9 +326,11 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
                 newly, swaps = [host], [swap]
                 head = (f"{fault.what}: {swap.spare} (a spare that passed its probe) takes its place at the same world "
                         f"size; {host} is left out")
-            elif fault.cause == "host_lost" and floor is not None and len(active) - 1 >= floor:
+            elif fault.cause in ("host_lost", "loss_spike") and floor is not None and len(active) - 1 >= floor:
                 newly = [host]
-                head = f"{fault.what}: {host} was lost (relaunching onto it does not bring it back): excluded"
+                head = f"{fault.what}: {host} " + ("was lost (relaunching onto it does not bring it back)" if
+                                                   fault.cause == "host_lost" else "struck by the loss guard") + \
+                    ": excluded"
             elif n < policy.strikes:
                 head = f"{fault.what} (strike {n} of {policy.strikes} against {host})"
             elif floor is None:

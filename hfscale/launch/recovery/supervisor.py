@@ -22,7 +22,7 @@ from typing import Callable
 from hfscale.config.errors import ConfigError
 from hfscale.config.model import HostSpec
 from hfscale.core import exitcodes
-from hfscale.core.records import LOG_TAIL, TimelineEvent
+from hfscale.core.records import LOG_TAIL
 from hfscale.core.untrusted import Unreadable, read_bytes
 from hfscale.launch.attempt.beats import LauncherBeat
 from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probes
@@ -30,13 +30,14 @@ from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.preflight.probes import evaluate, local_need, probes
 from hfscale.launch.recovery import in_process_events, settle
+from hfscale.launch.recovery.loss_alarms import incidents, loss_alarm
 from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
 from hfscale.launch.attempt.output_lock import Refused
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.run_dir import (ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, read_unreached,
                                    record_state)
-from hfscale.launch.recovery.timeline import append_event, start_parts
+from hfscale.launch.recovery.timeline import record_event as _event, start_parts
 from hfscale.launch.spec import LaunchPlan, Outcome
 from hfscale.rules.relaunch import job_on
 from hfscale.rules.resolved import Job
@@ -229,7 +230,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
             record_state(run_dir, state="finished", exit_code=0, ended=time.time())
             _event(run_dir, kind="finished", attempt=attempt)
             return 0
-        resume = _resume_step(ctx)
+        resume, known = _resume_step(ctx), incidents(plan.output_dir)
         launch = dict(kind="launch", attempt=0, hosts=[h.host for h in current.hosts], world_size=current.world_size,
                       accumulation=current.gradient_accumulation_steps, resume_step=resume)
         steps, done, n, launched, began = Steps(), threading.Event(), attempt, threading.Event(), time.time()
@@ -273,6 +274,9 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         host = outcome.where if outcome.where in order else None
         log = host or (next(iter(plan.logs)) if len(plan.logs) == 1 else None)  # a local job's one log
         what, error = outcome.what, _error_of(run_dir, log)
+        alarm = loss_alarm(plan.output_dir, known)  # the loss guard stopped it: a rollback (and a strike?)
+        if alarm is not None:
+            cause, host, what, error = "loss_spike", alarm.host, alarm.what, ""
         targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
         grace = 0 if outcome.hung and plan.kill is not None else STOP_GRACE_S  # after a hang: killed, no grace
         answers, healthy = _after_stop(job, current, plan, grace, targets + ((host,) if host and cause ==
@@ -291,6 +295,8 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         _event(run_dir, kind="stopped", attempt=attempt, at=stopped)
         for line in settle.told(answers, grace):
             say(f"hfscale: {line}")
+        if alarm is not None and alarm.verdict is not None:
+            return _give_up(run_dir, attempt, outcome.rc, alarm.verdict, say)
         decision = decide(policy, history, fault, healthy - {host}, time.time(),
                           lost=tuple(h for h in silent if h != host))
         if isinstance(decision, GiveUp):
@@ -378,21 +384,3 @@ def _started(run_dir: str) -> float | None:
         return read_state(run_dir).started
     except (Unreadable, OSError):
         return None
-
-
-_ESSENTIAL = ("kind", "attempt", "at", "cause", "host", "what", "hosts", "excluded", "readmitted", "replaced", "spares")
-
-
-def _event(run_dir: str, **fields: object) -> None:
-    """Append one event to the run's timeline; ``at`` defaults to now. A write that fails is
-    skipped (the job goes on; its timeline then misses the event)."""
-    fields = {k: v for k, v in fields.items() if v is not None}
-    fields.setdefault("at", time.time())
-    for keep in (fields, {k: v for k, v in fields.items() if k in _ESSENTIAL}):  # a bad measure costs that field
-        try:
-            event = TimelineEvent.model_validate(keep)
-        except ValueError:
-            continue
-        if os.path.isdir(run_dir):
-            append_event(run_dir, event)
-        return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,3 +76,21 @@ def read_timeline(run_dir: str | Path) -> Timeline:
     except Missing:
         return Timeline(())
     return Timeline(tuple(lines.records), lines.skipped, lines.cut)
+
+
+_ESSENTIAL = ("kind", "attempt", "at", "cause", "host", "what", "hosts", "excluded", "readmitted", "replaced", "spares")
+
+
+def record_event(run_dir: str, **fields: object) -> None:
+    """Append one event to the run's timeline; ``at`` defaults to now. A write that fails is
+    skipped (the job goes on; its timeline then misses the event)."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    fields.setdefault("at", time.time())
+    for keep in (fields, {k: v for k, v in fields.items() if k in _ESSENTIAL}):  # a bad measure costs that field
+        try:
+            event = TimelineEvent.model_validate(keep)
+        except ValueError:
+            continue
+        if os.path.isdir(run_dir):
+            append_event(run_dir, event)
+        return

@@ -22,7 +22,9 @@ Collectives. MetricsCallback and StragglerCallback each run one small ``all_gath
 ``every`` optimizer steps (default: the Trainer's logging steps) and nothing on the other steps: no
 collective and no device synchronisation. PreemptionCallback runs one 1-element ``all_reduce`` per
 optimizer step (that is how every rank learns that any rank was signalled).
-CheckpointCompleteCallback runs one barrier per save. Tensors for collectives live on the GPU with
+CheckpointCompleteCallback runs one barrier per save. LossGuardCallback (hfscale.training.callbacks.loss_guard,
+which ``hfscale.instrument`` adds) runs one 2-element ``all_reduce`` per optimizer step, and one gather
+of each rank's host at a NaN. Tensors for collectives live on the GPU with
 NCCL and on the CPU otherwise (gloo, ccl).
 
 Exit. When training ends normally (``on_train_end``), each of these callbacks registers one

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from hfscale.checkpoints import local_tier as tier
 from hfscale.checkpoints.lineage import read_lineage
-from hfscale.checkpoints.resume import saved_state, write_marker
+from hfscale.checkpoints.resume import rollback_bound, saved_state, write_marker
 from hfscale.training.callbacks.collectives import barrier, gather_objects, host, logger, nodes, rank_world
 
 SAID = 8  # fallbacks named on the terminal; the rest are counted
@@ -62,7 +62,7 @@ def restore(output_dir: str, template: str, durable: str | None) -> str | None:
         for why in s.skipped:
             logger.warning("local checkpoints: skipped %s", why)
     lineage, v = read_lineage(output_dir), Verifying()
-    older: int | None = None
+    older: int | None = rollback_bound(output_dir)[0]  # the loss guard's: only steps saved before its spike began
     while (choice := tier.choose(scans, lineage, world, durable_step, older_than=older)) is not None:
         done = _take(choice, scans, lineage, output_dir, me.node, me.first, v)
         if done is not None or v.failed:

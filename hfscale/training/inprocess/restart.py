@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from hfscale.core import exitcodes
 from hfscale.training.heartbeat import begin_attempt
+from hfscale.training.loss_guard import LossAlarm
 from hfscale.training.inprocess.assignment import (Assigned, Members, Relaunch, Replaced, assign, changes, decode,
                                                   encode, first)
 
@@ -314,6 +315,9 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
                 rc = fn(Attempt(members.attempt, rank, members.world_size, s.uid, ended, replaced))
             except (KeyboardInterrupt, SystemExit):
                 raise
+            except LossAlarm:  # every rank stopped at one step, nothing lost: a relaunch rolls back (its record says)
+                tell("hfscale: no in-process restart: the loss guard stopped training; the job is relaunched")
+                return RELAUNCH_EXIT
             except Exception as e:  # noqa: BLE001 - any failure of an attempt is restarted, within max_restarts
                 ended = time.time()
                 first_line = (str(e).strip().splitlines() or [""])[0]
