@@ -55,6 +55,7 @@ RUN_FILES = {
     "checkpoint-4/rng_state.pth": ("out", "finished", ("export",)),
     "checkpoint-4/model.safetensors": ("out", "finished", ("export",)),
     "checkpoint-4/model.safetensors.index.json": ("out", "finished", ("export",)),
+    "hfscale_rollbacks.json": ("out", "finished", ("report", "export")),  # the loss guard's record
 }
 WRONG = {"pid": "1", "proc_start": [], "state": 7, "started": "yesterday", "ended": {}, "job_id": 5, "runner": 1,
          "host": ["h"], "step": "4", "max_steps": True, "loss": "low", "event": 1, "global_step": "4",
@@ -229,6 +230,10 @@ def build(root: Path) -> list[dict]:
             p = (Path(c["runs"]) / c["run"] if where == "run" else Path(c["out"])) / rel
             if rel == "checkpoint-4/latest":
                 p.write_text("global_step4\n")  # a DeepSpeed checkpoint's tag file, then made hostile
+            if rel == "hfscale_rollbacks.json":  # a replay that was clean, then made hostile
+                p.write_text(json.dumps({"format": 1, "incidents": [
+                    {"n": 1, "kind": "nan", "measure": "loss", "step": 3, "first_step": 3, "value": None,
+                     "action": "replay", "outcome": "clean", "hosts": ["node1"], "at": 1.7e9}]}))
             if where == "out" and rel.startswith("checkpoint-4/") and rel != "checkpoint-4/hfscale_complete.json":
                 (p.parent / "hfscale_complete.json").unlink()  # judged by its own files: every reader runs
             good = p.read_bytes() if p.exists() else b"{}"

@@ -68,6 +68,8 @@ PDSH = {
                  "adam_beta1": 0.9, "adam_beta2": 0.99, "adam_epsilon": 1e-8, "lr_scheduler_type": "cosine",
                  "warmup_steps": 2, "seed": 3, "logging_steps": 2, "save_steps": 5, "save_total_limit": 2,
                  "local_checkpoints": {"every": 2, "dir": "/nvme/{host}", "keep": 2},
+                 "loss_guard": {"window": 50, "warmup": 10, "patience": 2, "loss_factor": 3.0, "loss_rise": 1.0,
+                                "grad_norm_factor": 20.0, "skip_margin": 5, "max_rollbacks": 2},
                  "report_to": ["none"], "peak_tflops": 100.0},
 }
 HOSTFILE = {"name": "hostile-h", "cluster": {"hostfile": "hosts.txt"}, "runner": {"type": "pdsh"},

@@ -6,7 +6,8 @@ at a known step.
   without saving, rolls back to checkpoint-20, replays, spikes again, skips steps 24-27's batches
   (the window plus skip_margin 2) and finishes; every step's loss equals a reference run's on the same
   stream with those batches left out.
-- A transient NaN (DDP): rank 1's weights get a NaN once, before step 18. The job rolls back to
+- A transient NaN (DDP, no recovery): rank 1's weights get a NaN once, before step 18. The launch stops
+  with exit code 65 and says what a relaunch does; relaunched by hand, the job rolls back to
   checkpoint-15, the replay is clean, nothing is skipped, and every loss equals the uninterrupted run's.
 - Bounds: with max_rollbacks 1 the spike that comes back stops the job with a verdict.
 
@@ -103,16 +104,24 @@ def test_bad_data_is_rolled_back_replayed_and_skipped_and_trains_as_without_it(t
 
 
 def test_a_transient_nan_is_rolled_back_and_replayed_to_the_uninterrupted_result(tmp_path):
+    """Without recovery: the launch stops at the NaN with exit code 65 and says what a relaunch does; the
+    relaunch by hand rolls back to checkpoint-15 and replays."""
     once = tmp_path / "nan-done"
-    job = write_config(tmp_path / "job", 29713, "ddp", {"NAN_AT_STEP": "18", "NAN_RANK": "1", "NAN_ONCE": str(once)})
+    job = write_config(tmp_path / "job", 29713, "ddp", {"NAN_AT_STEP": "18", "NAN_RANK": "1", "NAN_ONCE": str(once)},
+                       restarts=0)
     r = launch(job)
     out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-5000:]
-    assert once.exists()
+    assert r.returncode == 65, out[-5000:]
+    assert ("hfscale: the loss guard stopped training: rollback 1: step 18 loss nan/inf; back to checkpoint-15; "
+            "replaying the same data; relaunch to roll back (it resumes from checkpoint-15) and replay the same "
+            "data") in out
+    assert once.exists() and "checkpoint-18" not in {p.name for p in (tmp_path / "job" / "out").iterdir()}
+    r = launch(job)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+    assert "hfscale: resuming from out/checkpoint-15" in r.stdout + r.stderr
     (incident,) = read_rollbacks(tmp_path / "job" / "out").incidents
     assert (incident.kind, incident.step, incident.first_step, incident.value, incident.action, incident.outcome,
             incident.skip, incident.rollback_to) == ("nan", 18, 18, None, "replay", "clean", None, 15), incident
-    assert [e.resume_step for e in events(tmp_path / "job") if e.kind == "relaunch"] == [15]
 
     ref = write_config(tmp_path / "reference", 29714, "ddp", {})
     r = launch(ref)

@@ -169,10 +169,10 @@ def test_instrument_outside_a_launch_adds_the_defaults_and_resumes(tmp_path, mon
     monkeypatch.delenv("HFSCALE_CONFIG", raising=False)
     trainer = _trainer(tmp_path / "out")
     assert hfscale.instrument(trainer) is None  # nothing saved yet
-    assert _kinds(trainer) == ["CheckpointCompleteCallback", "DataStateCallback", "MetricsCallback",
-                               "PreemptionCallback", "ProgressCallback", "StragglerCallback"]
+    assert _kinds(trainer) == ["CheckpointCompleteCallback", "DataStateCallback", "LossGuardCallback",
+                               "MetricsCallback", "PreemptionCallback", "ProgressCallback", "StragglerCallback"]
     hfscale.instrument(trainer)
-    assert len(_kinds(trainer)) == 6  # a kind the Trainer has is not added twice
+    assert len(_kinds(trainer)) == 7  # a kind the Trainer has is not added twice
     trainer.train()
     assert (tmp_path / "out" / "checkpoint-2" / "hfscale_complete.json").is_file()
     assert hfscale.instrument(_trainer(tmp_path / "out", 4)) == str(tmp_path / "out" / "checkpoint-2")
@@ -185,8 +185,14 @@ def test_instrument_under_a_launch_reads_the_yaml(tmp_path, monkeypatch):
     monkeypatch.setenv("HFSCALE_CONFIG", str(cfg))  # as hfscale launch sets it, for a job of one process
     trainer = _trainer(tmp_path / "out")
     assert hfscale.instrument(trainer, seq_len=16) is None
-    assert _kinds(trainer) == ["CheckpointCompleteCallback", "DataStateCallback", "MetricsCallback",
-                               "PreemptionCallback", "ProgressCallback"]  # no stragglers among one rank
+    assert _kinds(trainer) == ["CheckpointCompleteCallback", "DataStateCallback", "LossGuardCallback",
+                               "MetricsCallback", "PreemptionCallback", "ProgressCallback"]  # no stragglers among one rank
+    off = tmp_path / "off.yaml"
+    off.write_text(cfg.read_text().replace("peak_tflops: 100}", "peak_tflops: 100, loss_guard: {enabled: false}}"))
+    monkeypatch.setenv("HFSCALE_CONFIG", str(off))
+    unguarded = _trainer(tmp_path / "out2")
+    hfscale.instrument(unguarded)
+    assert "LossGuardCallback" not in _kinds(unguarded)
     metrics = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "MetricsCallback")
     assert (metrics.seq_len, metrics.peak_flops_per_device) == (16, 100e12)
 

@@ -356,3 +356,19 @@ def test_a_restart_is_told_apart_beyond_16_ranks_by_any_ranks_peak(tmp_path):
     d = read_run(run)
     assert "mem_peak_mb_per_rank" not in d.metrics[0] and d.metrics[0]["mem_peak_mb_stats"] == (1000.0, 1016.0, 1031.0)
     assert [s[1] for s in _series(d.metrics, lambda r: r["step"])] == [[2, 4], [6]]
+
+
+def test_the_loss_guards_rollbacks_are_marked_on_the_loss_curve_and_listed_under_it(tmp_path, monkeypatch):
+    from hfscale.checkpoints import rollbacks as rb
+
+    run = make_run(tmp_path, events=[metrics(2)])
+    kw = dict(patience=3, skip_margin=2, max_rollbacks=3, resumed_from=None, at=1.0, rollback_to=10)
+    record = rb.judge(rb.Rollbacks(), rb.Alarm("spike", "loss", 14, 12, 9.5, 2.4), **kw)
+    rb.write_rollbacks(tmp_path / "out", rb.judge(record, rb.Alarm("spike", "loss", 14, 12, 9.5, 2.4), **kw))
+    monkeypatch.chdir(ROOT)
+    loss = figure(write_report(run).read_text(), "loss")
+    assert '<g id="loss-rollback0">' in loss and '<g id="loss-rollback1">' in loss  # a dashed line at each alarm
+    assert ('<p class="rollback">rollback 2: step 14 loss 9.5 vs median 2.4 (x4.0), since step 12; back to '
+            "checkpoint-10; the replay spiked again; skipped steps 12-16&#x27;s batches</p>") in loss
+    (tmp_path / "out" / rb.ROLLBACKS_FILE).write_text("[")
+    assert "the loss guard&#x27;s record is unreadable" in figure(write_report(run).read_text(), "loss")

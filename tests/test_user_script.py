@@ -84,6 +84,7 @@ def test_the_yaml_drives_an_unchanged_trainer_script_and_a_relaunch_resumes(tmp_
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     assert not (ckpt / "hfscale_complete.json").exists()  # the unchanged script writes no marker...
     assert checkpoint_problem(ckpt, 2) is None  # ...and its files show it complete
+    assert (ckpt / "hfscale_loss_guard.json").is_file()  # its Trainer got the loss guard (trainer_hook), unchanged
     # the hang watchdog's steps: hfscale.training.run_script added ProgressCallback to the script's Trainer
     steps = {p.name: p.read_text().split()[0] for p in (run_dir / "progress").glob("rank-*")}
     assert steps == {"rank-0": "20", "rank-1": "20"}

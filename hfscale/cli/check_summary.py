@@ -98,8 +98,7 @@ def loss_guard_line(job: Job) -> str:
     heal = (f"an alarm rolls back before it, replays, skips its batches (+{g.skip_margin}) if it comes back; at most "
             f"{g.max_rollbacks} rollbacks") if job.config.recovery.max_restarts else \
         "an alarm stops the job unsaved (recovery.max_restarts 0); a relaunch rolls back and replays"
-    where = "" if t.script is None else " (a script: if it calls hfscale.instrument)"
-    return f"every step{where}: {'; '.join(watched) or 'nothing'}; {heal}"
+    return f"every step: {'; '.join(watched) or 'nothing'}; {heal}"
 
 
 def _recovery(job: Job) -> str:

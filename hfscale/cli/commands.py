@@ -1,7 +1,7 @@
 """The ``hfscale`` command: parse, call the library, print, map errors to exit codes.
 
-Exit codes: 0 ok, 2 bad input (config, arguments), 3 hosts not ready (unreachable, preflight
-failed); ``launch`` otherwise exits with the training's own code (128+N when stopped by signal N).
+Exit codes (hfscale.core.exitcodes): 0 ok, 2 bad input, 3 hosts not ready, 4 a hang, 65 the loss guard stopped
+training; ``launch`` otherwise exits with the training's own code (128+N when stopped by signal N).
 """
 
 from __future__ import annotations
@@ -188,8 +188,7 @@ def _context(job, extra_args: tuple[str, ...], restart: bool, job_id: str | None
 
     job_id = job_id or time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
     where = output_dir_to_scan(job)
-    # a DeepSpeed checkpoint of another world size is resumed through a universal checkpoint (hfscale.checkpoints.reshard)
-    scan = scan_output(where, job.world_size, reshard=job.deepspeed is not None) if where else None
+    scan = scan_output(where, job.world_size, reshard=job.deepspeed is not None) if where else None  # reshard: universal
     return LaunchContext.of(os.getcwd(), sys.executable, job_id, os.environ, extra_args, scan, restart, attempt)
 
 
@@ -277,16 +276,18 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
     from hfscale.launch.attempt.console import Console
     from hfscale.launch.attempt.execute import execute
     from hfscale.launch.attempt.output_lock import Refused
+    from hfscale.launch.recovery.loss_alarms import incidents, told
     from hfscale.launch.recovery.supervisor import supervise
 
     click.echo(f"hfscale: job {plan.job_id} on {plan.where()}; run directory {plan.run_dir}", err=True)
     try:
+        say = lambda s: click.echo(s, err=True)  # noqa: E731
         if job.config.recovery.max_restarts and plan.mode == "stream":
-            say = lambda s: click.echo(s, err=True)  # noqa: E731
             rc = supervise(job, lambda j, n: _context(j, script_args, restart and n == 0, plan.job_id, n),
                            lambda p: Console(mode or "normal", hosts=p.line_hosts), say, first_attempt(job, plan.run_dir, say))
-        else:
-            rc = execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts))
+        else:  # a loss alarm is told, with what a relaunch does (hfscale.launch.recovery.loss_alarms)
+            known = incidents(plan.output_dir)
+            rc = told(plan.output_dir, known, execute(plan, record, echo=Console(mode or "normal", hosts=plan.line_hosts)), say)
     except Refused as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)

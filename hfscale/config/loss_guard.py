@@ -16,8 +16,8 @@ class LossGuardConfig(Strict):
     """Every optimizer step, on every rank: a NaN or infinite loss or gradient norm, or a spike (the loss or
     the gradient norm above a multiple of its rolling median for ``patience`` steps running), stops the job
     without saving; it is rolled back to the newest checkpoint saved before the spike, replayed once on
-    the same data, and the spike's batches are skipped if it comes back (the built-in entry point, and a
-    script that calls hfscale.instrument(trainer))."""
+    the same data, and the spike's batches are skipped if it comes back (the built-in entry point, a Trainer
+    script run by hfscale launch, and a script that calls hfscale.instrument(trainer))."""
 
     enabled: bool = Field(True, description="Watch the loss and the gradient norm. False: off (no per-step "
                           "all_reduce).")

@@ -1,6 +1,7 @@
 """For a Trainer script run by hfscale.training.run_script: every transformers ``Trainer`` it creates gets
-hfscale's ProgressCallback (the hang watchdog's steps) and DataStateCallback (a streaming dataset
-resumes from its saved position instead of being replayed), with no change to the script.
+hfscale's ProgressCallback (the hang watchdog's steps), DataStateCallback (a streaming dataset
+resumes from its saved position instead of being replayed) and LossGuardCallback (a loss spike or a NaN
+stops training for a rollback, as ``training.loss_guard`` says), with no change to the script.
 
 An import hook: nothing is imported or changed until the script itself imports
 ``transformers.trainer``; then ``Trainer.__init__`` adds the callback unless the script added one.
@@ -49,6 +50,13 @@ def _add_progress(trainer_cls: type) -> None:
         from hfscale.training.callbacks.data_state import attach
 
         attach(self)  # a streaming dataset resumes from its saved position, not by replay
+        from hfscale.training.callbacks.loss_guard import attach as guard
+        from hfscale.training.instrument import launch_job
+
+        job = launch_job()  # the loss guard as the YAML says (on by default): a spike or a NaN stops for a rollback
+        config = job.config.training.loss_guard if job is not None else None
+        if config is None or config.enabled:
+            guard(self, config)
 
     trainer_cls.__init__ = __init__
 

@@ -11,8 +11,10 @@ ranks alone saw the NaN on (replaced by a spare, or left out, as the policy does
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from hfscale.checkpoints.rollbacks import LOSS_GUARD_SAID, Incident, incident_line, read_rollbacks
+from hfscale.core import exitcodes
 from hfscale.core.untrusted import Unreadable
 
 
@@ -52,3 +54,16 @@ def loss_alarm(output_dir: str | None, before: int) -> LossAlarm | None:
     host = last.strike[0] if last.action == "strike" and last.strike else None
     return LossAlarm(last, LOSS_GUARD_SAID + incident_line(last), host,
                      last.verdict if last.action == "stop" else None)
+
+
+def told(output_dir: str | None, before: int, rc: int, say: Callable[[str], None]) -> int:
+    """After a launch without recovery ended with ``rc``: when its ranks' loss guard stopped it, say so and
+    what a relaunch does, and return ``exitcodes.LOSS_ALARM``; else ``rc``."""
+    alarm = loss_alarm(output_dir, before) if rc else None
+    if alarm is None:
+        return rc
+    i = alarm.incident
+    say(f"hfscale: {alarm.verdict}" if alarm.verdict else f"hfscale: {alarm.what}; relaunch to roll back (it resumes "
+        f"from {f'checkpoint-{i.rollback_to}' if i.rollback_to is not None else 'step 0'}) and "
+        + ("skip those batches" if i.action == "skip" else "replay the same data"))
+    return exitcodes.LOSS_ALARM

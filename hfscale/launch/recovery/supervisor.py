@@ -296,7 +296,7 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         for line in settle.told(answers, grace):
             say(f"hfscale: {line}")
         if alarm is not None and alarm.verdict is not None:
-            return _give_up(run_dir, attempt, outcome.rc, alarm.verdict, say)
+            return _give_up(run_dir, attempt, exitcodes.LOSS_ALARM, alarm.verdict, say)
         decision = decide(policy, history, fault, healthy - {host}, time.time(),
                           lost=tuple(h for h in silent if h != host))
         if isinstance(decision, GiveUp):
