@@ -426,3 +426,46 @@ def test_metrics_count_each_sample_once_under_tensor_context_or_sequence_paralle
     assert r["samples_per_s"] == pytest.approx(3 * 5 * data_parallel * 2 / 2)
     assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 64)
     assert r["mfu"] == pytest.approx(r["tokens_per_s"] * 1e6 / (8 * 1e12))
+
+
+def test_the_loss_guard_holds_a_save_inside_a_suspect_run_and_reads_past_skipped_steps(tmp_path):
+    """LossGuardCallback on its own (one process, no group): a save due while an outlier is running waits
+    for the first ordinary step (a preemption's save does not); a run that reaches the patience stops
+    without saving and records the incident; the data positions skip the record's steps."""
+    import torch
+    from types import SimpleNamespace
+
+    from hfscale.checkpoints.rollbacks import Incident, Rollbacks, read_rollbacks, write_rollbacks
+    from hfscale.config.loss_guard import LossGuardConfig
+    from hfscale.training.callbacks.loss_guard import LossGuardCallback
+    from hfscale.training.loss_guard import LossAlarm
+
+    preempt = SimpleNamespace(stop_step=None, preempted=False)
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[preempt]),
+                              training_step=lambda *a: torch.tensor(0.0), state=SimpleNamespace(global_step=0))
+    cb = LossGuardCallback(trainer, LossGuardConfig(window=10, warmup=3, patience=2, grad_norm_factor=None))
+    args = SimpleNamespace(output_dir=str(tmp_path), fp16=False)
+
+    def step(n: int, loss: float, save: bool = False):
+        cb._loss = torch.tensor(loss)  # what the training_step wrapper summed over the step
+        control = SimpleNamespace(should_save=save, should_training_stop=False)
+        return cb.on_step_end(args, SimpleNamespace(global_step=n), control)
+
+    cb.on_train_begin(args, SimpleNamespace(global_step=0), None)
+    for n in range(1, 5):
+        assert step(n, 2.0).should_save is False
+    assert step(5, 9.0, save=True).should_save is False  # an outlier running: the save waits
+    assert step(6, 2.0).should_save is True  # the first ordinary step saves it
+    assert step(7, 9.0).should_save is False
+    preempt.stop_step, preempt.preempted = 8, True
+    assert step(8, 2.0, save=True).should_save is True  # a preemption's save is never held
+    step(9, 9.0)
+    with pytest.raises(LossAlarm, match="loss spike at step 10"):
+        step(10, 9.5, save=True)
+    (incident,) = read_rollbacks(tmp_path).incidents
+    assert (incident.first_step, incident.action) == (9, "replay")
+
+    write_rollbacks(tmp_path, Rollbacks(incidents=[Incident(n=1, kind="spike", measure="loss", step=5, first_step=4,
+                                                            value=9.0, action="skip", skip=(4, 6))]))
+    cb.on_train_begin(args, SimpleNamespace(global_step=0), None)
+    assert [cb._position(s) for s in (1, 3, 4, 5)] == [1, 3, 7, 8]  # steps 4-6's batches are not trained

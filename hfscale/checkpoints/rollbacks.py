@@ -33,6 +33,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from hfscale.core.atomic_files import write_files
 from hfscale.core.records import Count, Finite, Host, Number, Record
 from hfscale.core.untrusted import Missing, read_record
 
@@ -93,11 +94,7 @@ def read_rollbacks(output_dir: str | os.PathLike[str]) -> Rollbacks:
 
 def write_rollbacks(output_dir: str | os.PathLike[str], record: Rollbacks) -> None:
     """Replace the record (rank 0 only), by rename: a reader sees the old one or the new one whole."""
-    path = Path(output_dir) / ROLLBACKS_FILE
-    tmp = path.with_name(f".{ROLLBACKS_FILE}.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(record.model_dump(mode="json"), indent=1))
-    os.replace(tmp, path)
+    write_files(Path(output_dir), {ROLLBACKS_FILE: json.dumps(record.model_dump(mode="json"), indent=1)})
 
 
 def pending(record: Rollbacks) -> Incident | None:

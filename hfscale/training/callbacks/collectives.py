@@ -71,6 +71,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def add_ahead_of_marker(trainer: Any, cb: Any) -> None:
+    """Add ``cb`` to ``trainer`` ahead of any CheckpointCompleteCallback, so that a file ``cb`` writes into a
+    checkpoint at ``on_save`` is there when the completeness marker lists the checkpoint's files."""
+    callbacks = trainer.callback_handler.callbacks
+    marker = next((i for i, c in enumerate(callbacks) if type(c).__name__ == "CheckpointCompleteCallback"), None)
+    if marker is None:
+        trainer.add_callback(cb)
+    else:
+        callbacks.insert(marker, cb)
+
+
 def comm_device() -> torch.device:
     """Where a tensor for a collective must live: the current GPU with NCCL, else the CPU."""
     backend = str(dist.get_backend()).lower()

@@ -323,9 +323,5 @@ def attach(trainer: Any) -> DataStateCallback | None:
     if any(isinstance(cb, DataStateCallback) for cb in callbacks):
         return None
     cb = DataStateCallback(trainer)
-    marker = next((i for i, c in enumerate(callbacks) if type(c).__name__ == "CheckpointCompleteCallback"), None)
-    if marker is None:
-        trainer.add_callback(cb)
-    else:
-        callbacks.insert(marker, cb)
+    collectives.add_ahead_of_marker(trainer, cb)
     return cb

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from transformers import TrainerCallback
 
 from hfscale.checkpoints import rollbacks as record
 from hfscale.checkpoints.resume import checkpoint_problem, checkpoints
+from hfscale.core.atomic_files import write_files
 from hfscale.core.untrusted import Unreadable, read_json
 from hfscale.training.callbacks import collectives
 from hfscale.training.loss_guard import GuardSettings, LossAlarm, LossGuard
@@ -102,10 +104,13 @@ class LossGuardCallback(TrainerCallback):
         @functools.wraps(original)
         def get_batch_samples(epoch_iterator, num_batches, device):
             target = self._position(self.trainer.state.global_step + 1)
+            dropped = self._pos + 1 < target
             while self._pos + 1 < target:  # the batches of skipped steps: read, fingerprinted, dropped
-                dropped, _ = original(epoch_iterator, num_batches, device)
+                batches, _ = original(epoch_iterator, num_batches, device)
                 self._pos += 1
-                self._fingerprints(self._pos, dropped)
+                self._fingerprints(self._pos, batches)
+            if dropped and collectives.rank_world()[0] == 0:  # the record written once per run of skipped steps
+                record.write_rollbacks(self.trainer.args.output_dir, self.record)
             self._pos = target
             return original(epoch_iterator, num_batches, device)
         return get_batch_samples
@@ -131,7 +136,6 @@ class LossGuardCallback(TrainerCallback):
                 incidents = list(self.record.incidents)
                 incidents[i] = inc.model_copy(update={"skipped": skipped})
                 self.record = record.Rollbacks(incidents=incidents)
-                record.write_rollbacks(self.trainer.args.output_dir, self.record)
 
     # -- the Trainer's events ---------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -226,10 +230,7 @@ class LossGuardCallback(TrainerCallback):
             return
         ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(ckpt):
-            tmp = os.path.join(ckpt, f".{STATE_FILE}.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.guard.state(), f)
-            os.replace(tmp, os.path.join(ckpt, STATE_FILE))
+            write_files(Path(ckpt), {STATE_FILE: json.dumps(self.guard.state())})
 
 
 def _newest_before(output_dir: str, step: int) -> int | None:
@@ -245,9 +246,5 @@ def attach(trainer: Any, config: Any = None) -> LossGuardCallback | None:
     if any(isinstance(cb, LossGuardCallback) for cb in callbacks):
         return None
     cb = LossGuardCallback(trainer, config)
-    marker = next((i for i, c in enumerate(callbacks) if type(c).__name__ == "CheckpointCompleteCallback"), None)
-    if marker is None:
-        trainer.add_callback(cb)
-    else:
-        callbacks.insert(marker, cb)
+    collectives.add_ahead_of_marker(trainer, cb)
     return cb
