@@ -121,6 +121,48 @@ def loop_losses(tmp_path_factory) -> dict[int, float]:
     return expected
 
 
+GROUP_MADE_LATER = """
+import sys, time, datetime
+import torch, torch.distributed as dist
+from hfscale.training.inprocess.assignment import first
+from hfscale.training.inprocess.restart import _join_group
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, world_size=2, timeout=datetime.timedelta(seconds=60))
+_join_group(store, first(2, 0), rank, 2.0)
+group = dist.new_group(ranks=[0, 1])  # made as DeepSpeed makes its copy of the world, without a timeout
+if rank == 1:
+    print("frozen", flush=True)
+    time.sleep(120)  # never enters the collective, never closes its connections: a frozen peer
+t = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1), group=group)
+    print("RESULT completed", flush=True)
+except RuntimeError as e:
+    print("RESULT failed %.1f %s" % (time.monotonic() - t, str(e).splitlines()[0][:120]), flush=True)
+"""
+
+
+def test_a_group_a_library_makes_after_the_attempts_times_out_with_it(tmp_path):
+    """DeepSpeed's ZeRO reduces gradients over a copy of the world it makes with ``dist.new_group`` and no
+    timeout (deepspeed.utils.groups._clone_world_group): torch gives such a group its default, 30 min,
+    not the attempt group's. A survivor blocked there on a peer that never closed its connections waited
+    for half an hour (the namespace cluster's in-process test: counted lost, it left the next fault without
+    a standby). Two processes join an attempt bounded at 2 s, make a group, and rank 1 never enters rank
+    0's all_reduce on it: rank 0's fails at the bound."""
+    port = _port()
+    procs = [subprocess.Popen([sys.executable, "-c", GROUP_MADE_LATER, str(r), str(port)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    try:
+        out, _ = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT ")] or [out[-2000:]]
+    assert line.startswith("RESULT failed "), line
+    assert float(line.split()[2]) < 10.0, line  # the attempt's 2 s bound, not torch's 30 min
+
+
 def test_a_killed_rank_is_replaced_by_a_standby_and_the_survivor_keeps_its_process(tmp_path, loop_losses):
     expected, args = loop_losses, LOOP
     job = Launch(tmp_path / "job", 2, 1, args)
