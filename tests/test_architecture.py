@@ -161,9 +161,10 @@ def test_the_package_is_what_this_test_reads():
     assert {"hfscale.cli.commands", "hfscale.launch.attempt.execute", "hfscale.launch.runners.pdsh", "hfscale.training.callbacks.reporting"} <= set(MODULES)
 
 
-# the programs hfscale runs on a node that start the ranks there (the launcher's side starts processes in
-# execute only): the in-process restarts' node agent, in torchrun's place
-NODE_SPAWNERS = {"hfscale.training.inprocess.node_agent"}
+# the programs hfscale runs on a node that start processes there (the launcher's side starts processes in
+# execute only): the in-process restarts' node agent, in torchrun's place; the health gate, which runs
+# nvidia-smi and the site's check before the node's launcher
+NODE_SPAWNERS = {"hfscale.training.inprocess.node_agent", "hfscale.launch.node.health_gate"}
 
 
 def test_only_execute_starts_processes():

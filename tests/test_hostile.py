@@ -59,7 +59,10 @@ PDSH = {
     "accelerate": {"gpu_ids": "0"},
     "watchdog": {"timeout": 300, "first_step": 900, "script_reports_steps": True},
     "recovery": {"max_restarts": 3, "window": 3600, "strikes": 2, "min_nodes": 1, "keep_global_batch": True,
-                 "probe_excluded": True, "spares": 0},
+                 "probe_excluded": True, "spares": 0,
+                 # run by the health gate on each node as one quoted argument (the stand-in python never runs it):
+                 # a payload here that creates the marker got out of its quotes
+                 "health_check": {"command": "test -w /scratch", "timeout": 30}},
     "precision": "bf16",
     "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 2},
     "gradient_clipping": 1.0,

@@ -133,7 +133,8 @@ def test_pdsh_plan_exact():
     # a line that starts after a stop (a slow ssh) finds the stop marker and starts nothing
     node = (f"[ ! -e {RUN}/stopping ] || {{ echo 'hfscale: the job was stopped before this node started'; exit 143; }}; "
             f"export HFSCALE_HOST=%h; {keeper} "
-            f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && " + launcher +
+            f"cd /shared/code && . {RUN}/env.sh && export HFSCALE_HOST=%h && . {RUN}/nodes.sh && "
+            "/opt/py/bin/python -m hfscale.launch.node.health_gate --slots 2 && " + launcher +  # the node's health gate
             '; rc=$?; kill $hb 2>/dev/null; echo "HFSCALE_EXIT rc=$rc"; exit $rc')
     # the node's shell starts with the job id in its environment: the stop finds it (and runner.setup)
     script = "exec env HFSCALE_JOB_ID=20261122-120000-abcdef bash -c " + shlex.quote(node)
@@ -186,7 +187,8 @@ def run_detached_locally(tmp_path: Path, launcher_body: str, edit=lambda line: l
     (after ``edit``) through pdsh's exec backend as host node1; returns the run directory."""
     job = job_of(PDSH.replace("connect_timeout: 7}", "connect_timeout: 7, fanout: 1}"))
     python = tmp_path / "python"
-    python.write_text("#!/bin/sh\n" + launcher_body + "\n")
+    # the node's health gate runs with the same interpreter first: the stand-in passes it
+    python.write_text('#!/bin/sh\ncase "$*" in *hfscale.launch.node.health_gate*) exit 0 ;; esac\n' + launcher_body + "\n")
     python.chmod(0o755)
     plan = build_plan(job, LaunchContext.of(str(tmp_path), str(python), "20261122-120000-abcdef", dict(CTX.shell_env)))
     run = Path(plan.run_dir)

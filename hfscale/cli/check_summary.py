@@ -50,6 +50,7 @@ def summary(job: Job) -> str:
         ("watchdog", _watchdog(job)),
         *([("recovery", _recovery(job))] if cfg.recovery.max_restarts else []),
         ("loss guard", loss_guard_line(job)),
+        *([("health", health_line(job))] if cfg.runner.type in ("pdsh", "slurm") else []),
         *([("checkpoints", tiers)] if (tiers := tiers_line(job)) else []),
         ("entry", _entry(job)),
     ]
@@ -83,6 +84,14 @@ def _watchdog(job: Job) -> str:
     if job.config.runner.type == "slurm" and not job.config.recovery.max_restarts:
         return f"a submitted job: off; launched inside an allocation (salloc): {what}"
     return what
+
+
+def health_line(job: Job) -> str:
+    """What a node passes before its ranks start, and a spare or an excluded host before it is admitted."""
+    check = job.config.recovery.health_check
+    site = f"; site check {check.command!r} (timeout {check.timeout} s)" if check else ""
+    return ("each node before its ranks start, each spare or excluded host before it is admitted: the GPUs its "
+            f"slots need, no uncorrected ECC error, no row remapping pending (nvidia-smi, where present){site}")
 
 
 def loss_guard_line(job: Job) -> str:

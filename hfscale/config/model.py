@@ -28,6 +28,7 @@ from hfscale.config.base import (
 )
 from hfscale.config.accelerate import AccelerateSection, FsdpSection, ParallelismConfig
 from hfscale.config.deepspeed import DeepSpeedSection
+from hfscale.config.health import HealthCheckConfig
 from hfscale.config.loss_guard import LossGuardConfig
 from hfscale.config.runners import DockerConfig, KubernetesConfig, SlurmConfig
 
@@ -344,6 +345,9 @@ class RecoveryConfig(Strict):
         "Up to max_restarts in-process restarts per launch; when one cannot complete (too few standbys, a survivor "
         "that does not rejoin) the job is relaunched as without it. Runners local, pdsh and slurm, launcher torchrun, "
         "hfscale's built-in entry point.")
+    health_check: HealthCheckConfig | None = Field(
+        None, description="A site's own health check each host passes before it is trusted (every launch and "
+        "relaunch, every spare or excluded host admitted), beside the built-in GPU checks. Null: the built-in checks only.")
 
 
 class HfscaleConfig(Strict):

@@ -7,6 +7,7 @@ OK = 0
 BAD_INPUT = 2  # a config, argument or output directory that cannot be used; nothing was started
 UNREACHABLE = 3  # a host (or a scheduler) that cannot be reached
 HUNG = 4  # the hang watchdog found no rank finishing a step (hfscale.launch.attempt.watchdog); stacks in the run directory
+UNHEALTHY = 69  # EX_UNAVAILABLE: a node failed its health gate (hfscale.launch.node.health_gate); it is not admitted
 LOSS_ALARM = 65  # EX_DATAERR: a rank's loss guard stopped training (hfscale.checkpoints.rollbacks); relaunched, it rolls back
 RELAUNCH = 75  # EX_TEMPFAIL: a rank's in-process restart could not go on (hfscale.training.inprocess); relaunch the job
 

@@ -50,7 +50,8 @@ Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # why an attempt of a job failed (hfscale.launch.recovery.policy); port_busy: the master port was still held on
 # node 0 when the attempt started (the job's own earlier attempt, or another process): no host's fault
 # loss_spike: the loss guard stopped training (hfscale.checkpoints.rollbacks): a rollback, no host's fault unless struck
-Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy", "loss_spike"]
+# unhealthy: a node failed its health gate (hfscale.launch.node.health_gate): a spare takes its place, or it is left out
+Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy", "loss_spike", "unhealthy"]
 
 
 def _no_bool(v: Any) -> Any:

@@ -283,6 +283,8 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
            f"goodput      {g.ratio:.1%} (productive {_s(g.productive)} of {_s(g.wall)}); lost: {lost}"]
     out += [f"rollback     {printable((e.what or '').removeprefix(LOSS_GUARD_SAID), 1000)}" for e in t.events
             if e.kind == "failure" and e.cause == "loss_spike"]
+    sick = [e for e in t.events if e.kind == "failure" and e.cause == "unhealthy"]  # each node its gate kept out
+    out += [f"unhealthy    attempt {e.attempt}: {printable(e.what or '', 1000)}" for e in sick[:MAX_NAMES]]
     out += replacement_lines(t)
     out += requeue_lines(t)
     starts = [e for e in t.events if e.kind in ("training", "in_process") and e.phases]

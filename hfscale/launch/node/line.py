@@ -32,6 +32,7 @@ from hfscale.rules.resolved import Job
 from hfscale.core.shell import (Assign, Cat, Command, Line, PdshHost, Script, Secret, Sh, Text, Var, Word, and_then, exports,
                      render, words)
 from hfscale.launch.context import Common
+from hfscale.launch.node.health_gate import gate_argv
 from hfscale.launch.node.keeper import HOST_VAR, NODE_BEAT_S, keeper_line, keeper_of
 from hfscale.launch.node.reach import pdsh_argv
 from hfscale.launch.node.stopping import JOB_ID_VAR
@@ -72,15 +73,24 @@ def private_files(job: Job, c: Common, hosts: tuple[str, ...]) -> tuple[tuple[st
     return ((ENV_FILE, env_file(c)), (NODES_FILE, nodes_file(job, hosts)))
 
 
-def prelude(job: Job, c: Common) -> Line:
-    """``cd <workdir> && . env.sh && export HFSCALE_HOST=%h && . nodes.sh && { setup ; }``: what every
-    host does before its launcher (the job id is in the environment before ``runner.setup`` runs)."""
+def prelude(job: Job, c: Common, gate: bool = True) -> Line:
+    """``cd <workdir> && . env.sh && export HFSCALE_HOST=%h && . nodes.sh && { setup ; } && <health gate>``:
+    what every host does before its launcher (the job id is in the environment before ``runner.setup`` runs).
+    ``gate``: False where hfscale lives in the container, not on the host (runner pdsh_docker): no gate yet."""
     setup = job.config.runner.setup
     return and_then(Line.of(Sh("cd"), c.workdir),
                     Line.of(Sh("."), posixpath.join(c.run_dir, ENV_FILE)),
                     Line.of(Sh(f"export {HOST_VAR}="), PdshHost(glue=True)),
                     Line.of(Sh("."), posixpath.join(c.run_dir, NODES_FILE)),
-                    Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
+                    Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()),
+                    health_gate(job, c.python) if gate else Line(()))
+
+
+def health_gate(job: Job, python: str) -> Line:
+    """The node's health gate after ``runner.setup``, before its launcher (hfscale.launch.node.health_gate):
+    a node that fails it exits 69 and starts no rank."""
+    check = job.config.recovery.health_check
+    return words(gate_argv(python, job.procs_per_node, check.command if check else None, check.timeout if check else 60))
 
 
 def node_script(before: Line, launcher: list[Word], marker: str, first: Line = Line(()), on_exit: str = "") -> Line:

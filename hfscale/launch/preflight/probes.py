@@ -59,7 +59,29 @@ def local_folder(job: Job, host: str) -> str | None:
     return None if local is None else local.dir.replace("{host}", host)
 
 
-def _script(python: str, port: int | None, interface: str | None = None, local: str | None = None) -> str:
+LISTED = ("gpuq", "remap", "health")  # keys said once a line (nvidia-smi's rows, the site check's last lines)
+LISTED_MAX = 1024
+
+
+def _answer_lines(key: str, argv: list[str], timeout: int, last: int = LISTED_MAX) -> str:
+    """``o=$(timeout T argv 2>&1); echo key_rc=$?; <its last lines, each as key=line>`` (argv quoted)."""
+    return (f"o=$(timeout -k 5 {timeout} {render(words(argv))} 2>&1); echo {key}_rc=$?; "
+            f"printf '%s\\n' \"$o\" | tail -n {last} | sed 's/^/{key}=/'")
+
+
+def health_lines(job: Job) -> list[str]:
+    """The probe's part of the health gate (hfscale.launch.node.health_gate runs the same on each node
+    before its ranks start): nvidia-smi's GPU and row-remapping answers, and the site's check."""
+    from hfscale.launch.node.gpu_health import GPU_QUERY, REMAP_QUERY
+
+    gpu = (f"if command -v nvidia-smi >/dev/null 2>&1; then {_answer_lines('gpuq', list(GPU_QUERY), 30)}; "
+           f"{_answer_lines('remap', list(REMAP_QUERY), 30)}; fi")
+    check = job.config.recovery.health_check
+    return [gpu] + ([_answer_lines("health", ["sh", "-c", check.command], check.timeout, 20)] if check else [])
+
+
+def _script(python: str, port: int | None, interface: str | None = None, local: str | None = None,
+            health: tuple[str, ...] = ()) -> str:
     versions = (
         "import importlib.metadata as m, sys\n"
         "print('python=' + sys.version.split()[0])\n"
@@ -86,7 +108,7 @@ def _script(python: str, port: int | None, interface: str | None = None, local: 
         lines.append(f"if {render(words([python, '-c', 'pass']))} 2>/dev/null; then "
                      f"{render(words([python, '-c', bind]))} 2>/dev/null && echo port=free || echo port=busy; "
                      "else echo port=unknown; fi")
-    return "; ".join(lines)
+    return "; ".join(lines + list(health))
 
 
 def refusal(job: Job) -> str | None:
@@ -105,12 +127,13 @@ def probes(job: Job, python: str) -> dict[str, Command]:
     port = job.config.cluster.master_port
     interface = nccl_interface(job)
     if not job.hosts:
-        return {"local": Command(("sh", "-c", _script(py, port, interface, local_folder(job, socket.gethostname()))))}
+        return {"local": Command(("sh", "-c", _script(py, port, interface, local_folder(job, socket.gethostname()),
+                                                      tuple(health_lines(job)))))}
     out = {}
     for i, h in enumerate(job.hosts):  # a Slurm allocation's hosts: a step on the host, not ssh
         ssh = reach_argv(job, h.host)
         out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface,
-                                                   local_folder(job, h.host))]))
+                                                   local_folder(job, h.host), tuple(health_lines(job)))]))
         out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
     return out
 
@@ -131,11 +154,13 @@ class HostFacts:
     port: Port | None = None  # the master port, asked on the first host only
     local_free: int | None = None  # bytes free in the local tier's folder (asked with training.local_checkpoints)
     local_unwritable: str | None = None  # why nothing could be written there
+    said: dict[str, tuple[str, ...]] = field(default_factory=dict)  # LISTED keys: their lines; "<key>_rc": its code
 
     @staticmethod
     def read(stdout: str) -> HostFacts | None:
         """The facts in a probe's output, or None when it printed none."""
         said: dict[str, str] = {}
+        listed: dict[str, list[str]] = {}
         seen = False
         for line in stdout.splitlines():
             if line.strip() == MARK:
@@ -143,13 +168,19 @@ class HostFacts:
                 continue
             if seen and "=" in line:
                 k, v = line.split("=", 1)
-                said[k.strip()] = v.strip()
+                if k.strip() in LISTED:
+                    if len(listed.setdefault(k.strip(), [])) < LISTED_MAX:
+                        listed[k.strip()].append(v.rstrip())
+                else:
+                    said[k.strip()] = v.strip()
         if not said:
             return None
         number = (lambda v: int(v) if v is not None and v.isdigit() else None)
         port = said.get("port")
         local = said.get("local", "")
         return HostFacts(
+            said={**{k: tuple(v) for k, v in listed.items()},
+                  **{k: (said[k],) for k in (f"{key}_rc" for key in LISTED) if k in said}},
             local_free=number(local),
             local_unwritable=(local.split(":", 1)[1][:200] or "?") if local.startswith("unwritable:") else None,
             versions={k: (None if said[k] == "missing" else said[k]) for k in ("python", *PACKAGES) if k in said},
@@ -211,6 +242,35 @@ def local_note(job: Job, host: str, facts: HostFacts, need: int) -> str | None:
             "the durable tier carries the job")
 
 
+def health_problems(job: Job, facts: HostFacts) -> list[str]:
+    """The health gate's verdict on a probed host (as hfscale.launch.node.health_gate words it on a node):
+    nvidia-smi's answers, where it is present (the GPU count against the slots is ``evaluate``'s), and
+    the site's ``recovery.health_check``."""
+    from hfscale.launch.node.gpu_health import Answer, judge
+
+    def answer(key: str) -> Answer:
+        rc = facts.said.get(f"{key}_rc", ("",))[0]
+        return Answer(int(rc), "\n".join(facts.said.get(key, ()))) if rc.isdigit() else Answer(None)
+
+    out: list[str] = []
+    gpus = answer("gpuq")
+    if gpus.rc in (124, 137):
+        out.append("nvidia-smi did not answer within 30 s")
+    elif gpus.rc is not None:
+        out += judge(gpus, answer("remap"), 0).problems
+    check = job.config.recovery.health_check
+    if check is not None:
+        site = answer("health")
+        last = next((line.strip() for line in reversed(site.out.splitlines()) if line.strip()), "")[:200]
+        if site.rc is None:
+            out.append("recovery.health_check said nothing (the probe ended before it)")
+        elif site.rc in (124, 137):
+            out.append(f"recovery.health_check still ran after its timeout, {check.timeout} s: killed")
+        elif site.rc != 0:
+            out.append(f"recovery.health_check exited {site.rc}" + (f": {last}" if last else ""))
+    return out
+
+
 def evaluate(job: Job, results: dict[str, Ran], local_need: int = 0) -> list[HostReport]:
     """One report per host, each problem phrased so the host and the fix are clear. ``local_need``:
     the bytes a local step takes on a node (``step_need``), 0 when not known: the local folder is then
@@ -259,6 +319,7 @@ def evaluate(job: Job, results: dict[str, Ran], local_need: int = 0) -> list[Hos
             problems.append(f"no InfiniBand devices in /sys/class/infiniband (network preset {job.config.network.preset})")
         if i == 0 and facts.port == "busy":
             problems.append(f"master port {job.config.cluster.master_port} is already in use")
+        problems += health_problems(job, facts)
         note = local_note(job, host, facts, local_need)
         reports.append(HostReport(host, facts, tuple(problems), (note,) if note else ()))
     return reports

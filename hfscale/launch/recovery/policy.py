@@ -144,7 +144,8 @@ _EXCEPTION = re.compile(rf"^(?P<name>{_EXC_NAME.pattern})(?::\s.*|:)?$")
 _ROOT_CAUSE = re.compile(r"^exitcode\s*:\s*(?P<rc>-?\d+)")
 _WRAPPER = "ChildFailedError"  # torchrun's summary of its ranks' failures: the root cause follows
 # "hfscale: no in-process restart: <why>; the job is relaunched" (its "hfscale: " taken as a host's prefix)
-_NO_IN_PROCESS = re.compile(r"^(?P<why>no in-process restart: .+?)(?:; the job is relaunched)?$")
+# why a node ended that its ranks' errors do not say: no in-process restart, or its health gate (hfscale.launch.node.health_gate)
+_NO_IN_PROCESS = re.compile(r"^(?P<why>(?:no in-process restart|health gate failed): .+?)(?:; the job is relaunched)?$")
 _VARIABLE = [  # what differs between the same failure on two hosts, ranks or runs
     (re.compile(r"\b\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"), "<time>"),
     (re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?\b"), "<time>"),
@@ -187,7 +188,8 @@ def last_error(lines: Iterable[str]) -> str:
     ("ValueError: ...", "...Exception: ...", a bare "RuntimeError"), torchrun's ChildFailedError
     summary aside; without one, torchrun's root cause ("exitcode  : -9" -> "exitcode -9"); "" if neither.
     Why a rank's in-process restart could not go on ("no in-process restart: ...", its node's exit 75:
-    hfscale.training.inprocess.restart) comes before either: it is why the node ended."""
+    hfscale.training.inprocess.restart) or why its node failed its health gate ("health gate failed: ...",
+    exit 69) comes before either: it is why the node ended."""
     exception = root = no_restart = ""
     for line in lines:
         text = _strip_prefixes(line[:LINE_CAP])
@@ -273,6 +275,11 @@ def _leave_out(history: History, host: str, swaps: list[Replacement]) -> None:
         history.places[history.places.index(host)] = None
 
 
+# causes that exclude a host at once where the job may shrink (no strikes to wait for), and why
+_AT_ONCE = {"host_lost": "was lost (relaunching onto it does not bring it back)",
+            "loss_spike": "struck by the loss guard", "unhealthy": "failed its health gate"}
+
+
 def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozenset[str], now: float,
            lost: tuple[str, ...] = ()) -> Relaunch | GiveUp:
     """Record ``fault`` in ``history`` and say what to do: relaunch (on which hosts, and why) or
@@ -326,11 +333,9 @@ def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozen
                 newly, swaps = [host], [swap]
                 head = (f"{fault.what}: {swap.spare} (a spare that passed its probe) takes its place at the same world "
                         f"size; {host} is left out")
-            elif fault.cause in ("host_lost", "loss_spike") and floor is not None and len(active) - 1 >= floor:
+            elif fault.cause in _AT_ONCE and floor is not None and len(active) - 1 >= floor:
                 newly = [host]
-                head = f"{fault.what}: {host} " + ("was lost (relaunching onto it does not bring it back)" if
-                                                   fault.cause == "host_lost" else "struck by the loss guard") + \
-                    ": excluded"
+                head = f"{fault.what}: {host} {_AT_ONCE[fault.cause]}: excluded"
             elif n < policy.strikes:
                 head = f"{fault.what} (strike {n} of {policy.strikes} against {host})"
             elif floor is None:

@@ -26,9 +26,10 @@ from hfscale.core.records import LOG_TAIL
 from hfscale.core.untrusted import Unreadable, read_bytes
 from hfscale.launch.attempt.beats import LauncherBeat
 from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probes
+from hfscale.launch.node.health_gate import gate_verdict
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
-from hfscale.launch.preflight.probes import evaluate, local_need, probes
+from hfscale.launch.preflight.probes import evaluate, health_problems, local_need, probes
 from hfscale.launch.recovery import in_process_events, settle
 from hfscale.launch.recovery.loss_alarms import incidents, loss_alarm
 from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
@@ -108,20 +109,24 @@ def _cause(o: Outcome, hosts: set[str]) -> Cause:
         return "hang"
     if o.rc == exitcodes.UNREACHABLE:
         return "host_lost"
+    if o.rc == exitcodes.UNHEALTHY and o.where in hosts:
+        return "unhealthy"
     if o.where in hosts and o.what.startswith("the ssh to"):
         return "ssh_killed"
     return "rank_failed" if o.where in hosts or not hosts else "launch_failed"  # no hosts: this machine
 
 
-def _error_of(run_dir: str, host: str | None) -> str:
-    """The failing host's last error line (its log's tail; "" when there is none or it is unreadable)."""
+def _error_of(run_dir: str, host: str | None, gate: bool = False) -> str:
+    """The failing host's last error line (its log's tail; "" when there is none or it is unreadable);
+    ``gate``: its health gate's verdict as the gate said it (not normalised: the status shows it)."""
     if host is None:
         return ""
     try:
         data = read_bytes(Path(run_dir) / LOGS_DIR / f"{host}.log", LOG_TAIL, run_dir, tail=True)
     except (Unreadable, OSError):
         return ""
-    return last_error(data.decode("utf-8", "replace").splitlines())
+    lines = data.decode("utf-8", "replace").splitlines()
+    return (gate_verdict(lines) or "") if gate else last_error(lines)
 
 
 def healthy_again(job: Job, hosts: tuple[str, ...], python: str, notes: list[str]) -> frozenset[str]:
@@ -131,6 +136,8 @@ def healthy_again(job: Job, hosts: tuple[str, ...], python: str, notes: list[str
     cmds = {k: c for k, c in probes(probed, python).items() if k.split("/")[0] in hosts}
     reports = evaluate(probed, run_probes(cmds, PROBE_TIMEOUT_S), local_need(job)) if hosts else []
     notes.extend(f"{r.host}: {n}" for r in reports if not r.problems for n in r.notes)
+    notes.extend(f"{r.host}: not admitted: {'; '.join(r.problems)}"[:1000] for r in reports
+                 if any(p in r.problems for p in health_problems(job, r.facts)))  # its health gate: said, not silent
     return frozenset(r.host for r in reports if not r.problems)
 
 
@@ -274,6 +281,8 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         host = outcome.where if outcome.where in order else None
         log = host or (next(iter(plan.logs)) if len(plan.logs) == 1 else None)  # a local job's one log
         what, error = outcome.what, _error_of(run_dir, log)
+        if cause == "unhealthy" and (verdict := _error_of(run_dir, host, gate=True)):
+            what = f"{host} failed its health gate: {verdict}"
         alarm = loss_alarm(plan.output_dir, known)  # the loss guard stopped it: a rollback (and a strike?)
         if alarm is not None:
             cause, host, what, error = "loss_spike", alarm.host, alarm.what, ""
@@ -341,7 +350,7 @@ def _after_stop(job: Job, current: Job, plan: LaunchPlan, grace: int, targets: t
     prober.start()
     ran = run_probes(cmds, bounds, workers=job.config.runner.fanout)
     prober.join()
-    for note in notes[:20]:  # a host admitted with its local folder full
+    for note in notes[:20]:  # a host admitted with its local folder full, or kept out by its health gate
         say(f"hfscale: {note}")
     answers = {k: settle.Settled.read(r) for k, r in ran.items()}
     return {**answers, **dict.fromkeys(gone)}, healthy[0] if healthy else frozenset()

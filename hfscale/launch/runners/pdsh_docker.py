@@ -79,7 +79,7 @@ def plan(job: Job, ctx: LaunchContext, c: Common) -> LaunchPlan:
     binary = words([d.binary])
     remove = Line((binary, Sh("ps -q --filter"), f"label=hfscale.job={ctx.job_id}", Sh("| xargs -r"), binary,
                    Sh("rm -f"), Sh(";", glue=True), Sh(stop_script(ctx.job_id))))
-    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c), node_argv(Var(RANK_VAR)),
+    main, logs, follow = launch(job, c, ctx.job_id, hosts, prelude(job, c, gate=False), node_argv(Var(RANK_VAR)),
                                      remove)
     stop, stop_env = pdsh_argv(job, listing, min(len(hosts), cfg.runner.fanout))
     # the containers go first (docker rm -f kills), then what is left of the job on the host

@@ -40,7 +40,7 @@ from hfscale.launch.context import Common, LaunchContext
 from hfscale.launch.node.command import default_rendezvous, in_process, launcher_argv
 from hfscale.launch.node.controls import controls
 from hfscale.launch.node.keeper import HOST_VAR, SRUN_REACH, keeper_line, keeper_of
-from hfscale.launch.node.line import ENV_FILE, NODES_FILE, RANK_VAR, node_script, private_files
+from hfscale.launch.node.line import ENV_FILE, NODES_FILE, RANK_VAR, health_gate, node_script, private_files
 from hfscale.launch.node.stopping import JOB_ID_VAR, stop_script
 from hfscale.launch.run_dir import STOP_MARKER, UNREACHED
 from hfscale.launch.spec import LaunchPlan, NodeLaunch
@@ -160,7 +160,7 @@ def node_line(job: Job, c: Common, job_id: str, launcher: list[Word]) -> Line:
     setup = job.config.runner.setup
     before = and_then(Line.of(Sh("cd"), c.workdir), Line.of(Sh("."), posixpath.join(c.run_dir, ENV_FILE)),
                       Line.of(Sh("."), posixpath.join(c.run_dir, NODES_FILE)),
-                      Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()))
+                      Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()), health_gate(job, c.python))
     keeper = keeper_line(keeper_of(c.run_dir, SRUN_REACH), Line((Sh(requeue_and_stop(job_id)),)))
     prefix = Line((Sh(f'export {HOST_VAR}="${NODE_NAME_VAR}"; exec > >(exec env -u {JOB_ID_VAR} sed -u '
                       f'"s/^/${HOST_VAR}: /") 2>&1;'),))
