@@ -432,7 +432,8 @@ def test_eight_hosts_attached_and_detached(make_cluster, tmp_path):
     cores): attached (fanout 256) and detached 3 at a time, every host gets its own rank."""
     cluster = make_cluster(8)
     standin = tmp_path / "python"
-    standin.write_text('#!/bin/sh\necho "STANDIN rank=$HFSCALE_NODE_RANK host=$(hostname)"\n')
+    standin.write_text('#!/bin/sh\ncase "$*" in *hfscale.launch.node.health_gate*) exit 0 ;; esac\n'  # passes the gate
+                       'echo "STANDIN rank=$HFSCALE_NODE_RANK host=$(hostname)"\n')
     standin.chmod(0o755)
     for fanout in (256, 3):
         work = tmp_path / f"fanout{fanout}"

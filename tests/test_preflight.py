@@ -126,8 +126,9 @@ def test_preflight_refuses_scheduler_runners(repo_root):
 
 
 def test_real_local_preflight_reads_gpu_memory_through_nvidia_smi(tmp_path):
-    """No GPU here: a stand-in nvidia-smi on PATH answers exactly the two queries the probe makes
-    (anything else exits 1), so the query's fields and the smallest-GPU pipeline really run."""
+    """No GPU here: a stand-in nvidia-smi on PATH answers exactly the queries the probe makes (the count, the
+    memory, and the health gate's two; anything else exits 1), so the query's fields and the smallest-GPU
+    pipeline really run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(
@@ -135,6 +136,11 @@ def test_real_local_preflight_reads_gpu_memory_through_nvidia_smi(tmp_path):
         'if [ "$*" = "-L" ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)"; '
         'echo "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-b)"; exit 0; fi\n'
         'if [ "$*" = "--query-gpu=memory.total --format=csv,noheader,nounits" ]; then printf "81559\\n40960\\n"; exit 0; fi\n'
+        # the health gate's two queries (hfscale.launch.node.gpu_health): both GPUs healthy
+        'if [ "$*" = "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total --format=csv,noheader,nounits" ]; '
+        'then printf "0, 00000000:18:00.0, 0\\n1, 00000000:2A:00.0, 0\\n"; exit 0; fi\n'
+        'if [ "$*" = "--query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure '
+        '--format=csv,noheader,nounits" ]; then printf "00000000:18:00.0, 0, 0\\n00000000:2A:00.0, 0, 0\\n"; exit 0; fi\n'
         'exit 1\n')
     (bin_dir / "nvidia-smi").chmod(0o755)
     path = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
