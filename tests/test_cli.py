@@ -47,6 +47,8 @@ def test_check_prints_summary(tmp_path):
         "  watchdog     no step for 600 s: every rank's stack, the stuck rank named, the job stopped (exit 4)",
         "  loss guard   every step: NaN/inf; loss > 2x median (+0.5) or grad norm > 10x, 3 steps running; an alarm "
         "stops the job unsaved (recovery.max_restarts 0); a relaunch rolls back and replays",
+        "  health       each node before its ranks start, each spare or excluded host before it is admitted: the GPUs "
+        "its slots need, no uncorrected ECC error, no row remapping pending (nvidia-smi, where present)",
         "  entry        built-in entry point (python -m hfscale.training.train)",
     ]
 

@@ -6,7 +6,7 @@ objects hfscale never creates; pickles that run a command; pids of real unrelate
 through hfscale runs/status/logs/stop/report/export, in-process (the harness), in three processes.
 
 What must hold over all of it: 0 commands executed (no payload's marker file), 0 unrelated
-processes signalled, 0 tracebacks, 0 commands over 10 s, peak RSS under 512 MiB per process,
+processes signalled, 0 tracebacks, 0 commands over 10 s (export, which writes the weights: 30 s), peak RSS under 512 MiB per process,
 every good run listed, nothing behind a link ever shown or copied; and the controls (a trusted
 cleanup, a real Slurm id, the recorded Kubernetes objects, the recorded launcher) do what they
 should, so that the assertions can fail. CI is root: files of another uid are made with chown.
@@ -156,7 +156,7 @@ def test_the_corpus_covers_every_file_and_variant(hostile):
 def test_no_traceback_no_hang_and_only_clean_exit_codes(hostile):
     _, results, *_ = hostile
     bad = [(r["case"], r["command"], r["rc"], r["seconds"], (r["escaped"] or r["output"])[-600:]) for r in _all(results)
-           if r["escaped"] or "Traceback" in r["output"] or r["rc"] not in (0, 1, 2, 3) or r["seconds"] >= 10
+           if r["escaped"] or "Traceback" in r["output"] or r["rc"] not in (0, 1, 2, 3) or r["seconds"] >= corpus.bound_s(r["command"])
            or "\x1b" in r["output"] or "\x07" in r["output"]]  # no escape sequence from a name reaches the terminal
     assert bad == []
     slowest = max(_all(results), key=lambda r: r["seconds"])
