@@ -16,6 +16,7 @@ import posixpath
 import shlex
 
 from hfscale.core.shell import Line, Sh, Var, Word, and_then, exports, render, words
+from hfscale.launch.node.line import health_gate
 from hfscale.launch.run_dir import LAUNCHER_BEAT
 from hfscale.launch.runners.slurm_step import ALLOCATION_HOSTS_FILE, HOSTS_FILE_VAR
 from hfscale.launch.spec import EXIT_MARK
@@ -64,6 +65,7 @@ def render_sbatch(job: Job, run_dir: str, workdir: str, env: dict[str, str], lau
     requeue = cfg.runner.slurm is not None and cfg.runner.slurm.requeue
     setup = cfg.runner.setup
     node_line = and_then(Line.of(Sh("cd"), workdir), Line.of(Sh("{"), Sh(setup), Sh(";"), Sh("}")) if setup else Line(()),
+                         health_gate(job, str(launcher[0])),  # the node's health gate, with the launcher's interpreter
                          Line.of(Sh("exec"), words(launcher)))
     srun = render(words(["srun", f"--nodes={job.num_nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
                          "--label", "bash", "-c", render(node_line)]))
