@@ -26,9 +26,9 @@ from hfscale.core.records import LOG_TAIL
 from hfscale.core.untrusted import Unreadable, read_bytes
 from hfscale.launch.attempt.beats import LauncherBeat
 from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probes
-from hfscale.launch.node.health_gate import gate_verdict
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
+from hfscale.launch.node.health_gate import gate_verdict
 from hfscale.launch.preflight.probes import evaluate, health_problems, local_need, probes
 from hfscale.launch.recovery import in_process_events, settle
 from hfscale.launch.recovery.loss_alarms import incidents, loss_alarm
