@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hfscale.launch.node.gpu_health import Answer, judge
+from hfscale.launch.node.health_checks import Answer, judge
 from hfscale.launch.preflight.probes import MARK, HostFacts, health_problems
 from hfscale.launch.recovery.policy import Fault, History, Policy, Replacement, decide, last_error
 

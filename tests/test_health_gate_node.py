@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hfscale.config.health import HealthCheckConfig
 from hfscale.core import exitcodes
 from hfscale.launch.node.health_gate import gate_argv
 
@@ -36,8 +37,8 @@ def gate(tmp: Path, slots: int, command: str | None = None, timeout: int = 60, g
         path.insert(0, str(tmp / "bin"))
         env.update(FAKE_GPUS=str(DATA / gpus), FAKE_REMAP=str(DATA / remap), FAKE_GPUS_RC=str(gpus_rc))
     env["PATH"] = os.pathsep.join(path)
-    return subprocess.run(gate_argv(sys.executable, slots, command, timeout), env=env, capture_output=True, text=True,
-                          timeout=120)
+    check = HealthCheckConfig(command=command, timeout=timeout) if command else None
+    return subprocess.run(gate_argv(sys.executable, slots, check), env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_a_healthy_node_passes_silently_and_a_machine_without_gpus_passes(tmp_path):
@@ -78,3 +79,14 @@ def test_a_check_that_hangs_is_killed_with_what_it_started_at_its_timeout(tmp_pa
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists(), "the check's own child outlived it"
+
+
+def test_a_probe_waits_for_a_site_check_that_takes_longer_than_its_own_timeout(tmp_path):
+    """The probe's --timeout (30 s by default, ssh and the facts) is not the site check's bound: a check that
+    takes longer, within its own timeout, passes, and is not cut and read as an unreachable host."""
+    cfg = tmp_path / "slow-check.yaml"
+    cfg.write_text("name: pf\ncluster: {nproc_per_node: 1, master_port: 29557}\nbatch: {micro_batch_size: 1}\n"
+                   "recovery: {health_check: {command: 'sleep 3; echo scratch ok', timeout: 30}}\n")
+    r = subprocess.run([sys.executable, "-m", "hfscale", "preflight", str(cfg), "--timeout", "1"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "preflight ok: 1 host(s)" in r.stdout, r.stdout + r.stderr

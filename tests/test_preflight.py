@@ -136,7 +136,7 @@ def test_real_local_preflight_reads_gpu_memory_through_nvidia_smi(tmp_path):
         'if [ "$*" = "-L" ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)"; '
         'echo "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-b)"; exit 0; fi\n'
         'if [ "$*" = "--query-gpu=memory.total --format=csv,noheader,nounits" ]; then printf "81559\\n40960\\n"; exit 0; fi\n'
-        # the health gate's two queries (hfscale.launch.node.gpu_health): both GPUs healthy
+        # the health gate's two queries (hfscale.launch.node.health_checks): both GPUs healthy
         'if [ "$*" = "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total --format=csv,noheader,nounits" ]; '
         'then printf "0, 00000000:18:00.0, 0\\n1, 00000000:2A:00.0, 0\\n"; exit 0; fi\n'
         'if [ "$*" = "--query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure '

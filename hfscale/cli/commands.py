@@ -317,15 +317,15 @@ def launch(config_file: str, script_args: tuple[str, ...], dry_run: bool, restar
 def preflight(config_file: str, timeout: float, network: bool, seconds: float) -> None:
     """Check every host in parallel: ssh, a clean shell, same versions, GPUs, InfiniBand, master port."""
     from hfscale.launch.attempt.execute import run_probes
-    from hfscale.launch.preflight.probes import evaluate, gpu_memory_hint, local_need, probes, refusal, render_table, verdict
-
     from hfscale.launch.preflight import network as net
+    from hfscale.launch.preflight.probes import (bound_s, evaluate, gpu_memory_hint, local_need, probes, refusal,
+                                                 render_table, verdict)
     job = _load(config_file)
     why = refusal(job) or (net.refusal(job) if network else None)
     if why:
         click.echo(f"error: {why}", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    reports = evaluate(job, run_probes(probes(job, sys.executable), timeout), local_need(job))
+    reports = evaluate(job, run_probes(probes(job, sys.executable), bound_s(job, timeout)), local_need(job))
     click.echo(render_table(reports), nl=False)
     hint = gpu_memory_hint(job, reports)
     if hint:

@@ -3,7 +3,7 @@
 Every node runs it before its ranks start (each launch and relaunch: hfscale.launch.node.health_gate)
 and every probe runs it before a spare or an excluded host is admitted (hfscale.launch.preflight.probes),
 beside the built-in checks (the GPUs the slots promise are visible; no uncorrected ECC error and no
-pending or failed row remapping where the driver reports them: hfscale.launch.node.gpu_health).
+pending or failed row remapping where the driver reports them: hfscale.launch.node.health_checks).
 """
 
 from __future__ import annotations

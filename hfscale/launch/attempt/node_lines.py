@@ -175,9 +175,12 @@ class Nodes:
         return self._failed(host, event.rc) if event.rc else None
 
     def _failed(self, host: str, rc: int) -> Failure:
-        what = no_restart_in_process(host, rc) if rc == exitcodes.RELAUNCH else \
-            f"{host} failed its health gate (exit code {rc}): not admitted" if rc == exitcodes.UNHEALTHY else \
-            f"{host} failed (exit code {rc})"
+        if rc == exitcodes.RELAUNCH:
+            what = no_restart_in_process(host, rc)
+        elif rc == exitcodes.UNHEALTHY:
+            what = f"{host} failed its health gate (exit code {rc}): not admitted"
+        else:
+            what = f"{host} failed (exit code {rc})"
         return Failure(host, rc, what, lost_peer=host in self.lost_peer)
 
 

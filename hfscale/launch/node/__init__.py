@@ -5,7 +5,7 @@
 ``reach`` (ssh, ``pdsh -R ssh``, an srun probe step, this host), ``keeper`` (each node's watch over
 its launcher), ``stopping`` (how a job is stopped and its stacks dumped on a node), ``controls``
 (the plan's stop, stack dump and kill, built once from a runner's way to reach its nodes), and
-``health_gate`` (what a node passes before its ranks start) with ``gpu_health`` (its judgement of
+``health_gate`` (what a node passes before its ranks start) with ``health_checks`` (its judgement of
 nvidia-smi's answers, which preflight's probes share).
 
 May import the layers below hfscale.launch and hfscale.launch.spec, context and run_dir; no runner,

@@ -3,7 +3,7 @@
 line), so a sick host is kept out however it came in: at the first launch, at a relaunch, or as a
 spare that had passed an earlier probe.
 
-It runs the built-in GPU checks (hfscale.launch.node.gpu_health: nvidia-smi's answers) and the
+It runs the built-in GPU checks (hfscale.launch.node.health_checks: nvidia-smi's answers) and the
 site's own ``recovery.health_check`` (``sh -c``, bounded by its timeout, its output into the host's
 log). A failing node prints ``hfscale: health gate failed: <why>`` and exits ``UNHEALTHY`` (69) without
 starting a rank; the supervisor counts it against the host (cause ``unhealthy``: a spare takes its
@@ -19,20 +19,24 @@ import shutil
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from hfscale.core import exitcodes
-from hfscale.launch.node.gpu_health import GPU_QUERY, REMAP_QUERY, Answer, judge
+from hfscale.launch.node.health_checks import (GPU_QUERY, NVIDIA_SMI_TIMEOUT_S, REMAP_QUERY, Answer, judge,
+                                               nvidia_smi_hung, site_problem)
+
+if TYPE_CHECKING:
+    from hfscale.config.health import HealthCheckConfig
 
 MODULE = "hfscale.launch.node.health_gate"
 MARK = "hfscale: health gate failed:"
-NVIDIA_SMI_TIMEOUT_S = 30  # a GPU that hangs nvidia-smi is a sick GPU
 OUTPUT_MAX = 64 * 1024  # of a site check's output, kept for the log
 
 
-def gate_argv(python: str, slots: int, command: str | None, timeout: int) -> list[str]:
+def gate_argv(python: str, slots: int, check: HealthCheckConfig | None) -> list[str]:
     """The node line's call of the gate (the site's command quoted as one argument, never shell code here)."""
     argv = [python, "-m", MODULE, "--slots", str(slots)]
-    return argv + (["--timeout", str(timeout), "--", command] if command else [])
+    return argv + (["--timeout", str(check.timeout), "--", check.command] if check else [])
 
 
 def gate_verdict(lines: list[str]) -> str | None:
@@ -56,7 +60,9 @@ def _run(argv: list[str], timeout: float) -> tuple[Answer, bool]:
         return Answer(p.returncode, out[-OUTPUT_MAX:].decode("utf-8", "replace")), False
     except subprocess.TimeoutExpired:
         try:
-            os.killpg(p.pid, signal.SIGKILL)  # its own session: the group is the check and what it started
+            # p is this process's own child, not yet reaped, so its pid is not reused; started in a session of
+            # its own, that pid is its process group's id: the group is the check and what it started
+            os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         out, _ = p.communicate()
@@ -69,7 +75,7 @@ def problems(slots: int, command: str | None, timeout: int) -> list[str]:
     if shutil.which("nvidia-smi") is not None:
         gpus, hung = _run(list(GPU_QUERY), NVIDIA_SMI_TIMEOUT_S)
         if hung:
-            found.append(f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s")
+            found.append(nvidia_smi_hung())
         else:
             remap = _run(list(REMAP_QUERY), NVIDIA_SMI_TIMEOUT_S)[0] if gpus.rc == 0 else Answer(None)
             found += judge(gpus, remap, slots).problems
@@ -77,11 +83,8 @@ def problems(slots: int, command: str | None, timeout: int) -> list[str]:
         site, hung = _run(["sh", "-c", command], timeout)
         if site.out:
             sys.stdout.write(site.out if site.out.endswith("\n") else site.out + "\n")
-        last = next((line.strip() for line in reversed(site.out.splitlines()) if line.strip()), "")[:200]
-        if hung:
-            found.append(f"recovery.health_check still ran after its timeout, {timeout} s: killed")
-        elif site.rc != 0:
-            found.append(f"recovery.health_check exited {site.rc}" + (f": {last}" if last else ""))
+        if (problem := site_problem(site, timeout, hung)) is not None:
+            found.append(problem)
     return found
 
 

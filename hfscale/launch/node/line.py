@@ -89,8 +89,7 @@ def prelude(job: Job, c: Common, gate: bool = True) -> Line:
 def health_gate(job: Job, python: str) -> Line:
     """The node's health gate after ``runner.setup``, before its launcher (hfscale.launch.node.health_gate):
     a node that fails it exits 69 and starts no rank."""
-    check = job.config.recovery.health_check
-    return words(gate_argv(python, job.procs_per_node, check.command if check else None, check.timeout if check else 60))
+    return words(gate_argv(python, job.procs_per_node, job.config.recovery.health_check))
 
 
 def node_script(before: Line, launcher: list[Word], marker: str, first: Line = Line(()), on_exit: str = "") -> Line:

@@ -65,19 +65,30 @@ LISTED_MAX = 1024
 
 def _answer_lines(key: str, argv: list[str], timeout: int, last: int = LISTED_MAX) -> str:
     """``o=$(timeout T argv 2>&1); echo key_rc=$?; <its last lines, each as key=line>`` (argv quoted)."""
-    return (f"o=$(timeout -k 5 {timeout} {render(words(argv))} 2>&1); echo {key}_rc=$?; "
+    from hfscale.launch.node.health_checks import KILL_GRACE_S
+
+    return (f"o=$(timeout -k {KILL_GRACE_S} {timeout} {render(words(argv))} 2>&1); echo {key}_rc=$?; "
             f"printf '%s\\n' \"$o\" | tail -n {last} | sed 's/^/{key}=/'")
 
 
 def health_lines(job: Job) -> list[str]:
     """The probe's part of the health gate (hfscale.launch.node.health_gate runs the same on each node
     before its ranks start): nvidia-smi's GPU and row-remapping answers, and the site's check."""
-    from hfscale.launch.node.gpu_health import GPU_QUERY, REMAP_QUERY
+    from hfscale.launch.node.health_checks import GPU_QUERY, NVIDIA_SMI_TIMEOUT_S as T, REMAP_QUERY
 
-    gpu = (f"if command -v nvidia-smi >/dev/null 2>&1; then {_answer_lines('gpuq', list(GPU_QUERY), 30)}; "
-           f"{_answer_lines('remap', list(REMAP_QUERY), 30)}; fi")
+    gpu = (f"if command -v nvidia-smi >/dev/null 2>&1; then {_answer_lines('gpuq', list(GPU_QUERY), T)}; "
+           f"{_answer_lines('remap', list(REMAP_QUERY), T)}; fi")
     check = job.config.recovery.health_check
     return [gpu] + ([_answer_lines("health", ["sh", "-c", check.command], check.timeout, 20)] if check else [])
+
+
+def bound_s(job: Job, timeout: float) -> float:
+    """A probe's bound: ``timeout`` for ssh and the facts, plus what the health checks may take at their
+    own bounds (a site check of 60 s must not be cut by a 30 s probe and read as an unreachable host)."""
+    from hfscale.launch.node.health_checks import budget_s
+
+    check = job.config.recovery.health_check
+    return timeout + budget_s(check.timeout if check else None)
 
 
 def _script(python: str, port: int | None, interface: str | None = None, local: str | None = None,
@@ -126,14 +137,15 @@ def probes(job: Job, python: str) -> dict[str, Command]:
     py = job.config.runner.python or python
     port = job.config.cluster.master_port
     interface = nccl_interface(job)
+    health = tuple(health_lines(job))
     if not job.hosts:
         return {"local": Command(("sh", "-c", _script(py, port, interface, local_folder(job, socket.gethostname()),
-                                                      tuple(health_lines(job)))))}
+                                                      health)))}
     out = {}
     for i, h in enumerate(job.hosts):  # a Slurm allocation's hosts: a step on the host, not ssh
         ssh = reach_argv(job, h.host)
         out[h.host] = Command(tuple(ssh + [_script(py, port if i == 0 else None, interface,
-                                                   local_folder(job, h.host), tuple(health_lines(job)))]))
+                                                   local_folder(job, h.host), health)]))
         out[f"{h.host}/shell"] = Command(tuple(ssh + ["true"]))
     return out
 
@@ -246,28 +258,24 @@ def health_problems(job: Job, facts: HostFacts) -> list[str]:
     """The health gate's verdict on a probed host (as hfscale.launch.node.health_gate words it on a node):
     nvidia-smi's answers, where it is present (the GPU count against the slots is ``evaluate``'s), and
     the site's ``recovery.health_check``."""
-    from hfscale.launch.node.gpu_health import Answer, judge
+    from hfscale.launch.node.health_checks import Answer, judge, nvidia_smi_hung, site_problem
 
     def answer(key: str) -> Answer:
         rc = facts.said.get(f"{key}_rc", ("",))[0]
         return Answer(int(rc), "\n".join(facts.said.get(key, ()))) if rc.isdigit() else Answer(None)
 
+    timed_out = (124, 137)  # coreutils timeout: TERM at the bound, KILL after the grace
     out: list[str] = []
     gpus = answer("gpuq")
-    if gpus.rc in (124, 137):
-        out.append("nvidia-smi did not answer within 30 s")
+    if gpus.rc in timed_out:
+        out.append(nvidia_smi_hung())
     elif gpus.rc is not None:
         out += judge(gpus, answer("remap"), 0).problems
     check = job.config.recovery.health_check
     if check is not None:
         site = answer("health")
-        last = next((line.strip() for line in reversed(site.out.splitlines()) if line.strip()), "")[:200]
-        if site.rc is None:
-            out.append("recovery.health_check said nothing (the probe ended before it)")
-        elif site.rc in (124, 137):
-            out.append(f"recovery.health_check still ran after its timeout, {check.timeout} s: killed")
-        elif site.rc != 0:
-            out.append(f"recovery.health_check exited {site.rc}" + (f": {last}" if last else ""))
+        if (problem := site_problem(site, check.timeout, site.rc in timed_out)) is not None:
+            out.append(problem)
     return out
 
 

@@ -145,7 +145,7 @@ _ROOT_CAUSE = re.compile(r"^exitcode\s*:\s*(?P<rc>-?\d+)")
 _WRAPPER = "ChildFailedError"  # torchrun's summary of its ranks' failures: the root cause follows
 # "hfscale: no in-process restart: <why>; the job is relaunched" (its "hfscale: " taken as a host's prefix)
 # why a node ended that its ranks' errors do not say: no in-process restart, or its health gate (hfscale.launch.node.health_gate)
-_NO_IN_PROCESS = re.compile(r"^(?P<why>(?:no in-process restart|health gate failed): .+?)(?:; the job is relaunched)?$")
+_NODE_ENDED = re.compile(r"^(?P<why>(?:no in-process restart|health gate failed): .+?)(?:; the job is relaunched)?$")
 _VARIABLE = [  # what differs between the same failure on two hosts, ranks or runs
     (re.compile(r"\b\d{4}-\d\d-\d\d[ T_]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"), "<time>"),
     (re.compile(r"\b\d\d:\d\d:\d\d(?:[.,]\d+)?\b"), "<time>"),
@@ -190,11 +190,11 @@ def last_error(lines: Iterable[str]) -> str:
     Why a rank's in-process restart could not go on ("no in-process restart: ...", its node's exit 75:
     hfscale.training.inprocess.restart) or why its node failed its health gate ("health gate failed: ...",
     exit 69) comes before either: it is why the node ended."""
-    exception = root = no_restart = ""
+    exception = root = node_said = ""
     for line in lines:
         text = _strip_prefixes(line[:LINE_CAP])
-        if (n := _NO_IN_PROCESS.match(text)) is not None:
-            no_restart = normalise_error(n["why"])
+        if (n := _NODE_ENDED.match(text)) is not None:
+            node_said = normalise_error(n["why"])
             continue
         m = _EXCEPTION.match(text)
         if m and not m["name"].endswith(_WRAPPER):
@@ -203,7 +203,7 @@ def last_error(lines: Iterable[str]) -> str:
         r = _ROOT_CAUSE.match(text)
         if r:
             root = f"exitcode {r['rc']}"
-    return no_restart or exception or root
+    return node_said or exception or root
 
 
 def _names(hosts: Iterable[str]) -> str:

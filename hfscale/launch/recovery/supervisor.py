@@ -29,7 +29,7 @@ from hfscale.launch.attempt.execute import execute_attempt, run_probe, run_probe
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.node.health_gate import gate_verdict
-from hfscale.launch.preflight.probes import evaluate, health_problems, local_need, probes
+from hfscale.launch.preflight.probes import bound_s, evaluate, health_problems, local_need, probes
 from hfscale.launch.recovery import in_process_events, settle
 from hfscale.launch.recovery.loss_alarms import incidents, loss_alarm
 from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
@@ -45,7 +45,7 @@ from hfscale.rules.resolved import Job
 from hfscale.training.heartbeat import PROGRESS_DIR, read_progress
 
 WATCH_STEPS_S = 0.5  # rank 0's step is read this often during an attempt (its one-line progress file)
-PROBE_TIMEOUT_S = 30.0  # per excluded host, ssh + preflight
+PROBE_TIMEOUT_S = 30.0  # per excluded host, ssh + preflight (and the health checks at their own bounds)
 
 
 @dataclass
@@ -116,17 +116,15 @@ def _cause(o: Outcome, hosts: set[str]) -> Cause:
     return "rank_failed" if o.where in hosts or not hosts else "launch_failed"  # no hosts: this machine
 
 
-def _error_of(run_dir: str, host: str | None, gate: bool = False) -> str:
-    """The failing host's last error line (its log's tail; "" when there is none or it is unreadable);
-    ``gate``: its health gate's verdict as the gate said it (not normalised: the status shows it)."""
+def _log_tail(run_dir: str, host: str | None) -> list[str]:
+    """The failing host's log's last lines ([] when there is none or it is unreadable)."""
     if host is None:
-        return ""
+        return []
     try:
         data = read_bytes(Path(run_dir) / LOGS_DIR / f"{host}.log", LOG_TAIL, run_dir, tail=True)
     except (Unreadable, OSError):
-        return ""
-    lines = data.decode("utf-8", "replace").splitlines()
-    return (gate_verdict(lines) or "") if gate else last_error(lines)
+        return []
+    return data.decode("utf-8", "replace").splitlines()
 
 
 def healthy_again(job: Job, hosts: tuple[str, ...], python: str, notes: list[str]) -> frozenset[str]:
@@ -134,7 +132,7 @@ def healthy_again(job: Job, hosts: tuple[str, ...], python: str, notes: list[str
     specs = tuple(_as(h, spare=False) for h in job.hosts + job.spares if h.host in hosts)
     probed = replace(job, hosts=specs, num_nodes=len(specs))
     cmds = {k: c for k, c in probes(probed, python).items() if k.split("/")[0] in hosts}
-    reports = evaluate(probed, run_probes(cmds, PROBE_TIMEOUT_S), local_need(job)) if hosts else []
+    reports = evaluate(probed, run_probes(cmds, bound_s(job, PROBE_TIMEOUT_S)), local_need(job)) if hosts else []
     notes.extend(f"{r.host}: {n}" for r in reports if not r.problems for n in r.notes)
     notes.extend(f"{r.host}: not admitted: {'; '.join(r.problems)}"[:1000] for r in reports
                  if any(p in r.problems for p in health_problems(job, r.facts)))  # its health gate: said, not silent
@@ -280,8 +278,9 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         cause = _cause(outcome, set(order))
         host = outcome.where if outcome.where in order else None
         log = host or (next(iter(plan.logs)) if len(plan.logs) == 1 else None)  # a local job's one log
-        what, error = outcome.what, _error_of(run_dir, log)
-        if cause == "unhealthy" and (verdict := _error_of(run_dir, host, gate=True)):
+        tail = _log_tail(run_dir, log)
+        what, error = outcome.what, last_error(tail)
+        if cause == "unhealthy" and (verdict := gate_verdict(tail)):  # as the gate said it (status shows it)
             what = f"{host} failed its health gate: {verdict}"
         alarm = loss_alarm(plan.output_dir, known)  # the loss guard stopped it: a rollback (and a strike?)
         if alarm is not None:

@@ -241,8 +241,8 @@ def _join_group(store: Any, members: Members, rank: int, timeout_s: float | None
 
     backend = "nccl" if _cuda() else "gloo"
     bound = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    if timeout_s is not None:
-        _groups_made_later_time_out(timedelta(seconds=timeout_s))
+    if bound:
+        _groups_made_later_time_out(bound["timeout"])
     dist.init_process_group(backend, store=dist.PrefixStore(f"a{members.attempt}/pg/", store), rank=rank,
                             world_size=members.world_size, **bound)
 

@@ -1,5 +1,7 @@
-"""The built-in GPU health checks, as nvidia-smi answers them (pure: the node's gate and the probes run
-the commands, hfscale.launch.node.health_gate and hfscale.launch.preflight.probes).
+"""The health gate's checks, judged (pure: the node's gate and the probes run the commands,
+hfscale.launch.node.health_gate and hfscale.launch.preflight.probes, and both word a verdict here).
+
+The built-in GPU checks, as nvidia-smi answers them:
 
 A host is unhealthy when fewer GPUs answer than its slots promise, when nvidia-smi itself fails (a
 GPU fallen off the bus answers "Unable to determine the device handle for GPU ...: Unknown Error",
@@ -8,6 +10,9 @@ errors since the driver loaded, or when a row remapping is pending (the GPU need
 (it needs replacing). Where the driver does not report a value ("[N/A]", "[Not Supported]", or the
 remapped-rows query refused), that check says so and passes. Without nvidia-smi there is no GPU to
 check: the checks say so and pass.
+
+The site's own check (recovery.health_check) fails on any exit but 0, or when it still runs at its
+timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ GPU_QUERY = ("nvidia-smi", "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.
              "--format=csv,noheader,nounits")
 REMAP_QUERY = ("nvidia-smi", "--query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure",
                "--format=csv,noheader,nounits")
+NVIDIA_SMI_TIMEOUT_S = 30  # each query; a GPU that hangs nvidia-smi is a sick GPU
+KILL_GRACE_S = 5  # after a bound, before KILL (the probe's `timeout -k`)
 MAX_GPUS = 1024  # rows read at most (a node has 8 or 16)
 _NOT_SAID = ("[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]", "")
 
@@ -54,6 +61,28 @@ def _flag(value: str) -> bool | None:
     if v in ("no", "false", "0"):
         return False
     return None  # not reported
+
+
+def budget_s(check_timeout: int | None) -> int:
+    """The most the checks take on a host: both nvidia-smi queries and the site's check, each at its bound."""
+    site = 0 if check_timeout is None else check_timeout + KILL_GRACE_S
+    return 2 * (NVIDIA_SMI_TIMEOUT_S + KILL_GRACE_S) + site
+
+
+def nvidia_smi_hung() -> str:
+    return f"nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S} s"
+
+
+def site_problem(site: Answer, timeout: int, timed_out: bool) -> str | None:
+    """The site check's verdict (None: healthy): its exit code and its output's last line."""
+    if timed_out:
+        return f"recovery.health_check still ran after its timeout, {timeout} s: killed"
+    if site.rc is None:
+        return "recovery.health_check said nothing (the probe ended before it)"
+    if site.rc != 0:
+        last = _last(site.out)
+        return f"recovery.health_check exited {site.rc}" + (f": {last}" if last else "")
+    return None
 
 
 def judge(gpus: Answer, remap: Answer, slots: int) -> GpuHealth:
