@@ -34,7 +34,7 @@ UNIT_MODULES = frozenset({
     "test_progress_line", "test_slurm_state",
     "test_supervisor", "test_schedule", "test_slurm_step",
     "test_tiers", "test_validation", "test_spares", "test_local_tier", "test_async_save_unit", "test_healing_trips",
-    "test_data_state_unit", "test_inprocess_unit", "test_loss_guard", "test_rollbacks", "test_health_gate",
+    "test_data_state_unit", "test_inprocess_unit", "test_loss_guard", "test_rollbacks", "test_health_gate", "test_slow_nodes",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
 # The suite runs in three lanes at once (pytest-xdist, one worker each): the tests on namespace

@@ -19,8 +19,8 @@ from scripts import trainer_runs
 
 FIELDS = {"event", "step", "epoch", "time", "world_size", "window_steps", "step_time_s", "samples_per_s",
           "tokens_per_s", "eta_s", "mem_peak_mb", "mem_peak_mb_per_rank", "flops_per_token", "mfu"}
-STRAGGLER_FIELDS = {"event", "step", "time", "world_size", "forward_s_per_rank", "step_time_s_per_rank", "hosts",
-                    "median_forward_s", "slowest_rank", "slowest_host", "ratio", "threshold", "straggler"}
+STRAGGLER_FIELDS = {"event", "step", "time", "world_size", "window_steps", "forward_s_per_rank", "step_time_s_per_rank",
+                    "hosts", "median_forward_s", "slowest_rank", "slowest_host", "ratio", "threshold", "straggler"}
 LOG_KEYS = {"hfscale/step_time_s", "hfscale/samples_per_s", "hfscale/tokens_per_s", "hfscale/eta_s",
             "hfscale/mem_peak_mb", "hfscale/mfu"}
 

@@ -51,6 +51,7 @@ def summary(job: Job) -> str:
         *([("recovery", _recovery(job))] if cfg.recovery.max_restarts else []),
         ("loss guard", loss_guard_line(job)),
         *([("health", health_line(job))] if cfg.runner.type in ("pdsh", "slurm") else []),
+        *([("slow nodes", slow_nodes_line(job))] if cfg.recovery.max_restarts and job.num_nodes > 1 else []),
         *([("checkpoints", tiers)] if (tiers := tiers_line(job)) else []),
         ("entry", _entry(job)),
     ]
@@ -92,6 +93,21 @@ def health_line(job: Job) -> str:
     site = f"; site check {check.command!r} (timeout {check.timeout} s)" if check else ""
     return ("each node before its ranks start, each spare or excluded host before it is admitted: the GPUs its "
             f"slots need, no uncorrected ECC error, no row remapping pending (nvidia-smi, where present){site}")
+
+
+def slow_nodes_line(job: Job) -> str:
+    """Whether a slow node is watched for (recovery.slow_nodes), and what happens to one."""
+    from hfscale.rules.recovery import slow_nodes_unwatched
+
+    s = job.config.recovery.slow_nodes
+    why_not = slow_nodes_unwatched(job)
+    if why_not is not None:
+        return why_not
+    by = "a spare takes its place" if job.spares or job.scheduled and job.config.recovery.spares else \
+        f"it is left out (down to recovery.min_nodes {job.config.recovery.min_nodes})"
+    return (f"a node whose ranks' forward passes take > {s.factor:g}x the other nodes' in {s.windows} window(s) of "
+            f"{s.window} s running stops the job at its next checkpoint (nothing recomputed); {by}; slow again, it is "
+            "struck")
 
 
 def loss_guard_line(job: Job) -> str:

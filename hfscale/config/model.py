@@ -29,6 +29,7 @@ from hfscale.config.base import (
 from hfscale.config.accelerate import AccelerateSection, FsdpSection, ParallelismConfig
 from hfscale.config.deepspeed import DeepSpeedSection
 from hfscale.config.health import HealthCheckConfig
+from hfscale.config.slow_nodes import SlowNodesConfig
 from hfscale.config.loss_guard import LossGuardConfig
 from hfscale.config.runners import DockerConfig, KubernetesConfig, SlurmConfig
 
@@ -348,6 +349,9 @@ class RecoveryConfig(Strict):
     health_check: HealthCheckConfig | None = Field(
         None, description="A site's own health check each host passes before it is trusted (every launch and "
         "relaunch, every spare or excluded host admitted), beside the built-in GPU checks. Null: the built-in checks only.")
+    slow_nodes: SlowNodesConfig = Field(
+        default_factory=SlowNodesConfig, description="A node slower than the others for long enough is replaced at "
+        "the next checkpoint, by a spare or by shrinking (recovery.min_nodes); again slow, it is struck.")
 
 
 class HfscaleConfig(Strict):

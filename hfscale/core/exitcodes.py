@@ -9,6 +9,7 @@ UNREACHABLE = 3  # a host (or a scheduler) that cannot be reached
 HUNG = 4  # the hang watchdog found no rank finishing a step (hfscale.launch.attempt.watchdog); stacks in the run directory
 UNHEALTHY = 69  # EX_UNAVAILABLE: a node failed its health gate (hfscale.launch.node.health_gate); it is not admitted
 LOSS_ALARM = 65  # EX_DATAERR: a rank's loss guard stopped training (hfscale.checkpoints.rollbacks); relaunched, it rolls back
+SLOW_NODE = 76  # a node was slow: every rank stopped after a complete checkpoint (hfscale.training.slow_nodes); relaunched without it
 RELAUNCH = 75  # EX_TEMPFAIL: a rank's in-process restart could not go on (hfscale.training.inprocess); relaunch the job
 
 

@@ -51,7 +51,9 @@ Runner = Literal["local", "pdsh", "pdsh_docker", "slurm", "kubernetes"]
 # node 0 when the attempt started (the job's own earlier attempt, or another process): no host's fault
 # loss_spike: the loss guard stopped training (hfscale.checkpoints.rollbacks): a rollback, no host's fault unless struck
 # unhealthy: a node failed its health gate (hfscale.launch.node.health_gate): a spare takes its place, or it is left out
-Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy", "loss_spike", "unhealthy"]
+# slow: the ranks found a node slow and stopped at a checkpoint (hfscale.training.slow_nodes): a planned replacement
+Cause = Literal["rank_failed", "host_lost", "hang", "ssh_killed", "launch_failed", "port_busy", "loss_spike", "unhealthy",
+                "slow"]
 
 
 def _no_bool(v: Any) -> Any:
@@ -138,6 +140,10 @@ class Rank0Metrics(Record):
     in_process: Count | None = None
     in_process_why: Annotated[str, Field(max_length=500)] | None = None
     failed_step: Count | None = None
+    # a node the ranks found slow (hfscale.training.callbacks.slow_nodes): why, and which; the job stops at its
+    # next checkpoint to replace it
+    slow: Annotated[str, Field(max_length=500)] | None = None
+    slow_host: Host | None = None
 
 
 class CleanupRecord(Record):

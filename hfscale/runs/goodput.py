@@ -285,6 +285,8 @@ def status_lines(run_dir: str | Path, now: float | None = None, last: tuple[floa
             if e.kind == "failure" and e.cause == "loss_spike"]
     sick = [e for e in t.events if e.kind == "failure" and e.cause == "unhealthy"]  # each node its gate kept out
     out += [f"unhealthy    attempt {e.attempt}: {printable(e.what or '', 1000)}" for e in sick[:MAX_NAMES]]
+    slow = [e for e in t.events if e.kind == "failure" and e.cause == "slow"]  # each node replaced for its pace
+    out += [f"slow         attempt {e.attempt}: {printable(e.what or '', 1000)}" for e in slow[:MAX_NAMES]]
     out += replacement_lines(t)
     out += requeue_lines(t)
     starts = [e for e in t.events if e.kind in ("training", "in_process") and e.phases]

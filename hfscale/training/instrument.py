@@ -19,6 +19,9 @@ Under ``hfscale launch`` (``$HFSCALE_CONFIG`` names the run's copy of the YAML) 
   ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) and
   ``DataStateCallback`` (a streaming ``datasets.IterableDataset`` resumes from the position saved with
   the checkpoint instead of being replayed: hfscale.training.callbacks.data_state) always;
+- ``SlowNodeCallback`` when a slow node can be replaced (``recovery.slow_nodes``, a spare or
+  ``recovery.min_nodes``: hfscale.rules.recovery.slow_nodes_unwatched): a node found slow stops the job
+  at its next checkpoint, and the relaunch replaces it (hfscale.training.callbacks.slow_nodes);
 - ``LossGuardCallback`` as ``training.loss_guard`` says (on by default: a loss spike or a NaN stops
   training without saving, for a rollback: hfscale.training.callbacks.loss_guard).
 
@@ -56,6 +59,7 @@ class Chosen:
     lookup_peak: bool | None = None
     async_save: bool = False  # training.async_save: CheckpointCompleteCallback sets DeepSpeed's writer up
     loss_guard: Any = None  # training.loss_guard (None: its defaults; enabled false: no guard)
+    slow_nodes: Any = None  # recovery.slow_nodes when the job watches for a slow node (None: it does not)
 
 
 def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
@@ -63,10 +67,13 @@ def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
     the caller's tokens per sample, which the built-in entry point's block size replaces."""
     if job is None:
         return Chosen(seq_len=seq_len)
+    from hfscale.rules.recovery import slow_nodes_unwatched
+
     t = job.config.training
     kinds = tuple(k for k in KINDS if k != "stragglers" or job.world_size > 1)
+    slow = job.config.recovery.slow_nodes if "stragglers" in kinds and slow_nodes_unwatched(job) is None else None
     return Chosen(kinds, t.data.block_size if t.script is None else seq_len, t.peak_tflops,
-                  job.config.precision != "no", t.async_save, t.loss_guard)
+                  job.config.precision != "no", t.async_save, t.loss_guard, slow)
 
 
 def peak_flops(chosen: Chosen, half_precision: bool) -> float | None:
@@ -125,6 +132,11 @@ def add_callbacks(trainer: Any, chosen: Chosen) -> list[Any]:
 
         watching = guard(trainer, chosen.loss_guard)  # ahead of it too: the marker lists the judgement's file
         added += [watching] if watching is not None else []
+    if chosen.slow_nodes is not None:
+        from hfscale.training.callbacks.slow_nodes import attach as watch_nodes
+
+        slow = watch_nodes(trainer, chosen.slow_nodes)  # after the StragglerCallback, whose reports it judges
+        added += [slow] if slow is not None else []
     return added
 
 

@@ -80,6 +80,7 @@ from hfscale.training.heartbeat import fit_flight_recorder
 from hfscale.training.inprocess.restart import ENV_WORLD
 from hfscale.training.loss_guard import LossAlarm
 from hfscale.training.shutdown import exit_cleanly
+from hfscale.training.slow_nodes import SlowNodeStop
 
 EXIT_BAD_INPUT = 2
 RESUME_FLAG = "--resume_from_checkpoint"
@@ -285,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
     except LossAlarm:  # rank 0 said why; the launch rolls back (hfscale.checkpoints.rollbacks)
         return exitcodes.LOSS_ALARM
+    except SlowNodeStop:  # rank 0 said which node; the relaunch replaces it (hfscale.training.slow_nodes)
+        return exitcodes.SLOW_NODE
     except AssertionError as e:
         hint = batch_hint(e, os.environ)
         if hint and os.environ.get("RANK", "0") == "0":

@@ -33,6 +33,7 @@ from hfscale.training.inprocess.restart import ENV_WORLD
 from hfscale.training.instrument import add_callbacks, choose, with_local_tier
 from hfscale.training.loss_guard import LossAlarm
 from hfscale.training.shutdown import exit_cleanly
+from hfscale.training.slow_nodes import SlowNodeStop
 
 BYTE_VOCAB = 256
 
@@ -251,6 +252,8 @@ def train_once(job: Job) -> int:
         result = trainer.train(resume_from_checkpoint=resume)
     except LossAlarm:  # rank 0 said why; the launch rolls back (hfscale.checkpoints.rollbacks)
         return exitcodes.LOSS_ALARM
+    except SlowNodeStop:  # rank 0 said which node; the relaunch replaces it (hfscale.training.slow_nodes)
+        return exitcodes.SLOW_NODE
     if trainer.is_world_process_zero():
         state = trainer.state
         how = "preempted, checkpoint saved" if preemption.preempted else "done"

@@ -21,7 +21,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -517,3 +518,68 @@ def stop_slurm(slurm: Slurm) -> None:
     subprocess.run([str(SLURM_DOWN), "-c", str(slurm.cluster.dir), "-s", str(slurm.dir)],
                    capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     slurm._up = False
+
+
+CPU_CGROUPS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
+CFS_PERIOD_US = 100_000
+
+
+def _cpu_cgroup() -> tuple[Path, str] | None:
+    """A cgroup hierarchy with the cpu controller: v1's (``cpu.cfs_quota_us``), else v2's (``cpu.max``)."""
+    for root in CPU_CGROUPS:
+        if root.name == "cpu" and (root / "cpu.cfs_quota_us").exists():
+            return root, "v1"
+        controllers = root / "cgroup.controllers"
+        if controllers.exists() and "cpu" in controllers.read_text().split():
+            return root, "v2"
+    return None
+
+
+@contextmanager
+def throttled(cluster: Cluster, node: str, share: float, *, timeout: float = 20) -> Iterator[Path]:
+    """Hold every process of ``node`` (its sshd too, so that what it starts later is held as well) to
+    ``share`` of one CPU, as a node with a throttled or failing accelerator trains slower than its peers:
+    they move into a cgroup with a CPU quota (v1 ``cpu.cfs_quota_us``, v2 ``cpu.max``). On leaving, they
+    move back and the cgroup is removed. Yields the cgroup's folder."""
+    found = _cpu_cgroup()
+    if found is None:
+        raise RuntimeError("throttled needs the cgroup cpu controller (v1 cpu or v2 cpu.max); none is usable")
+    root, version = found
+    group = root / f"hfscale-test-slow-{os.getpid()}-{node}"
+    group.mkdir(exist_ok=True)
+    quota = max(1000, int(CFS_PERIOD_US * share))
+    if version == "v1":
+        (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(quota))
+    else:
+        (group / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
+    procs = group / "cgroup.procs"
+
+    def move(pids, into: Path) -> None:
+        for pid in pids:
+            try:
+                into.write_text(str(pid))
+            except OSError:  # gone meanwhile
+                pass
+
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            inside = {int(t) for t in procs.read_text().split()}
+            outside = [pid for pid in pids_in_node(cluster, node, include_infra=True) if pid not in inside]
+            if not outside:
+                break
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{node}: processes {outside} did not move into {group}")
+            move(outside, procs)
+        yield group
+    finally:
+        for _ in range(50):  # each move may race a fork: until the group is empty
+            left = [int(t) for t in procs.read_text().split()]
+            if not left:
+                break
+            move(left, root / "cgroup.procs")
+        try:
+            group.rmdir()
+        except OSError:
+            pass

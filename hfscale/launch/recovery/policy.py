@@ -277,7 +277,7 @@ def _leave_out(history: History, host: str, swaps: list[Replacement]) -> None:
 
 # causes that exclude a host at once where the job may shrink (no strikes to wait for), and why
 _AT_ONCE = {"host_lost": "was lost (relaunching onto it does not bring it back)",
-            "loss_spike": "struck by the loss guard", "unhealthy": "failed its health gate"}
+            "loss_spike": "struck by the loss guard", "unhealthy": "failed its health gate", "slow": "was slow"}
 
 
 def decide(policy: Policy, history: History, fault: Fault, healthy_again: frozenset[str], now: float,

@@ -34,6 +34,7 @@ from hfscale.launch.recovery import in_process_events, settle
 from hfscale.launch.recovery.loss_alarms import incidents, loss_alarm
 from hfscale.launch.recovery.policy import (Cause, Fault, GiveUp, History, Policy, Relaunch, decide, last_error,
                                      probe_targets)
+from hfscale.launch.recovery.slow_stops import slow_stop
 from hfscale.launch.attempt.output_lock import Refused
 from hfscale.launch.node.stopping import STOP_GRACE_S
 from hfscale.launch.run_dir import (ATTEMPTS_DIR, LOGS_DIR, PLAN_FILE, read_metrics, read_state, read_unreached,
@@ -285,6 +286,9 @@ def _supervise(job: Job, context: Callable[[Job, int], LaunchContext],
         alarm = loss_alarm(plan.output_dir, known)  # the loss guard stopped it: a rollback (and a strike?)
         if alarm is not None:
             cause, host, what, error = "loss_spike", alarm.host, alarm.what, ""
+        elif (slow := slow_stop(run_dir, order)) is not None:  # stopped at a checkpoint to replace a slow node
+            cause, host, what, error = "slow", slow.host, slow.what, ""
+            steps.last = (slow.step, stopped) if slow.step is not None else steps.last
         targets = probe_targets(policy, history, excluded=job.config.recovery.probe_excluded)
         grace = 0 if outcome.hung and plan.kill is not None else STOP_GRACE_S  # after a hang: killed, no grace
         answers, healthy = _after_stop(job, current, plan, grace, targets + ((host,) if host and cause ==

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 from hfscale.training.callbacks import collectives
@@ -260,9 +258,11 @@ class StragglerCallback(_Reporter):
     the real one.
 
     JSON-lines fields (``event`` ``"straggler"``, one object per report, same file as
-    MetricsCallback): ``step``, ``time``, ``world_size``, ``forward_s_per_rank`` (forward seconds
-    per optimizer step), ``step_time_s_per_rank`` (wall seconds per optimizer step),
-    ``hosts`` (host name of each rank), ``median_forward_s`` (of the ranks other than the slowest),
+    MetricsCallback): ``step``, ``time``, ``world_size``, ``window_steps`` (the optimizer steps the
+    report covers), ``forward_s_per_rank`` (forward seconds per optimizer step),
+    ``step_time_s_per_rank`` (wall seconds per optimizer step), ``hosts`` (each rank's node: its
+    name in the launch, ``$HFSCALE_HOST``, else the host name), ``median_forward_s`` (of the ranks
+    other than the slowest),
     ``slowest_rank``, ``slowest_host``, ``ratio`` (slowest / that median), ``threshold``,
     ``straggler`` (ratio > threshold). Logged values:
     ``hfscale/straggler_ratio`` and ``hfscale/slowest_rank``.
@@ -287,14 +287,8 @@ class StragglerCallback(_Reporter):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
-        _, world = collectives.rank_world()
-        host = socket.gethostname()
-        if world > 1:
-            hosts: list[Any] = [None] * world
-            dist.all_gather_object(hosts, host)  # once per train() call, not per step
-            self.hosts = [str(h) for h in hosts]
-        else:
-            self.hosts = [host]
+        # once per train() call, not per step; the node's name as hfscale launched it (else the host name)
+        self.hosts = [str(h) for h in collectives.gather_objects(collectives.host())]
         self._remove_hooks()
         if model is not None:
             # looked up once: a per-forward next(parameters()) costs more than the timing itself
@@ -362,6 +356,7 @@ class StragglerCallback(_Reporter):
             "step": state.global_step,
             "time": time.time(),
             "world_size": len(rows),
+            "window_steps": self._window_steps,
             "forward_s_per_rank": fwd,
             "step_time_s_per_rank": wall,
             "hosts": self.hosts,

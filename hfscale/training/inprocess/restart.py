@@ -38,6 +38,7 @@ from typing import Any, Callable
 from hfscale.core import exitcodes
 from hfscale.training.heartbeat import begin_attempt
 from hfscale.training.loss_guard import LossAlarm
+from hfscale.training.slow_nodes import SlowNodeStop
 from hfscale.training.inprocess.assignment import (Assigned, Members, Relaunch, Replaced, assign, changes, decode,
                                                   encode, first)
 
@@ -333,6 +334,9 @@ def _attempts(fn: Callable[[Attempt], int], s: Session, tell: Callable[[str], No
                 raise
             except LossAlarm:  # every rank stopped at one step, nothing lost: a relaunch rolls back (its record says)
                 tell("hfscale: no in-process restart: the loss guard stopped training; the job is relaunched")
+                return RELAUNCH_EXIT
+            except SlowNodeStop:  # every rank stopped after a checkpoint: the relaunch replaces the slow node
+                tell("hfscale: no in-process restart: a slow node is replaced; the job is relaunched")
                 return RELAUNCH_EXIT
             except Exception as e:  # noqa: BLE001 - any failure of an attempt is restarted, within max_restarts
                 ended = time.time()
