@@ -122,7 +122,7 @@ class FakeTrainer:
     def train(self):
         from transformers import TrainerControl, TrainerState
 
-        state, control = TrainerState(), TrainerControl()
+        state, control = TrainerState(max_steps=getattr(self, "max_steps", 0)), TrainerControl()
         straggler, slow = self.callback_handler.callbacks
         for step in range(1, 30):
             state.global_step = step
@@ -165,6 +165,10 @@ def test_the_callback_stops_at_the_next_checkpoint_and_train_raises(monkeypatch,
     unsaved = watched(saves=())
     attach(unsaved, settings)
     assert unsaved.train() == "trained"  # no save after the verdict: training ends as it would
+    last = watched(saves=(29,))
+    attach(last, settings)
+    last.max_steps = 29
+    assert last.train() == "trained"  # the verdict's next save is the last step's: the job ends, no relaunch
 
 
 def test_the_supervisor_reads_only_a_record_that_names_one_of_its_hosts(tmp_path):

@@ -197,7 +197,7 @@ def recovery_findings(job: Job) -> tuple[Found, Found]:
     return problems, warnings + _checkpoint_warnings(job)
 
 
-SLOW_NODE_RUNNERS = ("pdsh", "slurm")
+SLOW_NODE_RUNNERS = ("pdsh",)  # slurm: a supervised job's free spares are not yet known to its ranks
 
 
 def slow_nodes_unwatched(job: Job) -> str | None:

@@ -67,7 +67,8 @@ class SlowNodeCallback(TrainerCallback):
                   "replace it", flush=True)
 
     def on_save(self, args, state, control, **kwargs):
-        if self.verdict is not None and self.stopped_at is None:
+        last = bool(state.max_steps) and state.global_step >= state.max_steps  # training ends there anyway
+        if self.verdict is not None and self.stopped_at is None and not last:
             self.stopped_at = state.global_step
             control.should_training_stop = True
             # for the supervisor, as the ranks stop (not at the verdict: a failure before this checkpoint is that)
