@@ -196,7 +196,7 @@ def job(recovery: str, nodes: int = 3, spare: bool = True, runner: str = "pdsh")
     return load_text(textwrap.dedent(f"""\
         name: x
         cluster: {{hosts: [{hosts}]}}
-        runner: {{type: {runner}}}
+        runner: {runner if runner.startswith("{") else "{type: " + runner + "}"}
         batch: {{micro_batch_size: 1, global_batch_size: 6}}
         recovery: {recovery}
         training: {{max_steps: 100, save_steps: 50}}
@@ -215,6 +215,8 @@ def test_watched_only_where_a_slow_node_can_be_replaced():
         "off: no spare to take a slow node's place, and recovery.min_nodes does not let the job shrink")
     assert slow_nodes_unwatched(job("{max_restarts: 2, min_nodes: 3}", spare=False)).startswith("off: no spare")
     assert slow_nodes_unwatched(job("{max_restarts: 0}")).startswith("off: recovery is off")
+    assert slow_nodes_unwatched(job("{max_restarts: 2}", runner="{type: pdsh_docker, docker: {image: x}}")) == (
+        "off: runner pdsh_docker (watched with runner pdsh so far)")
     assert slow_nodes_unwatched(job("{max_restarts: 2, slow_nodes: {enabled: false}}")) == (
         "off (recovery.slow_nodes.enabled: false)")
     assert slow_nodes_unwatched(job("{max_restarts: 2, spares: 1}", nodes=1)) == (

@@ -210,7 +210,7 @@ def slow_nodes_unwatched(job: Job) -> str | None:
     if not r.max_restarts:
         return "off: recovery is off (recovery.max_restarts: 0) and only a relaunch replaces a node"
     if job.config.runner.type not in SLOW_NODE_RUNNERS:
-        return f"off: runner {job.config.runner.type} (watched with runners {' and '.join(SLOW_NODE_RUNNERS)})"
+        return f"off: runner {job.config.runner.type} (watched with runner {' or '.join(SLOW_NODE_RUNNERS)} so far)"
     if job.num_nodes < 2:
         return "off: one node, no other to compare it with"
     if job.config.training.script is not None and job.config.training.pass_args == "none":
