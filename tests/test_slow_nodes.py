@@ -216,7 +216,7 @@ def test_watched_only_where_a_slow_node_can_be_replaced():
     assert slow_nodes_unwatched(job("{max_restarts: 2, min_nodes: 3}", spare=False)).startswith("off: no spare")
     assert slow_nodes_unwatched(job("{max_restarts: 0}")).startswith("off: recovery is off")
     assert slow_nodes_unwatched(job("{max_restarts: 2}", runner="{type: pdsh_docker, docker: {image: x}}")) == (
-        "off: runner pdsh_docker (watched with runner pdsh so far)")
+        "off: runner pdsh_docker (watched with runners pdsh and slurm)")
     assert slow_nodes_unwatched(job("{max_restarts: 2, slow_nodes: {enabled: false}}")) == (
         "off (recovery.slow_nodes.enabled: false)")
     assert slow_nodes_unwatched(job("{max_restarts: 2, spares: 1}", nodes=1)) == (
@@ -225,12 +225,38 @@ def test_watched_only_where_a_slow_node_can_be_replaced():
         job("{max_restarts: 2, slow_nodes: {factor: 1}}")
 
 
-def test_the_ranks_attach_the_watch_as_the_job_allows():
+def test_each_attempt_tells_its_ranks_whether_they_watch():
+    """The launch decides from the attempt's own hosts and free spares (a supervised Slurm job's ranks read a
+    YAML copy that still counts its spares as configured) and tells the ranks in $HFSCALE_SLOW_NODES."""
+    from hfscale.launch.context import LaunchContext
+    from hfscale.launch.node.command import rank_env
+    from hfscale.launch.runners.slurm_step import in_allocation
+    from hfscale.rules.relaunch import job_on
     from hfscale.training.instrument import choose
+    from hfscale.training.slow_nodes import ENV_WATCH
 
+    ctx = LaunchContext.of("/work", "/py", "20261130-000000-abcdef", {})
     j = job("{max_restarts: 2, slow_nodes: {factor: 3, window: 9, windows: 4}}")
-    assert choose(j).slow_nodes == j.config.recovery.slow_nodes
-    assert choose(job("{max_restarts: 2}", spare=False)).slow_nodes is None
+    assert rank_env(j, "/runs/x", ctx).get(ENV_WATCH) == "1"
+    assert choose(j, env={ENV_WATCH: "1"}).slow_nodes == j.config.recovery.slow_nodes
+    assert choose(j, env={}).slow_nodes is None  # the launch did not say so (or outside hfscale launch)
+    no_spare = job("{max_restarts: 2}", spare=False)
+    assert ENV_WATCH not in rank_env(no_spare, "/runs/x", ctx)
+    used_up = job_on(j, j.hosts, ())  # the spare took a place: the next attempt has none
+    assert ENV_WATCH not in rank_env(used_up, "/runs/x", ctx)
+    slurm = load_text(textwrap.dedent("""\
+        name: x
+        cluster: {num_nodes: 3, nproc_per_node: 1}
+        runner: {type: slurm}
+        batch: {micro_batch_size: 1, global_batch_size: 3}
+        recovery: {max_restarts: 3, spares: 1}
+        """), "t.yaml", Path("."))
+    assert slow_nodes_unwatched(slurm) is None  # as written: 1 spare asked of the allocation
+    inside = in_allocation(slurm, ("n0", "n1", "n2", "n3"))
+    assert rank_env(inside, "/runs/x", ctx).get(ENV_WATCH) == "1"
+    by = {h.host: h for h in inside.hosts + inside.spares}
+    replaced = job_on(inside, (by["n0"], by["n3"], by["n2"]), ())  # n3 in n1's place, none left
+    assert replaced.config.recovery.spares == 1 and ENV_WATCH not in rank_env(replaced, "/runs/x", ctx)
 
 
 def slow(host: str) -> Fault:

@@ -9,6 +9,10 @@ there, and the supervisor puts the spare in node1's place: nothing recomputed (t
 from the step the ranks stopped at), every step's loss equal to the uninterrupted run's, and the step
 time back near the pace before node1 was throttled. bench/bench_slow_node.py measures the same against
 an unthrottled run.
+
+The same inside a Slurm allocation (tests/test_recovery_slurm.py's job: 3 nodes and 1 spare, hfscale's
+supervisor on the batch host, each attempt one srun step): the attempt tells its ranks they watch
+($HFSCALE_SLOW_NODES, from the attempt's free spares), and the allocation's spare takes node1's place.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import yaml
 
 from cluster import leftover_processes, throttled
 from conftest import ROOT
+from test_recovery_slurm import slurm_config, submit, wait_for as wait_in_slurm, output, _training_after
 from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.runs.goodput import goodput
 from test_recovery_cluster import (_attempt_training, _step, largest_loss_difference, launched, run_dir_of,
@@ -104,3 +109,41 @@ def test_a_throttled_node_is_replaced_by_the_spare_at_the_next_checkpoint(make_c
     assert "slow         attempt 0: node1 is slow" in status.stdout, status.stdout
     assert "replaced     node3 replaced node1 at +" in status.stdout
     assert leftover_processes(cluster, timeout=20, contains=str(tmp_path)) == {}
+
+
+def test_a_throttled_node_of_a_slurm_allocation_is_replaced_by_its_spare(make_slurm, tmp_path, uninterrupted_losses):
+    slurm = make_slurm(4)
+    out = tmp_path / "out"
+    config = slurm_config(tmp_path, out, 29942, nodes=3, spares=1, max_steps=STEPS)
+    doc = yaml.safe_load(config.read_text())
+    doc["recovery"]["slow_nodes"] = SLOW
+    doc["training"]["save_steps"] = 5
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    (tmp_path / "slow").unlink()  # the Slurm tests' 0.25 s after each step: not here, the throttle is the slowness
+    job, run = submit(slurm, config)
+    try:
+        wait_in_slurm(f"step {THROTTLE_AT}", lambda: _step(run) >= THROTTLE_AT, slurm, job, timeout=600, run=run)
+        with throttled(slurm.cluster, "node1", SHARE):
+            throttled_at = _step(run)
+            wait_in_slurm("the relaunch training", lambda: _training_after(run, 0), slurm, job, run=run)
+        info = slurm.wait(job, timeout=600)
+    finally:
+        slurm.run("scancel", job, check=False)
+    text = output(run, job)
+    assert info["JobState"] == "COMPLETED", text[-6000:]
+    events = read_timeline(run).events
+    for e in events:
+        print(e.model_dump(exclude_none=True))
+    failures = [e for e in events if e.kind == "failure"]
+    relaunches = [e for e in events if e.kind == "relaunch"]
+    assert [(e.cause, e.host) for e in failures] == [("slow", "node1")], text[-6000:]
+    assert relaunches[0].hosts == ["node0", "node3", "node2"] and relaunches[0].world_size == 3, relaunches[0]
+    stop = failures[0].step
+    assert stop is not None and stop % 5 == 0 and stop > throttled_at and relaunches[0].resume_step == stop
+    assert largest_loss_difference(out, STEPS, uninterrupted_losses) < 1e-3
+    times = step_times(out)
+    before = statistics.median(t for s, t in times.items() if 3 <= s <= throttled_at)
+    after = statistics.median(t for s, t in times.items() if s > stop + 2)
+    print(f"step time: {before:.3f} s before node1 was throttled, {after:.3f} s after node3 took its place")
+    assert after < 1.3 * before
+    assert slurm.run("squeue", "-h").stdout.strip() == ""

@@ -197,25 +197,27 @@ def recovery_findings(job: Job) -> tuple[Found, Found]:
     return problems, warnings + _checkpoint_warnings(job)
 
 
-SLOW_NODE_RUNNERS = ("pdsh",)  # slurm: a supervised job's free spares are not yet known to its ranks
+SLOW_NODE_RUNNERS = ("pdsh", "slurm")
 
 
 def slow_nodes_unwatched(job: Job) -> str | None:
-    """Why the ranks of ``job`` (as it runs now: its free spares) do not watch for a slow node
+    """Why the ranks of ``job`` (as an attempt runs it: its free spares) do not watch for a slow node
     (recovery.slow_nodes, hfscale.training.slow_nodes); None when they do: a slow node can be replaced,
-    by a spare or by the job shrinking (recovery.min_nodes)."""
+    by a spare or by the job shrinking (recovery.min_nodes). The launch tells the ranks
+    (hfscale.launch.node.command.rank_env); check says it of the job as written."""
     r = job.config.recovery
     if not r.slow_nodes.enabled:
         return "off (recovery.slow_nodes.enabled: false)"
     if not r.max_restarts:
         return "off: recovery is off (recovery.max_restarts: 0) and only a relaunch replaces a node"
     if job.config.runner.type not in SLOW_NODE_RUNNERS:
-        return f"off: runner {job.config.runner.type} (watched with runner {' or '.join(SLOW_NODE_RUNNERS)} so far)"
+        return f"off: runner {job.config.runner.type} (watched with runners {' and '.join(SLOW_NODE_RUNNERS)})"
     if job.num_nodes < 2:
         return "off: one node, no other to compare it with"
     if job.config.training.script is not None and job.config.training.pass_args == "none":
         return "off: a plain loop (pass_args: none) has no Trainer to time"
-    spares = len(job.spares) or (r.spares or 0 if job.scheduled else 0)
+    # a Slurm job's spares are named inside its allocation (hfscale.launch.runners.slurm_step), counted before
+    spares = r.spares or 0 if job.scheduled and not job.hosts else len(job.spares)
     if not spares and (r.min_nodes is None or job.num_nodes - 1 < r.min_nodes):
         return "off: no spare to take a slow node's place, and recovery.min_nodes does not let the job shrink"
     return None

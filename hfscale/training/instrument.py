@@ -19,8 +19,8 @@ Under ``hfscale launch`` (``$HFSCALE_CONFIG`` names the run's copy of the YAML) 
   ``ProgressCallback`` (the hang watchdog's steps, the terminal's progress line) and
   ``DataStateCallback`` (a streaming ``datasets.IterableDataset`` resumes from the position saved with
   the checkpoint instead of being replayed: hfscale.training.callbacks.data_state) always;
-- ``SlowNodeCallback`` when a slow node can be replaced (``recovery.slow_nodes``, a spare or
-  ``recovery.min_nodes``: hfscale.rules.recovery.slow_nodes_unwatched): a node found slow stops the job
+- ``SlowNodeCallback`` when the launch can replace a slow node (``recovery.slow_nodes``, a spare or
+  ``recovery.min_nodes``: hfscale.rules.recovery.slow_nodes_unwatched, said in ``$HFSCALE_SLOW_NODES``): a node found slow stops the job
   at its next checkpoint, and the relaunch replaces it (hfscale.training.callbacks.slow_nodes);
 - ``LossGuardCallback`` as ``training.loss_guard`` says (on by default: a loss spike or a NaN stops
   training without saving, for a rollback: hfscale.training.callbacks.loss_guard).
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from hfscale.checkpoints.resume import latest_checkpoint
 
@@ -62,16 +62,19 @@ class Chosen:
     slow_nodes: Any = None  # recovery.slow_nodes when the job watches for a slow node (None: it does not)
 
 
-def choose(job: Job | None, seq_len: int | None = None) -> Chosen:
+def choose(job: Job | None, seq_len: int | None = None, env: Mapping[str, str] = os.environ) -> Chosen:
     """The callbacks ``job`` asks for (None: outside hfscale launch, the defaults); ``seq_len``:
-    the caller's tokens per sample, which the built-in entry point's block size replaces."""
+    the caller's tokens per sample, which the built-in entry point's block size replaces. The
+    slow-node watch where the launch said this attempt can replace a slow node (``env``: its
+    ``HFSCALE_SLOW_NODES``, set from the attempt's own hosts and spares, which the YAML copy a
+    supervised Slurm job's ranks read does not have)."""
     if job is None:
         return Chosen(seq_len=seq_len)
-    from hfscale.rules.recovery import slow_nodes_unwatched
+    from hfscale.training.slow_nodes import ENV_WATCH
 
     t = job.config.training
     kinds = tuple(k for k in KINDS if k != "stragglers" or job.world_size > 1)
-    slow = job.config.recovery.slow_nodes if "stragglers" in kinds and slow_nodes_unwatched(job) is None else None
+    slow = job.config.recovery.slow_nodes if "stragglers" in kinds and env.get(ENV_WATCH) == "1" else None
     return Chosen(kinds, t.data.block_size if t.script is None else seq_len, t.peak_tflops,
                   job.config.precision != "no", t.async_save, t.loss_guard, slow)
 

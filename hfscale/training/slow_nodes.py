@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
+ENV_WATCH = "HFSCALE_SLOW_NODES"  # "1": this attempt can replace a slow node, so its ranks watch (hfscale launch sets it)
+
+
 class SlowNodeStop(RuntimeError):
     """A slow node's ranks and every other stopped after a complete checkpoint, to replace it (raised out of
     ``trainer.train()`` on every rank); rank 0's ``progress/metrics.json`` names the node."""

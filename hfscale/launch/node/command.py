@@ -15,10 +15,12 @@ from hfscale.core.shell import Cat, Secret, Word
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.run_dir import CONFIG_COPY, STORE_ADDR
 from hfscale.render.artifacts import ACCELERATE_FILE, DEEPSPEED_FILE
+from hfscale.rules.recovery import slow_nodes_unwatched
 from hfscale.rules.resolved import Job
 from hfscale.rules.script import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
 from hfscale.training.heartbeat import FLIGHT_DIR
 from hfscale.training.inprocess.restart import ENV_JOIN, ENV_RESTARTS, ENV_TIMEOUT
+from hfscale.training.slow_nodes import ENV_WATCH
 
 BUILTIN_ENTRY = "hfscale.training.train"
 def restarts(job: Job) -> int:
@@ -192,6 +194,8 @@ def rank_env(job: Job, run_dir: str, ctx: LaunchContext) -> dict[str, str | Secr
         env[ENV_JOIN] = str(IN_PROCESS_JOIN_S)
         if job.config.watchdog.timeout is not None:  # a collective waits this long for a frozen or cut-off peer
             env[ENV_TIMEOUT] = str(job.config.watchdog.timeout)
+    if slow_nodes_unwatched(job) is None:  # this attempt can replace a slow node (its free spares, its min_nodes)
+        env[ENV_WATCH] = "1"
     if restarts(job):
         # restarted workers reconnecting through a shared rendezvous store fail intermittently
         # with gloo (pytorch/pytorch#135712); a separate store per round avoids it
