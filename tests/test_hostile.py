@@ -62,7 +62,8 @@ PDSH = {
                  "probe_excluded": True, "spares": 0,
                  # run by the health gate on each node as one quoted argument (the stand-in python never runs it):
                  # a payload here that creates the marker got out of its quotes
-                 "health_check": {"command": "test -w /scratch", "timeout": 30}},
+                 "health_check": {"command": "test -w /scratch", "timeout": 30},
+                 "slow_nodes": {"enabled": True, "factor": 2.0, "window": 30, "windows": 2}},
     "precision": "bf16",
     "batch": {"micro_batch_size": 1, "gradient_accumulation_steps": 2},
     "gradient_clipping": 1.0,
