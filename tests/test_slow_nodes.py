@@ -56,6 +56,8 @@ def test_even_jobs_recorded_in_ci_are_never_found_slow(settings):
     print(f"{settings}: {len(ratios)} windows closed, largest ratio {max(ratios, default=0):.2f}")
     if settings.window_s <= 10:
         assert ratios and max(ratios) <= settings.factor  # windows did close, all under the factor
+    # as docs/recovery.md quotes them: the largest window of 5, 10 and 60 s
+    assert round(max(ratios), 2) == {5: 1.75, 10: 1.38, 60: 1.14}[int(settings.window_s)]
 
 
 def test_one_report_alone_is_noise_here():
@@ -65,7 +67,7 @@ def test_one_report_alone_is_noise_here():
         watch = SlowNodeWatch(SlowSettings(factor=1.5, window_s=1e-9, windows=1000))
         replay(watch, reports)
         worst = max([worst] + [w.ratio for w in watch.closed])
-    assert worst > 3
+    assert 6.3 < worst < 6.4  # docs/recovery.md and tests/data/straggler/README.md quote it
 
 
 def even(n: int = 3, fwd: float = 0.01) -> list[float]:

@@ -25,6 +25,6 @@ class SlowNodesConfig(Strict):
                           "more than this many times the other nodes' median over a window.")
     window: int = Field(60, ge=1, le=86_400, description="Seconds of training per window (whole straggler reports: "
                         "every training.logging_steps steps). Short windows on a loaded machine are noise: on the "
-                        "2-core test machine, even jobs' windows of 10 s reached 2.2x.")
+                        "2-core test machine, even jobs' windows of 5 s reached 1.75x.")
     windows: int = Field(3, ge=1, le=1000, description="Windows running in which the same node is slow before it is "
                          "replaced, at the job's next checkpoint (nothing is recomputed).")

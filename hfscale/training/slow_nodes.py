@@ -8,8 +8,8 @@ slowest rank's; the slowest node's ratio is its time over the median of the othe
 ``factor`` in ``windows`` windows running is slow: :class:`SlowNode`.
 
 One report is too short to judge: on the 2-core test machine, reports of one step from even jobs put
-a node at up to 6.3x the others (a rank preempted for a few milliseconds); summed over windows of 10 s
-the largest was 2.2x, over 20 s 1.4x (tests/data/straggler/, tests/test_slow_nodes.py).
+a node at up to 6.3x the others (a rank preempted for a few milliseconds); summed over windows of 5 s the
+largest was 1.75x, over 10 s 1.38x (tests/data/straggler/, replayed by tests/test_slow_nodes.py).
 
 Pure and standard library only. Every rank runs the same judgement on the same gathered numbers, so
 all reach the same verdict at the same report and stop at the same checkpoint.
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-ENV_WATCH = "HFSCALE_SLOW_NODES"  # "1": this attempt can replace a slow node, so its ranks watch (hfscale launch sets it)
+# "1": this attempt can replace a slow node, so its ranks watch (hfscale.launch.node.command.rank_env sets it)
+ENV_WATCH = "HFSCALE_SLOW_NODES"
 
 
 class SlowNodeStop(RuntimeError):

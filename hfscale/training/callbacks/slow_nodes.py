@@ -4,10 +4,11 @@ It reads the StragglerCallback's reports (every rank gathers the same numbers in
 of its own) into hfscale.training.slow_nodes.SlowNodeWatch. On the verdict rank 0 says so; training
 goes on to the next checkpoint the job saves anyway. Once it is saved, rank 0 puts the node in
 ``progress/metrics.json`` (``slow``, ``slow_host``: hfscale.training.heartbeat.report), where the
-supervisor reads it when the attempt has ended (hfscale.launch.recovery.slow_stops), and every rank stops (the Trainer's own stop: its end-of-training
-callbacks run, asynchronous writes finish), and ``trainer.train()`` raises
-:class:`~hfscale.training.slow_nodes.SlowNodeStop` on every rank, so that a user's script does not go
-on as if training had ended. The relaunch resumes from that checkpoint: nothing is recomputed.
+supervisor reads it when the attempt has ended (hfscale.launch.recovery.slow_stops); every rank stops
+(the Trainer's own stop: its end-of-training callbacks run, asynchronous writes finish), and
+``trainer.train()`` raises :class:`~hfscale.training.slow_nodes.SlowNodeStop` on every rank, so that a
+user's script does not go on as if training had ended. The relaunch resumes from that checkpoint:
+nothing is recomputed. A verdict whose next save is the last step's changes nothing: the job ends there.
 """
 
 from __future__ import annotations
