@@ -19,8 +19,9 @@ from hfscale.config.base import Strict
 class SlowNodesConfig(Strict):
     """When a node is slow enough, for long enough, to be replaced."""
 
-    enabled: bool = Field(True, description="Watch for slow nodes when recovery is on, the job has more than one "
-                          "node and a spare or recovery.min_nodes lets one be replaced (check says whether it is watched).")
+    enabled: bool = Field(True, description="Watch for slow nodes when recovery is on (runners pdsh and slurm), the "
+                          "job has more than one node and a spare or recovery.min_nodes lets one be replaced (check "
+                          "says whether it is watched).")
     factor: float = Field(1.5, gt=1.0, le=1000.0, description="A node is slow when its ranks' forward passes take "
                           "more than this many times the other nodes' median over a window.")
     window: int = Field(60, ge=1, le=86_400, description="Seconds of training per window (whole straggler reports: "
