@@ -42,15 +42,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from cluster import start_cluster, stop_cluster, throttled  # noqa: E402
 from hfscale.launch.recovery.timeline import read_timeline  # noqa: E402
 from test_recovery_cluster import _step, train_config  # noqa: E402
-
-
-def step_times(out: Path) -> dict[int, float]:
-    found = {}
-    for line in (out / "hfscale_metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r.get("event") == "metrics" and r.get("step_time_s") is not None:
-            found[r["step"]] = r["step_time_s"]
-    return found
+from test_slow_nodes_cluster import step_times  # noqa: E402
 
 
 def median(times: dict[int, float], lo: int, hi: float) -> float:
