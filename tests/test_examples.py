@@ -151,17 +151,23 @@ def test_existing_script_example(tmp_path):
 
 
 def _workers(job_id: str) -> list[int]:
-    """PIDs of this job's training processes (their environment carries the job id)."""
+    """PIDs of this job's training processes: the Python processes (carrying the job id in the environment
+    they started with) that the node's launcher, torchrun, started, as new interpreters or forked from it
+    (runner.warm_start), the keeper's shell it also holds excluded."""
+    def read(pid: str, name: str) -> bytes:
+        try:
+            return (Path("/proc") / pid / name).read_bytes()
+        except OSError:
+            return b""
+
     pids = []
     for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
+        if not p.name.isdigit() or f"HFSCALE_JOB_ID={job_id}".encode() not in read(p.name, "environ").split(b"\0"):
             continue
-        try:
-            env = (p / "environ").read_bytes().split(b"\0")
-            cmd = (p / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"HFSCALE_JOB_ID={job_id}".encode() in env and b"hfscale.training.train" in cmd and b"torch.distributed.run" not in cmd:
+        stat = read(p.name, "stat")
+        parent = stat[stat.rfind(b")") + 2:].split()[1].decode() if b")" in stat else ""
+        argv0 = read(p.name, "cmdline").split(b"\0")[0]
+        if b"python" in Path(argv0.decode(errors="replace")).name.encode() and b"torch.distributed.run" in read(parent, "cmdline"):
             pids.append(int(p.name))
     return pids
 

@@ -104,8 +104,9 @@ def test_fp8_with_deepspeed_is_what_accelerate_builds_and_the_trainer_accepts(tm
     assert not {"bf16", "fp16"} & set(deepspeed_config(job))
     ctx = LaunchContext.of("/work", "py", "20261122-120000-abcdef", {})
     argv = launcher_argv(job, "py", "/run", ctx, Rendezvous(rank="0"))
-    assert argv[:7] == ["py", "-m", "accelerate.commands.launch", "--config_file", "/run/accelerate_config.yaml",
-                        "--mixed_precision", "fp8"]
+    assert argv[:10] == ["py", "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed,builtin",
+                         "accelerate.commands.launch", "--config_file", "/run/accelerate_config.yaml",
+                         "--mixed_precision", "fp8"]
     env = _launch(monkeypatch, path, "--mixed_precision", "fp8")
     assert (env["ACCELERATE_MIXED_PRECISION"], env["ACCELERATE_FP8_BACKEND"]) == ("fp8", "MSAMP")
     plugin = DeepSpeedPlugin()  # as the Accelerator builds it from the environment (its own checks included)

@@ -98,7 +98,10 @@ def test_without_py_spy_faulthandler_writes_the_stacks(tmp_path):
     r, _, run_dir = run_hang(hang_config(tmp_path, "stall", 1, 3, 29684, python=str(bindir / "python")), env)
     assert r.returncode == 4, r.stdout[-3000:] + r.stderr[-2000:]
     assert "hang: rank 1 on " in r.stdout and "stuck_here (dist_probe.py:" in r.stdout
-    stacks = sorted(p.name for p in (run_dir / "stacks").iterdir())
+    stacks = sorted(p.name for p in (run_dir / "stacks").iterdir() if not p.name.startswith("pid-"))
     assert stacks == ["rank-0.fh", "rank-0.fifo", "rank-1.fh", "rank-1.fifo"]  # no py-spy output
+    # the ranks were forked by the warm launcher (runner.warm_start): each noted its rank under its pid
+    assert sorted((run_dir / "stacks" / n).read_text().split()[0] for n in os.listdir(run_dir / "stacks")
+                  if n.startswith("pid-")) == ["0", "1"]
     assert 'line' in (run_dir / "stacks" / "rank-1.fh").read_text()
     assert_clean(run_dir)

@@ -96,7 +96,8 @@ POD_A = {
             "image": "registry.example.com/team/train:2026.11",
             "imagePullPolicy": "IfNotPresent",
             "command": [
-                "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
+                "python", "-m", "hfscale.training.warm_launcher", "--preload", "accelerate,deepspeed",
+                "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(MASTER_ADDR):$(MASTER_PORT)", "--rdzv-id", JOB_ID,
                 "--max-restarts", "2", "-m", "hfscale.training.run_script", "--plain",
                 "train.py", "--note", "$$$$(HOME) x; rm -rf /", "--lr", "1e-3", "y",
@@ -171,7 +172,8 @@ def test_elastic_builtin_entry_exact():
                 "image": "train:1",
                 "imagePullPolicy": "IfNotPresent",
                 "command": [
-                    "python", "-m", "torch.distributed.run", "--nnodes", "1:4", "--nproc_per_node", "4",
+                    "python", "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed,builtin",
+                    "torch.distributed.run", "--nnodes", "1:4", "--nproc_per_node", "4",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", "$(PET_RDZV_ENDPOINT)", "--rdzv-id", JOB_ID,
                     "--max-restarts", "5",
                     "-m", "hfscale.training.train", "--config", "/etc/hfscale/config.yaml",
@@ -258,6 +260,9 @@ spec:
             command:
             - python
             - -m
+            - hfscale.training.warm_launcher
+            - --preload
+            - "accelerate,deepspeed"
             - accelerate.commands.launch
             - --config_file
             - /etc/hfscale/accelerate_config.yaml
@@ -315,8 +320,8 @@ def test_one_node_has_no_worker_and_renders_exact_yaml():
 def test_accelerate_on_several_nodes_takes_rank_and_master_from_the_operator():
     job = job_of(ONE_NODE.replace("cluster: {nproc_per_node: 2}", "cluster: {num_nodes: 3, nproc_per_node: 2}"))
     assert launcher_command(job, CTX) == [
-        "python", "-m", "accelerate.commands.launch", "--config_file", "/etc/hfscale/accelerate_config.yaml",
-        "--machine_rank", "$(RANK)", "--main_process_ip", "$(MASTER_ADDR)", "--main_process_port", "$(MASTER_PORT)",
+        "python", "-m", "hfscale.training.warm_launcher", "--preload", "accelerate,deepspeed",
+        "accelerate.commands.launch", "--config_file", "/etc/hfscale/accelerate_config.yaml", "--machine_rank", "$(RANK)", "--main_process_ip", "$(MASTER_ADDR)", "--main_process_port", "$(MASTER_PORT)",
         "--module", "hfscale.training.run_script", "--plain", "train.py",
     ]
     specs = manifests(job)[-1]["spec"]["pytorchReplicaSpecs"]
@@ -445,7 +450,8 @@ def test_kubernetes_expands_only_hfscales_own_references():
     expanded = [k8s_expand(w, pod_env) for w in container["command"]]
     entry = expanded.index("train.py")
     assert expanded[:entry] == [
-        "python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
+        "python", "-m", "hfscale.training.warm_launcher", "--preload", "accelerate,deepspeed",
+        "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"llama-sft-{JOB_ID}-master-0:29400", "--rdzv-id", JOB_ID,
         "--max-restarts", "2", "-m", "hfscale.training.run_script", "--plain"]
     # torchrun's own expansion of the worker's arguments ($$, ${local_rank}) is the last step

@@ -38,7 +38,7 @@ LOCAL = """
 
 def test_local_accelerate_plan_exact():
     plan = build_plan(job_of(LOCAL), CTX)
-    launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
+    launcher = (f"/opt/py/bin/python -m hfscale.training.warm_launcher --preload accelerate,deepspeed accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
                 "--module hfscale.training.run_script --plain train.py --epochs 2")
     # a shell starts the node's keeper (it stops the job when the launcher's heartbeat stops), then
     # becomes the launcher: its pid and exit status are main's
@@ -71,7 +71,8 @@ def test_local_accelerate_plan_exact():
 def test_local_torchrun_and_builtin_entry():
     job = job_of("name: demo\ncluster: {nproc_per_node: 4}\nrunner: {launcher: torchrun}\nbatch: {micro_batch_size: 1}\n")
     assert launcher_argv(job, "py", RUN, CTX, Rendezvous(rank="0")) == [
-        "py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "4", "--node_rank", "0",
+        "py", "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed,builtin",
+        "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "4", "--node_rank", "0",
         "--master_addr", "127.0.0.1", "--master_port", "29500", "-m", "hfscale.training.train", "--config", f"{RUN}/config.yaml",
     ]
     acc = job_of("name: demo\nbatch: {micro_batch_size: 1}\n")
@@ -122,7 +123,7 @@ def test_pdsh_plan_exact():
     """No value of the job on any command line: pdsh reads the hosts from a file, every node sources
     the environment and its own rank from files only you can read."""
     plan = build_plan(job_of(PDSH), CTX)
-    launcher = (f"/opt/py/bin/python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
+    launcher = (f"/opt/py/bin/python -m hfscale.training.warm_launcher --preload accelerate,deepspeed accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
                 "--machine_rank \"$HFSCALE_NODE_RANK\" --module hfscale.training.run_script --plain train.py "
                 "--name 'x; rm -rf /'")
     # the node's keeper: stops the node's job (as the cleanup does) when the launcher's heartbeat stops
@@ -351,7 +352,8 @@ def test_pdsh_docker_plan_exact():
         "--device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1:-1 "
         "-v /data:/data:ro -v /ckpt:/ckpt " + " ".join(f"-e {n}" for n in names) +
         " -w /code --ulimit nofile=4096:4096 registry.local/train:1.0 "
-        f"python -m accelerate.commands.launch --config_file {RUN}/accelerate_config.yaml "
+        f"python -m hfscale.training.warm_launcher --preload accelerate,deepspeed accelerate.commands.launch "
+        f"--config_file {RUN}/accelerate_config.yaml "
         '--machine_rank "$HFSCALE_NODE_RANK" --module hfscale.training.run_script --plain train.py'
     )
     assert "x y" not in script and "A='x y'" in dict(plan.private)["env.sh"].real  # values never on an argv
@@ -393,7 +395,8 @@ def test_restarts_use_a_c10d_rendezvous_with_the_job_id():
     job = job_of("name: r\ncluster: {nproc_per_node: 2}\nrunner: {launcher: torchrun, max_restarts: 2}\n"
                  "batch: {micro_batch_size: 1}\ntraining: {script: t.py, pass_args: none}\n")
     plan = build_plan(job, CTX)
-    assert tuple(plan.nodes[0].command.items) == ("/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "1",
+    assert tuple(plan.nodes[0].command.items) == ("/opt/py/bin/python", "-m", "hfscale.training.warm_launcher",
+                              "--preload", "accelerate,deepspeed", "torch.distributed.run", "--nnodes", "1",
                               "--nproc_per_node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",
                               "--rdzv-id", "20261122-120000-abcdef", "--max-restarts", "2", "-m",
                               "hfscale.training.run_script", "--plain", "t.py")

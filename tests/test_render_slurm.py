@@ -62,7 +62,7 @@ on_notice() {{ preempted=1; echo "hfscale: preemption notice, the ranks save and
 trap on_notice USR1
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --label bash -c 'cd /work && /opt/py/bin/python -m \
 hfscale.launch.node.health_gate --slots 4 && exec /opt/py/bin/python -m \
-torch.distributed.run --nnodes 2 --nproc_per_node 4 --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" \
+hfscale.training.warm_launcher --preload accelerate,deepspeed torch.distributed.run --nnodes 2 --nproc_per_node 4 --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" \
 --master_port 29600 -m hfscale.training.run_script --plain train.py --note '"'"'it'"'"'"'"'"'"'"'"'s $$5'"'"'' &
 step=$!
 # wait returns early when a trapped signal arrives: wait again until the step has ended
@@ -151,4 +151,4 @@ def test_setup_runs_on_every_node_before_the_launcher():
                    "batch: {micro_batch_size: 1}\n")
     srun = next(line for line in dict(plan.files)["job.sbatch"].splitlines() if line.startswith("srun "))
     assert ("bash -c 'cd /work && { source /opt/venv/bin/activate ; } && /opt/py/bin/python -m "
-            "hfscale.launch.node.health_gate --slots 1 && exec /opt/py/bin/python -m accelerate") in srun  # then the gate
+            "hfscale.launch.node.health_gate --slots 1 && exec /opt/py/bin/python -m hfscale.training.warm_launcher") in srun  # then the gate

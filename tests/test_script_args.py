@@ -126,7 +126,8 @@ def test_same_value_in_script_args_is_fine_and_not_repeated():
 def test_dry_run_shows_the_final_argv_of_the_script():
     plan = build_plan(job_of(SFT), LaunchContext.of("/work", "/py", JOB_ID, {}, ["--trust_remote_code"]))
     assert plan.nodes[0].command.items == (
-        "/py", "-m", "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
+        "/py", "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed",
+        "accelerate.commands.launch", "--config_file", f"{RUN}/accelerate_config.yaml",
         "--module", "hfscale.training.run_script", "run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
         *FLAGS, "--trust_remote_code",
     )
@@ -137,7 +138,8 @@ def test_dry_run_shows_the_final_argv_of_the_script():
 def test_torchrun_passes_deepspeed_to_a_trainer_script():
     job = job_of(SFT.replace("cluster: {nproc_per_node: 2}", "cluster: {nproc_per_node: 2}\n    runner: {launcher: torchrun}"))
     argv = build_plan(job, CTX).nodes[0].command.items
-    assert argv[:8] == ("/py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--node_rank")
+    assert argv[:11] == ("/py", "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed",
+                         "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--node_rank")
     assert argv[argv.index("-m", 3):argv.index("-m", 3) + 3] == ("-m", "hfscale.training.run_script", "run_clm.py")
     assert argv[-2:] == ("--deepspeed", f"{RUN}/ds_config.json")
 
@@ -146,9 +148,10 @@ def test_kubernetes_container_gets_the_flags_with_the_configmap_paths():
     job = job_of(SFT.replace("cluster: {nproc_per_node: 2}", "cluster: {nproc_per_node: 2}\n"
                              "    runner: {type: kubernetes, kubernetes: {image: 'train:1'}}"))
     cmd = launcher_command(job, CTX)
-    assert cmd[:7] == ["python", "-m", "accelerate.commands.launch", "--config_file",
-                       "/etc/hfscale/accelerate_config.yaml", "--module", "hfscale.training.run_script"]
-    assert cmd[7:] == ["run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
+    assert cmd[:10] == ["python", "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed",
+                        "accelerate.commands.launch", "--config_file", "/etc/hfscale/accelerate_config.yaml", "--module",
+                        "hfscale.training.run_script"]
+    assert cmd[10:] == ["run_clm.py", "--model_name_or_path", "./tiny", "--train_file", "data.txt",
                        *FLAGS[:-1], "/etc/hfscale/ds_config.json"]
 
 

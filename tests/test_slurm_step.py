@@ -132,7 +132,7 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
     assert 'scontrol requeue "$SLURM_JOB_ID" 2>/dev/null;' in inner  # the keeper, when the batch host is gone
     assert inner.endswith(f'cd /work && . {RUN}/env.sh && . {RUN}/nodes.sh && /opt/py/bin/python -m '
                           "hfscale.launch.node.health_gate --slots 1 && /opt/py/bin/python -m "  # the node's health gate
-                          "torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank \"$HFSCALE_NODE_RANK\" "
+                          "hfscale.training.warm_launcher --preload accelerate,deepspeed torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank \"$HFSCALE_NODE_RANK\" "
                           "--master_addr node0 --master_port 29600 -m hfscale.training.run_script --plain train.py; rc=$?; "
                           "kill $hb 2>/dev/null; "
                           'echo "HFSCALE_EXIT rc=$rc"; exit $rc')

@@ -90,6 +90,11 @@ class RunnerConfig(Strict):
     launcher: Literal["accelerate", "torchrun"] = Field(
         "accelerate", description="Per-node launcher: 'accelerate launch' with the generated config, or torchrun."
     )
+    warm_start: bool = Field(
+        True, description="Ranks start warm: the node's launcher imports what they need (torch, transformers, "
+        "deepspeed, accelerate) once and forks them (torch's elastic agent, start method fork), instead of every rank "
+        "starting a new interpreter that imports them again (7-9 CPU-s a rank, at every start and relaunch). Falls back "
+        "to new interpreters, and says so, where an import initialized CUDA. false: every rank a new 'python -u'.")
     python: str | None = Field(
         None, description="Python interpreter on every node. Default: the one running hfscale (same path everywhere)."
     )

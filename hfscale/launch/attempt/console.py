@@ -32,6 +32,7 @@ _WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn's first line; 
 _WARNING_BEHIND_BAR = re.compile(r"\]\S+:\d+: \w*Warning: ")
 _CSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # terminal control sequences (tqdm moves the cursor: ESC[A)
 # hfscale's own markers for the node logs and the tests (the built-in entry point's result, a node's exit)
+_C10_PREFIX = re.compile(r"^[EWI]\d{4} [\d:.]+ +\d+ \S+:\d+\] ")  # torch's c10 logging: level, date, time, pid, file:line
 _INTERNAL = re.compile(r"^HFSCALE_(?:TRAIN|EXIT) ")
 # lines after a warning's first line in which its source line may still come: the ranks share one
 # pipe and write the two lines separately, so another rank's warning can come in between
@@ -90,7 +91,7 @@ class Console:
             self._in_trace.add(source)
             return True
         if source in self._in_trace:
-            if _TRACE_END.match(text):
+            if _TRACE_END.match(_C10_PREFIX.sub("", text)):  # torch's agent logs a traceback with a prefix on each line
                 self._in_trace.discard(source)
             return True
         pending = self._after_warning.get(source)

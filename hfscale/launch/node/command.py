@@ -121,6 +121,28 @@ def node_agent_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, nod
             *(["-m"] if module_flag else []), *target]
 
 
+WARM_LAUNCHER = "hfscale.training.warm_launcher"
+
+
+def warm_start(job: Job) -> bool:
+    """Whether the node's launcher forks its ranks after importing what they need (runner.warm_start): where
+    its workers start through torch's elastic agent (torchrun_expands: not accelerate's single process)."""
+    return job.config.runner.warm_start and torchrun_expands(job)
+
+
+def preloaded(job: Job) -> list[str]:
+    """What the warm launcher imports before it forks the ranks (hfscale.training.warm_launcher.PRELOADS): the
+    Trainer for the built-in entry and Trainer scripts, accelerate for a plain script; DeepSpeed where the job
+    uses it; the built-in entry's own."""
+    t = job.config.training
+    groups = ["accelerate"] if t.script is not None and t.pass_args == "none" else ["trainer"]
+    if job.deepspeed is not None:
+        groups.append("deepspeed")
+    if t.script is None:
+        groups.append("builtin")
+    return groups
+
+
 def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv: Rendezvous,
                   reach: str = "ssh") -> list[Word]:
     """argv of the per-node launcher (accelerate launch, torchrun, or with in-process restarts hfscale's
@@ -129,11 +151,12 @@ def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv:
     if in_process(job):
         return node_agent_argv(job, python, run_dir, ctx, rdzv.rank, reach)
     module_flag, target = training_target(job, run_dir, ctx)
+    warm = [python, "-m", WARM_LAUNCHER, "--preload", ",".join(preloaded(job))] if warm_start(job) else [python, "-m"]
     master: Word = rdzv.master if rdzv.master is not None else job.master_addr
     port: Word = rdzv.port if rdzv.port is not None else str(cfg.cluster.master_port)
     argv: list[Word]
     if cfg.runner.launcher == "accelerate":
-        argv = [python, "-m", "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
+        argv = [*warm, "accelerate.commands.launch", "--config_file", posixpath.join(run_dir, ACCELERATE_FILE)]
         if job.deepspeed is not None and cfg.precision == "fp8":
             # accelerate refuses mixed_precision in the file beside deepspeed_config_file, but takes the flag
             argv += ["--mixed_precision", "fp8"]
@@ -144,7 +167,7 @@ def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv:
             if rdzv.port is not None:
                 argv += ["--main_process_port", rdzv.port]
         return argv + module_flag + target
-    argv = [python, "-m", "torch.distributed.run", "--nnodes", rdzv.nnodes or str(job.num_nodes),
+    argv = [*warm, "torch.distributed.run", "--nnodes", rdzv.nnodes or str(job.num_nodes),
             "--nproc_per_node", str(job.procs_per_node)]
     if rdzv.c10d:
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv.endpoint or _join_endpoint(master, port),

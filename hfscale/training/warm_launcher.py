@@ -1,0 +1,195 @@
+"""A node's launcher whose ranks start warm: forked from it after it did their imports.
+
+    python -m hfscale.training.warm_launcher --preload transformers.trainer,deepspeed -- \\
+        accelerate.commands.launch --config_file ... --module hfscale.training.train --config ...
+
+Every rank of a launch usually starts a fresh interpreter and imports torch, transformers,
+deepspeed and accelerate again: 7-9 CPU-seconds a rank here, on every start and every relaunch,
+and at a real site thousands of interpreters reading the same files from one shared file system at
+once. This runs the node's launcher (``accelerate launch`` or torchrun, unchanged, as ``python -m``
+would) with one difference: when the launcher starts its workers (``torch.distributed.run.run``,
+which both reach), it first imports the ``--preload`` modules once, then has torch's elastic agent
+start each rank with ``start_method="fork"`` and a function entry point (what torchrun's own
+``--run-path`` does) instead of a new ``python -u``: each rank is forked from a process that has
+already imported what it needs, and runs its script or module as ``python -u`` would (runpy, as
+``__main__``, its arguments in ``sys.argv``, the script's folder first on ``sys.path``).
+
+What a rank sees is otherwise the same: torch's agent sets its environment variables (``RANK``,
+``LOCAL_RANK``, ... in ``os.environ``), waits for it, stops it, restarts it and reports its exit
+code as it would a subprocess's. Differences, and what is done about them:
+
+- the signal handlers the launcher installed are set back to a new interpreter's before the entry runs;
+- ``atexit`` hooks run when the entry returns or exits (a forked worker ends with ``os._exit``);
+- ``/proc/<pid>/environ`` of a forked rank is the launcher's (the environment a process was
+  started with), so it carries ``HFSCALE_JOB_ID`` (hfscale.launch.node.stopping finds it) but not
+  ``RANK``: the rank writes ``<run_dir>/stacks/pid-<pid>`` with its rank for the stack dumps;
+- a preload that fails is told on stderr and skipped: the rank imports it itself, or fails as it would.
+
+A launch that starts no worker through ``torch.distributed.run.run`` (accelerate's single-process
+launch) is started as without this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import os
+import runpy
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+# what --preload names: what each kind of rank imports first (the modules its engines import as they start included)
+PRELOADS: dict[str, tuple[str, ...]] = {
+    "accelerate": ("accelerate",),
+    "trainer": ("transformers.trainer", "transformers.generation.utils"),
+    # its engine's start imports its optimizers (the muon one compiles with torch.compile) and its ops' JIT loader
+    "deepspeed": ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension"),
+    "builtin": ("hfscale.training.instrument", "datasets.load"),  # hfscale's callbacks, the data's loader
+}
+PID_FILE_PREFIX = "pid-"  # <run_dir>/stacks/pid-<pid>: the rank of a forked rank (its environ lacks RANK)
+STACKS_DIR = "stacks"  # hfscale.training.heartbeat.STACKS_DIR (imported lazily there: this module imports nothing heavy)
+# the signals torch's elastic agent handles in the launcher; a new interpreter leaves them at the default
+_AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def preload(modules: list[str]) -> list[str]:
+    """Import ``modules`` here, once, before the ranks are forked; the ones that failed, as messages. A module
+    that does not exist (another release of the library) is skipped without a word."""
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is not None and name.startswith(e.name):
+                continue
+            failed.append(f"{name}: {type(e).__name__}: {e}"[:300])
+        except Exception as e:  # noqa: BLE001 - any import error: the rank meets it again itself
+            failed.append(f"{name}: {type(e).__name__}: {e}"[:300])
+    return failed
+
+
+def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
+    """Whether this process loaded the CUDA driver library (the CUDA runtime loads it when it initializes
+    the driver): a process forked after that cannot use CUDA."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            return any("/libcuda.so" in line for line in f)
+    except OSError:
+        return True  # cannot tell: not safe to fork
+
+
+def _fresh_signals() -> None:
+    for name in _AGENT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _note_rank() -> None:
+    """``<run_dir>/stacks/pid-<pid>`` = this rank and this process's start time (/proc/<pid>/stat field 22):
+    hfscale.launch.node.stopping.dump_script reads it."""
+    run_dir, rank = os.environ.get("HFSCALE_RUN_DIR"), os.environ.get("RANK")
+    if not run_dir or rank is None or not rank.isdigit():
+        return
+    folder = os.path.join(run_dir, STACKS_DIR)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{PID_FILE_PREFIX}{os.getpid()}")
+        from hfscale.core.pid_identity import start_time
+
+        with open(path + ".tmp", "w", encoding="ascii") as f:
+            f.write(f"{rank} {start_time(os.getpid()) or 0}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the stack dump then names this rank by pid only
+
+
+def forked_rank(*argv: str) -> None:
+    """A rank's entry in the forked worker: ``argv`` as torch gives it for ``python`` (``-u``, then
+    ``-m MODULE`` or ``SCRIPT``, then the arguments). Runs it as ``python -u`` would, then the
+    ``atexit`` hooks; a ``SystemExit`` keeps its code (torch's agent reports it as the exit code)."""
+    _fresh_signals()
+    _note_rank()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        # OpenMP read the variable when the launcher loaded it, before torch's agent set it for the ranks
+        torch.set_num_threads(int(threads))
+    args = list(argv[1:]) if argv and argv[0] == "-u" else list(argv)
+    real_exit, me = os._exit, os.getpid()
+
+    def _exit(code: int) -> None:
+        # torch's agent takes a forked worker for done when it returned, not when it ended: an os._exit of the
+        # entry's main thread (hfscale.training.shutdown.exit_cleanly, a script's own) ends it as sys.exit would,
+        # where a forked worker ends anyway, without the interpreter's finalization
+        if os.getpid() == me and threading.current_thread() is threading.main_thread():
+            raise SystemExit(code)
+        real_exit(code)
+
+    os._exit = _exit  # type: ignore[assignment]
+    try:
+        if args and args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(args[0])
+            sys.argv = [args[0], *args[1:]]
+            sys.path[0] = os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        os._exit = real_exit  # multiprocessing ends this process with it after the return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()  # noqa: SLF001 - what a new interpreter runs at its end
+
+
+def _forking(original: Callable[..., Any], modules: list[str]) -> Callable[..., Any]:
+    """torch.distributed.run's ``elastic_launch``: workers started as ``python ...`` are forked instead."""
+    from dataclasses import replace
+
+    def elastic_launch(config: Any, entrypoint: Any) -> Any:
+        if entrypoint != os.getenv("PYTHON_EXEC", sys.executable):
+            return original(config=config, entrypoint=entrypoint)
+        # torch.cuda.is_available() asks NVML, not the CUDA driver, which a forked process could not use again
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        for message in preload(modules):
+            print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
+        if cuda_driver_loaded():
+            print("hfscale: warm start: off: the CUDA driver was initialized while importing "
+                  f"{', '.join(modules)}, and forked ranks could not use it: the ranks start as new interpreters",
+                  file=sys.stderr, flush=True)
+            return original(config=config, entrypoint=entrypoint)
+        return original(config=replace(config, start_method="fork"), entrypoint=forked_rank)
+
+    return elastic_launch
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m hfscale.training.warm_launcher")
+    p.add_argument("--preload", default="", help=f"what to import before the ranks are forked, comma-separated: "
+                   f"{', '.join(PRELOADS)}")
+    p.add_argument("launcher", help="the launcher's module: accelerate.commands.launch or torch.distributed.run")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    groups = [g for g in a.preload.split(",") if g]
+    unknown = sorted(set(groups) - set(PRELOADS))
+    if unknown:
+        p.error(f"--preload: unknown {', '.join(unknown)} (known: {', '.join(PRELOADS)})")
+    modules = [m for g in groups for m in PRELOADS[g]]
+    import torch.distributed.launcher.api as api
+    import torch.distributed.run as run
+
+    # both names: torch.distributed.run's run() reads its own; the api module's for anything imported after
+    run.elastic_launch = api.elastic_launch = _forking(api.elastic_launch, modules)
+    sys.argv = [a.launcher, *a.args]
+    launcher = importlib.import_module(a.launcher)
+    launcher.main()  # both launchers' command-line entry: it parses sys.argv
+
+
+if __name__ == "__main__":
+    main()
