@@ -101,6 +101,19 @@ def test_a_trace_after_a_warning_is_shown_whole():
     assert _shown(lines) == lines[1:]
 
 
+def test_a_trace_that_torchs_agent_logs_ends_where_its_exception_line_is():
+    """A forked rank killed (runner.warm_start): torch's agent logs the ProcessExitedException's traceback with
+    its c10 prefix on every line. The trace is shown to its last line; what the ranks print next is not."""
+    c10 = "E1130 07:49:52.101000 2445 site-packages/torch/distributed/elastic/multiprocessing/api.py:836] "
+    trace = [c10 + "failed (exitcode: -9) local_rank: 1 (pid: 2490) of fn: forked_rank (start_method: fork)",
+             c10 + "Traceback (most recent call last):",
+             c10 + '  File "/x/torch/distributed/elastic/multiprocessing/api.py", line 797, in _poll',
+             c10 + "    self._pc.join(-1)",
+             c10 + "torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with signal SIGKILL"]
+    after = ["{'loss': '3.547', 'epoch': '0.02614'}", "HFSCALE_TRAIN done step=60 train_loss=3.546615 resumed_from=-"]
+    assert _shown(trace + after) == trace
+
+
 def test_a_launch_keeps_every_line_in_its_log_and_only_the_rest_on_the_terminal(tmp_path):
     """A real `hfscale launch` of a plain script that prints the lines (accelerate launch, one process)."""
     script = tmp_path / "noisy.py"

@@ -18,7 +18,8 @@ What a rank sees is otherwise the same: torch's agent sets its environment varia
 ``LOCAL_RANK``, ... in ``os.environ``), waits for it, stops it, restarts it and reports its exit
 code as it would a subprocess's. Differences, and what is done about them:
 
-- the signal handlers the launcher installed are set back to a new interpreter's before the entry runs;
+- the signal handlers the launcher installed are set back to a new interpreter's before the entry runs, and the
+  process name (``/proc/<pid>/comm``, what ``ps`` and ``pkill python`` read) to the interpreter's;
 - ``atexit`` hooks run when the entry returns or exits (a forked worker ends with ``os._exit``);
 - ``/proc/<pid>/environ`` of a forked rank is the launcher's (the environment a process was
   started with), so it carries ``HFSCALE_JOB_ID`` (hfscale.launch.node.stopping finds it) but not
@@ -90,6 +91,16 @@ def _fresh_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _own_name() -> None:
+    """The process name a new interpreter has (the executable's name: what ``ps``, ``top`` and ``pkill python``
+    read), not the one torch's agent gave itself (``pt_elastic``) and this fork inherited."""
+    try:
+        with open("/proc/self/comm", "w", encoding="utf-8") as f:
+            f.write(os.path.basename(sys.executable)[:15])
+    except OSError:
+        pass
+
+
 def _note_rank() -> None:
     """``<run_dir>/stacks/pid-<pid>`` = this rank and this process's start time (/proc/<pid>/stat field 22):
     hfscale.launch.node.stopping.dump_script reads it."""
@@ -114,6 +125,7 @@ def forked_rank(*argv: str) -> None:
     ``-m MODULE`` or ``SCRIPT``, then the arguments). Runs it as ``python -u`` would, then the
     ``atexit`` hooks; a ``SystemExit`` keeps its code (torch's agent reports it as the exit code)."""
     _fresh_signals()
+    _own_name()
     _note_rank()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch = sys.modules.get("torch")

@@ -1,0 +1,116 @@
+"""Ranks forked warm (hfscale.training.warm_launcher, runner.warm_start) behave as ranks started as new
+interpreters: a real torchrun under the warm launcher, two ranks of a script that reports what it sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hfscale.training.warm_launcher import PRELOADS, cuda_driver_loaded, preload
+
+PROBE = r'''
+import atexit, json, os, signal, sys, threading
+import torch
+out = os.environ["PROBE_OUT"]
+rank = os.environ["RANK"]
+seen = {"argv": sys.argv, "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(), "name": __name__,
+        "preloaded": "accelerate" in sys.modules, "threads": torch.get_num_threads(),
+        "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
+        "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+atexit.register(lambda: open(f"{out}/atexit-{rank}", "w").write("ran"))
+with open(f"{out}/rank-{rank}.json", "w") as f:
+    json.dump(seen, f)
+mode = sys.argv[1]
+if mode == "exit":  # hfscale's exit_cleanly ends a rank with os._exit: the agent must not wait for ever
+    os._exit(0)
+if mode == "code":
+    sys.exit(3 if rank == "1" else 0)
+if mode == "sleep":
+    import time
+    time.sleep(600)
+'''
+
+
+def _run(tmp_path: Path, mode: str, port: int, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = tmp_path / mode
+    out.mkdir()
+    argv = [sys.executable, "-m", "hfscale.training.warm_launcher", "--preload", "accelerate", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", "2", "--master_port", str(port), str(script), mode]
+    env = {**os.environ, "PROBE_OUT": str(out), "HFSCALE_RUN_DIR": str(tmp_path / f"run-{mode}")}
+    env.pop("OMP_NUM_THREADS", None)
+    if not wait:
+        return subprocess.Popen(argv, cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    return subprocess.run(argv, cwd="/", env=env, capture_output=True, text=True, timeout=240)
+
+
+def _seen(tmp_path: Path, mode: str, rank: int) -> dict:
+    return json.loads((tmp_path / mode / f"rank-{rank}.json").read_text())
+
+
+def test_forked_ranks_see_what_new_interpreters_would_and_end_as_they_do(tmp_path):
+    r = _run(tmp_path, "exit", 29741)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]  # os._exit(0) of both ranks: done, no hang
+    launcher = None
+    for rank in (0, 1):
+        seen = _seen(tmp_path, "exit", rank)
+        assert seen["argv"] == [str(tmp_path / "probe.py"), "exit"] and seen["path0"] == str(tmp_path)
+        assert seen["name"] == "__main__" and seen["preloaded"]  # forked after the preload
+        assert seen["threads"] == 1  # OMP_NUM_THREADS=1 that torchrun sets for 2 ranks, as a new interpreter reads it
+        assert seen["term"] and seen["int"]  # the agent's signal handlers are not the rank's
+        assert seen["comm"] == Path(sys.executable).name[:15]  # not the agent's pt_elastic: ps and pkill python see it
+        launcher = launcher or seen["ppid"]
+        assert seen["ppid"] == launcher  # both forked from the same launcher process
+        assert (tmp_path / "exit" / f"atexit-{rank}").read_text() == "ran"
+        note = (tmp_path / "run-exit" / "stacks" / f"pid-{seen['pid']}").read_text().split()
+        assert note[0] == str(rank) and int(note[1]) > 0  # the rank and its start time, for the stack dumps
+
+    r = _run(tmp_path, "code", 29742)
+    assert r.returncode != 0  # rank 1's exit code 3 fails the launch, as a new interpreter's does
+    assert "exitcode  : 3" in r.stdout + r.stderr
+
+
+def test_a_term_to_the_launcher_reaches_the_forked_ranks(tmp_path):
+    proc = _run(tmp_path, "sleep", 29743, wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / "sleep" / f"rank-{r}.json").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        pids = [_seen(tmp_path, "sleep", r)["pid"] for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        time.sleep(0.5)
+        assert [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in Path(f"/proc/{p}/stat").read_text()
+                .rsplit(")", 1)[1].split()[:1]] == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_preload_that_does_not_exist_is_skipped_and_one_that_fails_is_told(tmp_path, monkeypatch):
+    assert preload(["json", "hfscale_no_such_module.sub", "hfscale.training.no_such"]) == []  # another release: no word
+    (tmp_path / "hfscale_broken_probe.py").write_text("import hfscale_needs_this_missing\n")
+    (tmp_path / "hfscale_raising_probe.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    failed = preload(["hfscale_broken_probe", "hfscale_raising_probe"])
+    assert failed == ["hfscale_broken_probe: ModuleNotFoundError: No module named 'hfscale_needs_this_missing'",
+                      "hfscale_raising_probe: RuntimeError: boom"]
+    assert set(PRELOADS) == {"accelerate", "trainer", "deepspeed", "builtin"}
+
+
+def test_a_loaded_cuda_driver_turns_the_forks_off(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1\n")
+    assert not cuda_driver_loaded(str(maps))  # NVML (PYTORCH_NVML_BASED_CUDA_CHECK) is not the driver
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libcuda.so.535.104.05\n")
+    assert cuda_driver_loaded(str(maps))
+    assert cuda_driver_loaded(str(tmp_path / "absent"))  # cannot tell: not safe
+    assert not cuda_driver_loaded()  # this machine: no GPU, nothing loaded it
