@@ -88,8 +88,8 @@ def alive(pids: list[int], wait: float = 60.0) -> list[int]:
 
 
 def ranks_and_writers(job: Job) -> tuple[list[int], list[int]]:
-    """(the rank pids, their children). torchrun starts each rank in a session of its own, so killing
-    torchrun's process group leaves the ranks running: a lost node is every one of them killed."""
+    """(the rank pids, their children): a lost node is every one of them killed (torchrun starts a new
+    interpreter's rank in a session of its own, which killing torchrun's process group leaves running)."""
     ranks = [job.pid(0), job.pid(1)]
     return ranks, children(ranks)
 

@@ -33,16 +33,17 @@ pytestmark = pytest.mark.slow
 
 # every rank's save waits in _save_rng_state (DeepSpeed's shards written, the trainer state not) while FLAG exists
 HOLD_SAVE = textwrap.dedent('''\
+    import importlib.abc
+    import importlib.util
     import os
+    import signal
+    import sys
+    import time
 
-    if os.environ.get("HOLD_SAVE") and os.environ.get("RANK") is not None:
-        import time
-
-        import transformers
-
-        import signal
-
-        _save_rng_state = transformers.Trainer._save_rng_state
+    # when transformers.trainer is imported: in a rank, or in the launcher that forks the ranks warm
+    # (runner.warm_start: their interpreter started as the launcher's, without RANK), whichever imports it
+    def _hold(module):
+        _save_rng_state = module.Trainer._save_rng_state
 
         def _held(self, output_dir):
             flag = os.environ["HOLD_SAVE"]
@@ -55,7 +56,25 @@ HOLD_SAVE = textwrap.dedent('''\
                     time.sleep(0.1)
             return _save_rng_state(self, output_dir)
 
-        transformers.Trainer._save_rng_state = _held
+        module.Trainer._save_rng_state = _held
+
+    class _AfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "transformers.trainer":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _hold(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    if os.environ.get("HOLD_SAVE"):
+        sys.meta_path.insert(0, _AfterImport())
 ''')
 MAX_STEPS = 8
 

@@ -67,8 +67,8 @@ SLOW_COPY = textwrap.dedent('''\
             spec.loader.exec_module = exec_module
             return spec
 
-    if os.environ.get("RANK") is not None:
-        sys.meta_path.insert(0, _AfterImport())
+    # in every process: a rank imports the module, or the launcher that forks the ranks warm (runner.warm_start)
+    sys.meta_path.insert(0, _AfterImport())
 ''')
 
 

@@ -47,25 +47,45 @@ assert MAX_STEPS <= REFERENCE_STEPS
 # so that with each launch's 10-40 steps the orphans stay below MAX_STEPS. Sleeping changes no loss and
 # costs no CPU (the windows last as long whatever the steps do).
 SLOW = textwrap.dedent('''\
+    import importlib.abc
+    import importlib.util
     import os
+    import sys
+    import time
 
-    if os.environ.get("SLOW_WHILE") and os.environ.get("RANK") is not None:
-        import time
-
-        import transformers
-
-        class SlowWhileMarked(transformers.TrainerCallback):
+    # when transformers.trainer is imported: in a rank, or in the launcher that forks the ranks warm
+    # (runner.warm_start: their interpreter started as the launcher's, without RANK), whichever imports it
+    def _slow(module):
+        class SlowWhileMarked(module.TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 if os.path.exists(os.environ["SLOW_WHILE"]):
                     time.sleep(float(os.environ.get("SLOW_STEP_S", "0.25")))
 
-        _init = transformers.Trainer.__init__
+        _init = module.Trainer.__init__
 
         def _slowed(self, *a, **k):
             _init(self, *a, **k)
             self.add_callback(SlowWhileMarked())
 
-        transformers.Trainer.__init__ = _slowed
+        module.Trainer.__init__ = _slowed
+
+    class _AfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "transformers.trainer":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _slow(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    if os.environ.get("SLOW_WHILE"):
+        sys.meta_path.insert(0, _AfterImport())
 ''')
 
 

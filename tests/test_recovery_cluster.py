@@ -233,7 +233,9 @@ def test_a_job_heals_around_a_killed_a_frozen_and_a_cut_off_node(make_cluster, t
         print(f"attempt {e.attempt}: step {e.step} {e.at - launched:.1f} s after its launch: "
               + start_parts_text(e.phases))
         assert 0 < sum(e.phases.values()) <= e.at - launched + 2  # marked on the nodes' clock, this machine's
-        assert e.phases["imports"] > 1.0  # torch, transformers, deepspeed: seconds on this machine
+        # torch, transformers, deepspeed: seconds on this machine, imported by the node's launcher before it forks
+        # the rank (runner.warm_start): in the process start, the rank's own imports a fraction of them
+        assert e.phases["process"] > 1.0 and e.phases["imports"] < e.phases["process"]
     worst = largest_loss_difference(out, MAX_STEPS, want)  # every step logged, against the reference
     print(f"healed in {took:.0f} s; largest loss difference over {MAX_STEPS} steps: {worst:.2e}")
     assert worst < 1e-3

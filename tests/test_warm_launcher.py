@@ -17,15 +17,29 @@ PROBE = r'''
 import atexit, json, os, signal, sys, threading
 import torch
 out = os.environ["PROBE_OUT"]
+
+
+def pdeathsig():
+    import ctypes
+    sig = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return sig.value
+
+
 rank = os.environ["RANK"]
 seen = {"argv": sys.argv, "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(), "name": __name__,
         "preloaded": "accelerate" in sys.modules, "threads": torch.get_num_threads(),
-        "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
+        "pdeathsig": pdeathsig(), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
         "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
 atexit.register(lambda: open(f"{out}/atexit-{rank}", "w").write("ran"))
 with open(f"{out}/rank-{rank}.json", "w") as f:
     json.dump(seen, f)
 mode = sys.argv[1]
+if mode == "alone":  # one rank, no OMP_NUM_THREADS: a new interpreter's threads, and a parallel matmul ends
+    a = torch.ones(1024, 1024)
+    seen["matmul"] = float((a @ a)[0, 0])
+    with open(f"{out}/rank-{rank}.json", "w") as f:
+        json.dump(seen, f)
 if mode == "exit":  # hfscale's exit_cleanly ends a rank with os._exit: the agent must not wait for ever
     os._exit(0)
 if mode == "code":
@@ -36,14 +50,15 @@ if mode == "sleep":
 '''
 
 
-def _run(tmp_path: Path, mode: str, port: int, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
+def _run(tmp_path: Path, mode: str, port: int, wait: bool = True, nproc: int = 2
+         ) -> subprocess.Popen | subprocess.CompletedProcess:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     out = tmp_path / mode
     out.mkdir()
     argv = [sys.executable, "-m", "hfscale.training.warm_launcher", "--preload", "accelerate", "torch.distributed.run",
-            "--nnodes", "1", "--nproc_per_node", "2", "--master_port", str(port), str(script), mode]
-    env = {**os.environ, "PROBE_OUT": str(out), "HFSCALE_RUN_DIR": str(tmp_path / f"run-{mode}")}
+            "--nnodes", "1", "--nproc_per_node", str(nproc), "--master_port", str(port), str(script), mode]
+    env = {**os.environ, "PROBE_OUT": str(out), "HFSCALE_RUN_DIR": str(tmp_path / f"run-{mode}"), "HFSCALE_HOST": "node7"}
     env.pop("OMP_NUM_THREADS", None)
     if not wait:
         return subprocess.Popen(argv, cwd="/", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -65,16 +80,26 @@ def test_forked_ranks_see_what_new_interpreters_would_and_end_as_they_do(tmp_pat
         assert seen["name"] == "__main__" and seen["preloaded"]  # forked after the preload
         assert seen["threads"] == 1  # OMP_NUM_THREADS=1 that torchrun sets for 2 ranks, as a new interpreter reads it
         assert seen["term"] and seen["int"]  # the agent's signal handlers are not the rank's
+        assert seen["pdeathsig"] == 0  # torch's SIGINT at the launcher's death undone: a rank outlives it
         assert seen["comm"] == Path(sys.executable).name[:15]  # not the agent's pt_elastic: ps and pkill python see it
         launcher = launcher or seen["ppid"]
         assert seen["ppid"] == launcher  # both forked from the same launcher process
         assert (tmp_path / "exit" / f"atexit-{rank}").read_text() == "ran"
-        note = (tmp_path / "run-exit" / "stacks" / f"pid-{seen['pid']}").read_text().split()
+        note = (tmp_path / "run-exit" / "stacks" / f"pid-node7-{seen['pid']}").read_text().split()
         assert note[0] == str(rank) and int(note[1]) > 0  # the rank and its start time, for the stack dumps
 
     r = _run(tmp_path, "code", 29742)
     assert r.returncode != 0  # rank 1's exit code 3 fails the launch, as a new interpreter's does
     assert "exitcode  : 3" in r.stdout + r.stderr
+
+
+def test_a_lone_rank_takes_the_threads_a_new_interpreter_takes(tmp_path):
+    fresh = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                           text=True, env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, check=True)
+    r = _run(tmp_path, "alone", 29744, nproc=1)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    seen = _seen(tmp_path, "alone", 0)
+    assert seen["threads"] == int(fresh.stdout) and seen["matmul"] == 1024.0
 
 
 def test_a_term_to_the_launcher_reaches_the_forked_ranks(tmp_path):

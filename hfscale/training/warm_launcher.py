@@ -1,6 +1,6 @@
 """A node's launcher whose ranks start warm: forked from it after it did their imports.
 
-    python -m hfscale.training.warm_launcher --preload transformers.trainer,deepspeed -- \\
+    python -m hfscale.training.warm_launcher --preload trainer,deepspeed,builtin \\
         accelerate.commands.launch --config_file ... --module hfscale.training.train --config ...
 
 Every rank of a launch usually starts a fresh interpreter and imports torch, transformers,
@@ -19,11 +19,12 @@ What a rank sees is otherwise the same: torch's agent sets its environment varia
 code as it would a subprocess's. Differences, and what is done about them:
 
 - the signal handlers the launcher installed are set back to a new interpreter's before the entry runs, and the
-  process name (``/proc/<pid>/comm``, what ``ps`` and ``pkill python`` read) to the interpreter's;
+  process name (``/proc/<pid>/comm``, what ``ps`` and ``pkill python`` read) to the interpreter's; the death
+  signal torch gives a forked worker is undone: a rank outlives a launcher that dies, as a new interpreter does;
 - ``atexit`` hooks run when the entry returns or exits (a forked worker ends with ``os._exit``);
 - ``/proc/<pid>/environ`` of a forked rank is the launcher's (the environment a process was
   started with), so it carries ``HFSCALE_JOB_ID`` (hfscale.launch.node.stopping finds it) but not
-  ``RANK``: the rank writes ``<run_dir>/stacks/pid-<pid>`` with its rank for the stack dumps;
+  ``RANK``: the rank writes ``<run_dir>/stacks/pid-<host>-<pid>`` with its rank for the stack dumps;
 - a preload that fails is told on stderr and skipped: the rank imports it itself, or fails as it would.
 
 A launch that starts no worker through ``torch.distributed.run.run`` (accelerate's single-process
@@ -51,7 +52,11 @@ PRELOADS: dict[str, tuple[str, ...]] = {
     "deepspeed": ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch.utils.cpp_extension"),
     "builtin": ("hfscale.training.instrument", "datasets.load"),  # hfscale's callbacks, the data's loader
 }
-PID_FILE_PREFIX = "pid-"  # <run_dir>/stacks/pid-<pid>: the rank of a forked rank (its environ lacks RANK)
+PID_FILE_PREFIX = "pid-"  # <run_dir>/stacks/pid-<host>-<pid>: the rank of a forked rank (its environ lacks RANK)
+LAUNCHERS = ("accelerate.commands.launch", "torch.distributed.run")
+PR_SET_PDEATHSIG = 1
+_DEFAULT_THREADS = [1]  # torch's threads in the launcher before it kept to one: what a new interpreter takes
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 STACKS_DIR = "stacks"  # hfscale.training.heartbeat.STACKS_DIR (imported lazily there: this module imports nothing heavy)
 # the signals torch's elastic agent handles in the launcher; a new interpreter leaves them at the default
 _AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
@@ -91,6 +96,18 @@ def _fresh_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _outlive_the_launcher() -> None:
+    """Undo the death signal torch's forked workers get (PR_SET_PDEATHSIG, SIGINT, when their parent ends): a
+    rank started as a new interpreter outlives a launcher that dies (a preemption notice its agent does not
+    handle ends the agent, while the rank saves its checkpoint; hfscale's keeper stops an orphan)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _own_name() -> None:
     """The process name a new interpreter has (the executable's name: what ``ps``, ``top`` and ``pkill python``
     read), not the one torch's agent gave itself (``pt_elastic``) and this fork inherited."""
@@ -102,15 +119,16 @@ def _own_name() -> None:
 
 
 def _note_rank() -> None:
-    """``<run_dir>/stacks/pid-<pid>`` = this rank and this process's start time (/proc/<pid>/stat field 22):
-    hfscale.launch.node.stopping.dump_script reads it."""
-    run_dir, rank = os.environ.get("HFSCALE_RUN_DIR"), os.environ.get("RANK")
-    if not run_dir or rank is None or not rank.isdigit():
+    """``<run_dir>/stacks/pid-<host>-<pid>`` = this rank and this process's start time (/proc/<pid>/stat field 22):
+    hfscale.launch.node.stopping.dump_script reads it. The host (``$HFSCALE_HOST``, the launch's name for this
+    node) keeps the nodes of a run directory every node shares apart: pids repeat from one node to the next."""
+    run_dir, rank, host = os.environ.get("HFSCALE_RUN_DIR"), os.environ.get("RANK"), os.environ.get("HFSCALE_HOST", "")
+    if not run_dir or rank is None or not rank.isdigit() or not host or not set(host) <= _HOST_CHARS:
         return
     folder = os.path.join(run_dir, STACKS_DIR)
     try:
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{PID_FILE_PREFIX}{os.getpid()}")
+        path = os.path.join(folder, f"{PID_FILE_PREFIX}{host}-{os.getpid()}")
         from hfscale.core.pid_identity import start_time
 
         with open(path + ".tmp", "w", encoding="ascii") as f:
@@ -125,13 +143,15 @@ def forked_rank(*argv: str) -> None:
     ``-m MODULE`` or ``SCRIPT``, then the arguments). Runs it as ``python -u`` would, then the
     ``atexit`` hooks; a ``SystemExit`` keeps its code (torch's agent reports it as the exit code)."""
     _fresh_signals()
+    _outlive_the_launcher()
     _own_name()
     _note_rank()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch = sys.modules.get("torch")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        # OpenMP read the variable when the launcher loaded it, before torch's agent set it for the ranks
-        torch.set_num_threads(int(threads))
+    if torch is not None:
+        # the launcher kept to one thread (below); OpenMP read OMP_NUM_THREADS when the launcher loaded it,
+        # before torch's agent set it for the ranks: the threads a new interpreter would take
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _DEFAULT_THREADS[0])
     args = list(argv[1:]) if argv and argv[0] == "-u" else list(argv)
     real_exit, me = os._exit, os.getpid()
 
@@ -169,6 +189,12 @@ def _forking(original: Callable[..., Any], modules: list[str]) -> Callable[..., 
             return original(config=config, entrypoint=entrypoint)
         # torch.cuda.is_available() asks NVML, not the CUDA driver, which a forked process could not use again
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        # nor a pool of OpenMP threads (GNU OpenMP's is not there after a fork: a parallel region would wait on
+        # it for ever): the launcher runs whatever its imports compute on one thread, each rank sets its own
+        import torch
+
+        _DEFAULT_THREADS[0] = torch.get_num_threads()
+        torch.set_num_threads(1)
         for message in preload(modules):
             print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
         if cuda_driver_loaded():
@@ -185,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hfscale.training.warm_launcher")
     p.add_argument("--preload", default="", help=f"what to import before the ranks are forked, comma-separated: "
                    f"{', '.join(PRELOADS)}")
-    p.add_argument("launcher", help="the launcher's module: accelerate.commands.launch or torch.distributed.run")
+    p.add_argument("launcher", choices=LAUNCHERS, help="the node's launcher, run as python -m would")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     groups = [g for g in a.preload.split(",") if g]

@@ -1,4 +1,5 @@
-"""Start ``trainer_run.py`` the way users do (torchrun, or plain python), watch it, read its result.
+"""Start ``trainer_run.py`` the way users do (torchrun as ``hfscale launch`` starts it, its ranks forked warm by
+hfscale.training.warm_launcher; or plain python), watch it, read its result.
 
 Shared by tests/test_callbacks.py and tests/test_resume.py. ``reference()`` runs the uninterrupted
 2-rank DeepSpeed ZeRO-2 job once per pytest session; the other runs compare against it.
@@ -57,7 +58,8 @@ class Job:
         self.log_path = self.out.parent / (self.out.name + ".log")
         script = [str(SCRIPT), "--output-dir", str(self.out), "--pid-dir", str(self.pid_dir), *args]
         if nproc:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            cmd = [sys.executable, "-m", "hfscale.training.warm_launcher", "--preload", "trainer,deepspeed",
+                   "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                    "--max-restarts", str(max_restarts), *script]
         else:
             cmd = [sys.executable, *script]

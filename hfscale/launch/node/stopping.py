@@ -40,7 +40,7 @@ def stop_script(job_id: str, grace_s: int = STOP_GRACE_S) -> str:
 
 def dump_script(job_id: str, stacks_dir: str, python: str) -> str:
     """Shell text: write the Python stack of each of this job's ranks on this node (processes
-    with ``RANK`` in the environment they started with, or forked ranks with their ``pid-<pid>`` file) to ``<stacks_dir>/rank-<RANK>.txt`` with
+    with ``RANK`` in the environment they started with, or forked ranks with their ``pid-<host>-<pid>`` file) to ``<stacks_dir>/rank-<RANK>.txt`` with
     py-spy (beside ``python``, or on PATH), or, without py-spy, signal SIGUSR2 to ranks that
     registered faulthandler for it (hfscale.training.heartbeat writes ``rank-<RANK>.fh``; a rank that did
     not would die of the signal). First it asks each rank for its flight recorder (a write to
@@ -53,9 +53,11 @@ def dump_script(job_id: str, stacks_dir: str, python: str) -> str:
            f'if [ -n "$s" ] && "$s" dump --full-filenames --pid $p > {d}/rank-$r.txt 2>&1; then :; '
            f'elif [ -e {d}/rank-$r.fh ]; then rm -f {d}/rank-$r.txt; kill -USR2 $p; fi')
     # a rank forked by hfscale.training.warm_launcher was started with its launcher's environment (no RANK): its
-    # rank is in <stacks_dir>/pid-<pid> with its start time (/proc/<pid>/stat field 22), which must match: a pid
-    # of an earlier attempt, reused since, is not taken for a rank
-    forked = (f'if [ -z "$r" ] && read -r fr fs < {d}/pid-$p 2>/dev/null && '
+    # rank is in <stacks_dir>/pid-<host>-<pid> (host: $HFSCALE_HOST of that environment) with its start time
+    # (/proc/<pid>/stat field 22), which must match: a pid of an earlier attempt, reused since, is not a rank
+    forked = ("h=$(tr '\\0' '\\n' < $f 2>/dev/null | sed -n 's/^HFSCALE_HOST=//p'); "
+              'case "$h" in ""|*[!A-Za-z0-9._-]*) h=/ ;; esac; '
+              f'if [ -z "$r" ] && read -r fr fs < {d}/pid-$h-$p 2>/dev/null && '
               "[ \"$fs\" = \"$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -d' ' -f20)\" ]; then "
               'case "$fr" in *[!0-9]*) ;; *) r=$fr ;; esac; fi; ')
     return (f"mkdir -p {d}; for f in $(grep -lsxzF '{JOB_ID_VAR}={job_id}' /proc/[0-9]*/environ); do "
