@@ -49,10 +49,6 @@ from hfscale.runs.goodput import PART_NAMES  # noqa: E402
 
 # a rank's command line (torchrun's ranks run python -u; an in-process node agent's holds it further in)
 RANK = r"'^\S+( -u)? -m hfscale\.training\.train '"
-# a full relaunch's rank: forked by the warm launcher (runner.warm_start), it has the launcher's command line,
-# and is told from it by its process name (the interpreter's; the launcher's is torch's pt_elastic)
-FORKED_RANK = ("for p in $(pgrep -f 'hfscale\\.training\\.train '); do case $(cat /proc/$p/comm 2>/dev/null) in "
-               "python*) kill -KILL $p ;; esac; done")
 PARTS = ("detection", "stop", "decision", *PART_NAMES)
 SHOWN = (*PARTS, "other")
 
@@ -102,7 +98,7 @@ def one(cluster, name: str, in_process: bool, args: argparse.Namespace) -> dict:
         step = lambda: _json(run / "progress" / "metrics.json").get("step") or 0  # noqa: E731
         wait(lambda: marker.exists() and step() > args.save, proc, f"checkpoint {args.save} and a step after it",
              args.timeout)
-        run_on(cluster, cluster.nodes[1], f"pkill -KILL -f {RANK}" if in_process else FORKED_RANK, timeout=30)
+        run_on(cluster, cluster.nodes[1], f"pkill -KILL -f {RANK}", timeout=30)
         killed = time.time()
         phases = lambda: _json(run / "progress" / "metrics.json").get("phases") or {}  # noqa: E731
         wait(lambda: phases().get("first_step", 0.0) > killed, proc, "the first step after the kill", args.timeout)

@@ -29,7 +29,7 @@ def pdeathsig():
 rank = os.environ["RANK"]
 seen = {"argv": sys.argv, "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(), "name": __name__,
         "preloaded": "accelerate" in sys.modules, "threads": torch.get_num_threads(),
-        "pdeathsig": pdeathsig(), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
+        "pdeathsig": pdeathsig(), "cmdline": open("/proc/self/cmdline", "rb").read().decode().split(chr(0)), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
         "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
 atexit.register(lambda: open(f"{out}/atexit-{rank}", "w").write("ran"))
 with open(f"{out}/rank-{rank}.json", "w") as f:
@@ -44,6 +44,11 @@ if mode == "exit":  # hfscale's exit_cleanly ends a rank with os._exit: the agen
     os._exit(0)
 if mode == "code":
     sys.exit(3 if rank == "1" else 0)
+if mode == "outlive":  # wait for the test to kill the launcher, then end as a finished rank does
+    import time
+    while not os.path.exists(f"{out}/release"):
+        time.sleep(0.1)
+    os._exit(0)
 if mode == "sleep":
     import time
     time.sleep(600)
@@ -82,6 +87,9 @@ def test_forked_ranks_see_what_new_interpreters_would_and_end_as_they_do(tmp_pat
         assert seen["term"] and seen["int"]  # the agent's signal handlers are not the rank's
         assert seen["pdeathsig"] == 0  # torch's SIGINT at the launcher's death undone: a rank outlives it
         assert seen["comm"] == Path(sys.executable).name[:15]  # not the agent's pt_elastic: ps and pkill python see it
+        # the command torch would have run for it, not the launcher's: ps and pgrep -f see the rank's
+        words = [w for w in seen["cmdline"] if w]
+        assert words == [sys.executable, "-u", str(tmp_path / "probe.py"), "exit"], seen["cmdline"]
         launcher = launcher or seen["ppid"]
         assert seen["ppid"] == launcher  # both forked from the same launcher process
         assert (tmp_path / "exit" / f"atexit-{rank}").read_text() == "ran"
@@ -118,6 +126,52 @@ def test_a_term_to_the_launcher_reaches_the_forked_ranks(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ranks_that_outlive_their_launcher_end_and_leave_its_port_free(tmp_path):
+    """A launcher that dies (here SIGKILL; under Slurm a notice its agent does not handle): its ranks go on, as
+    new interpreters' do, and when they end they end (torch's forked worker would wait for ever for the dead
+    launcher to read its result), and none of them holds the rendezvous store's port."""
+    import socket
+
+    proc = _run(tmp_path, "outlive", 29745, wait=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / "outlive" / f"rank-{r}.json").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        pids = [_seen(tmp_path, "outlive", r)["pid"] for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: its ranks are in its session, left running
+        proc.wait(timeout=30)
+        time.sleep(1)
+        assert all(_running(p) for p in pids)  # they outlived it
+        with socket.socket() as s:  # the store's port is free: no rank kept the launcher's listening socket
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", 29745))
+            s.listen()
+        (tmp_path / "outlive" / "release").touch()
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if _running(p)]
+            time.sleep(0.2)
+        assert all((tmp_path / "outlive" / f"atexit-{r}").read_text() == "ran" for r in (0, 1))
+    finally:
+        for p in _seen_pids(tmp_path, "outlive"):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]
+    except OSError:
+        return False
+
+
+def _seen_pids(tmp_path: Path, mode: str) -> list[int]:
+    return [json.loads(p.read_text())["pid"] for p in (tmp_path / mode).glob("rank-*.json")]
 
 
 def test_a_preload_that_does_not_exist_is_skipped_and_one_that_fails_is_told(tmp_path, monkeypatch):

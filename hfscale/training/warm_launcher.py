@@ -21,6 +21,9 @@ code as it would a subprocess's. Differences, and what is done about them:
 - the signal handlers the launcher installed are set back to a new interpreter's before the entry runs, and the
   process name (``/proc/<pid>/comm``, what ``ps`` and ``pkill python`` read) to the interpreter's; the death
   signal torch gives a forked worker is undone: a rank outlives a launcher that dies, as a new interpreter does;
+  its command line (``/proc/<pid>/cmdline``, what ``ps`` and ``pgrep -f`` read) is the one torch would have run;
+  the listening sockets it inherited are closed (the rendezvous store's port is not held by a rank), and a rank
+  that ends after its launcher died ends at once instead of waiting for it to read its result;
 - ``atexit`` hooks run when the entry returns or exits (a forked worker ends with ``os._exit``);
 - ``/proc/<pid>/environ`` of a forked rank is the launcher's (the environment a process was
   started with), so it carries ``HFSCALE_JOB_ID`` (hfscale.launch.node.stopping finds it) but not
@@ -41,6 +44,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +112,46 @@ def _outlive_the_launcher() -> None:
         pass
 
 
+def _close_listening_sockets() -> None:
+    """Close the listening sockets inherited from the launcher (torch's rendezvous store listens on the master
+    port): a new interpreter has none of them, and a rank that outlived its launcher kept the port taken."""
+    import socket
+    import stat
+
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            if fd <= 2 or not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=fd)
+            try:
+                listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            finally:
+                s.detach()
+            if listening:
+                os.close(fd)
+        except OSError:
+            continue
+
+
+def _end_with_the_launcher(launcher: int) -> None:
+    """A forked worker that returned waits for its launcher to read its result before it ends: if the launcher
+    is gone (a signal it does not handle ended it), nobody will, so end now, and end later if it goes while
+    this waits."""
+    if os.getppid() != launcher:
+        os._exit(0)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="hfscale-orphan-exit", daemon=True).start()
+
+
 def _own_name() -> None:
     """The process name a new interpreter has (the executable's name: what ``ps``, ``top`` and ``pkill python``
     read), not the one torch's agent gave itself (``pt_elastic``) and this fork inherited."""
@@ -115,6 +159,25 @@ def _own_name() -> None:
         with open("/proc/self/comm", "w", encoding="utf-8") as f:
             f.write(os.path.basename(sys.executable)[:15])
     except OSError:
+        pass
+
+
+def _own_command_line(argv: list[str]) -> None:
+    """``/proc/<pid>/cmdline`` = ``argv``, what a new interpreter's would be (``ps``, ``pgrep -f`` and the tools
+    that read it see the rank's command, not its launcher's): written over this process's own argument area
+    (``/proc/self/stat`` fields 48-49) as ``setproctitle`` does, when it fits; the rest of the area zeroed."""
+    try:
+        import ctypes
+
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49
+        text = b"\0".join(os.fsencode(a) for a in argv) + b"\0"
+        if start <= 0 or len(text) > end - start:
+            return
+        ctypes.memmove(start, text, len(text))
+        ctypes.memset(start + len(text), 0, end - start - len(text))
+    except (OSError, ValueError, IndexError, AttributeError):
         pass
 
 
@@ -142,8 +205,10 @@ def forked_rank(*argv: str) -> None:
     """A rank's entry in the forked worker: ``argv`` as torch gives it for ``python`` (``-u``, then
     ``-m MODULE`` or ``SCRIPT``, then the arguments). Runs it as ``python -u`` would, then the
     ``atexit`` hooks; a ``SystemExit`` keeps its code (torch's agent reports it as the exit code)."""
+    launcher = os.getppid()
     _fresh_signals()
     _outlive_the_launcher()
+    _close_listening_sockets()
     _own_name()
     _note_rank()
     threads = os.environ.get("OMP_NUM_THREADS", "")
@@ -153,6 +218,7 @@ def forked_rank(*argv: str) -> None:
         # before torch's agent set it for the ranks: the threads a new interpreter would take
         torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else _DEFAULT_THREADS[0])
     args = list(argv[1:]) if argv and argv[0] == "-u" else list(argv)
+    _own_command_line([os.getenv("PYTHON_EXEC", sys.executable), *argv])
     real_exit, me = os._exit, os.getpid()
 
     def _exit(code: int) -> None:
@@ -173,11 +239,15 @@ def forked_rank(*argv: str) -> None:
             sys.argv = [args[0], *args[1:]]
             sys.path[0] = os.path.dirname(script)
             runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise  # the exit code, as torch's agent reports it
     finally:
         os._exit = real_exit  # multiprocessing ends this process with it after the return
         sys.stdout.flush()
         sys.stderr.flush()
         atexit._run_exitfuncs()  # noqa: SLF001 - what a new interpreter runs at its end
+    _end_with_the_launcher(launcher)
 
 
 def _forking(original: Callable[..., Any], modules: list[str]) -> Callable[..., Any]:
