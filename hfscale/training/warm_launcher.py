@@ -61,7 +61,7 @@ LAUNCHERS = ("accelerate.commands.launch", "torch.distributed.run")
 PR_SET_PDEATHSIG = 1
 _DEFAULT_THREADS = [1]  # torch's threads in the launcher before it kept to one: what a new interpreter takes
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-STACKS_DIR = "stacks"  # hfscale.training.heartbeat.STACKS_DIR (imported lazily there: this module imports nothing heavy)
+STACKS_DIR = "stacks"  # hfscale.training.heartbeat.STACKS_DIR (not imported: this module starts light)
 # the signals torch's elastic agent handles in the launcher; a new interpreter leaves them at the default
 _AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 

@@ -40,9 +40,9 @@ def stop_script(job_id: str, grace_s: int = STOP_GRACE_S) -> str:
 
 def dump_script(job_id: str, stacks_dir: str, python: str) -> str:
     """Shell text: write the Python stack of each of this job's ranks on this node (processes
-    with ``RANK`` in the environment they started with, or forked ranks with their ``pid-<host>-<pid>`` file) to ``<stacks_dir>/rank-<RANK>.txt`` with
-    py-spy (beside ``python``, or on PATH), or, without py-spy, signal SIGUSR2 to ranks that
-    registered faulthandler for it (hfscale.training.heartbeat writes ``rank-<RANK>.fh``; a rank that did
+    with ``RANK`` in the environment they started with, or forked ranks with their ``pid-<host>-<pid>``
+    file) to ``<stacks_dir>/rank-<RANK>.txt`` with py-spy (beside ``python``, or on PATH), or, without
+    py-spy, signal SIGUSR2 to ranks that registered faulthandler for it (hfscale.training.heartbeat writes ``rank-<RANK>.fh``; a rank that did
     not would die of the signal). First it asks each rank for its flight recorder (a write to
     ``rank-<RANK>.fifo``, which hfscale.training.heartbeat reads). All ranks at once; exits 0."""
     from hfscale.core.shell import quote
