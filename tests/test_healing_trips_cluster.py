@@ -25,6 +25,7 @@ import yaml
 
 from cluster import leftover_processes, run_on
 from conftest import ROOT
+from site_hooks import site_hook
 from hfscale.launch.build import INCOMPLETE_DIR
 from hfscale.launch.recovery.timeline import read_timeline
 from test_recovery_cluster import _attempt_training, launched, run_dir_of, train_config, wait_for
@@ -32,16 +33,11 @@ from test_recovery_cluster import _attempt_training, launched, run_dir_of, train
 pytestmark = pytest.mark.slow
 
 # every rank's save waits in _save_rng_state (DeepSpeed's shards written, the trainer state not) while FLAG exists
-HOLD_SAVE = textwrap.dedent('''\
-    import importlib.abc
-    import importlib.util
-    import os
+HOLD_SAVE = site_hook('''\
     import signal
-    import sys
     import time
 
-    # when transformers.trainer is imported: in a rank, or in the launcher that forks the ranks warm
-    # (runner.warm_start: their interpreter started as the launcher's, without RANK), whichever imports it
+
     def _hold(module):
         _save_rng_state = module.Trainer._save_rng_state
 
@@ -58,23 +54,9 @@ HOLD_SAVE = textwrap.dedent('''\
 
         module.Trainer._save_rng_state = _held
 
-    class _AfterImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "transformers.trainer":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _hold(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
 
     if os.environ.get("HOLD_SAVE"):
-        sys.meta_path.insert(0, _AfterImport())
+        _after_import("transformers.trainer", _hold)
 ''')
 MAX_STEPS = 8
 

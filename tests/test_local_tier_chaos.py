@@ -17,13 +17,13 @@ before the failure; at the end every step's loss equals the uninterrupted run's 
 from __future__ import annotations
 
 import re
-import textwrap
 import time
 
 import pytest
 import yaml
 
 from cluster import leftover_processes, run_on
+from site_hooks import site_hook
 from hfscale.launch.recovery.timeline import read_timeline
 from test_recovery_cluster import fault_rng, CHAOS_KILLS, CHAOS_STEPS, _attempt_training, largest_loss_difference, run_dir_of, train_config, launched, wait_for
 
@@ -33,14 +33,9 @@ EVERY = 2
 # ranks (a sitecustomize on their PYTHONPATH, put in from outside as in tests/test_orphans_cluster.py), the
 # copy's messages are cut to 32 KiB and each received one is written 0.02 s late: a copy takes a few tenths of a second, about
 # as long as the two steps between local saves. Neither changes a byte or a loss.
-SLOW_COPY = textwrap.dedent('''\
-    import importlib.abc
-    import importlib.util
-    import os
-    import sys
+SLOW_COPY = site_hook('''\
     import time
 
-    NAME = "hfscale.training.callbacks.buddy_stream"
 
     def _slow(module):
         module.CHUNK = 32 << 10
@@ -52,23 +47,8 @@ SLOW_COPY = textwrap.dedent('''\
 
         module.Writer.write = slow_write
 
-    class _AfterImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != NAME:
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
 
-            def exec_module(module):
-                run(module)
-                _slow(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
-
-    # in every process: a rank imports the module, or the launcher that forks the ranks warm (runner.warm_start)
-    sys.meta_path.insert(0, _AfterImport())
+    _after_import("hfscale.training.callbacks.buddy_stream", _slow)
 ''')
 
 

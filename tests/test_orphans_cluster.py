@@ -21,7 +21,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import pytest
 
 from cluster import leftover_processes
 from conftest import ROOT
+from site_hooks import site_hook
 from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.training.heartbeat import read_progress
 from test_recovery_cluster import fault_rng, REFERENCE_STEPS, largest_loss_difference, train_config
@@ -46,15 +46,10 @@ assert MAX_STEPS <= REFERENCE_STEPS
 # put in from outside as a user's callback would be: at most 1 step/s in the orphans' windows (A's, 15 s at most, B's, 60 s at most),
 # so that with each launch's 10-40 steps the orphans stay below MAX_STEPS. Sleeping changes no loss and
 # costs no CPU (the windows last as long whatever the steps do).
-SLOW = textwrap.dedent('''\
-    import importlib.abc
-    import importlib.util
-    import os
-    import sys
+SLOW = site_hook('''\
     import time
 
-    # when transformers.trainer is imported: in a rank, or in the launcher that forks the ranks warm
-    # (runner.warm_start: their interpreter started as the launcher's, without RANK), whichever imports it
+
     def _slow(module):
         class SlowWhileMarked(module.TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
@@ -69,23 +64,9 @@ SLOW = textwrap.dedent('''\
 
         module.Trainer.__init__ = _slowed
 
-    class _AfterImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "transformers.trainer":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                _slow(module)
-
-            spec.loader.exec_module = exec_module
-            return spec
 
     if os.environ.get("SLOW_WHILE"):
-        sys.meta_path.insert(0, _AfterImport())
+        _after_import("transformers.trainer", _slow)
 ''')
 
 
