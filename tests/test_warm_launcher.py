@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from hfscale.core.pid_identity import start_time
 from hfscale.training.warm_launcher import PRELOADS, cuda_driver_loaded, preload
 
 PROBE = r'''
@@ -113,16 +114,11 @@ def test_a_lone_rank_takes_the_threads_a_new_interpreter_takes(tmp_path):
 def test_a_term_to_the_launcher_reaches_the_forked_ranks(tmp_path):
     proc = _run(tmp_path, "sleep", 29743, wait=False)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / "sleep" / f"rank-{r}.json").exists() for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.2)
-        pids = [_seen(tmp_path, "sleep", r)["pid"] for r in (0, 1)]
+        pids = _started(tmp_path, "sleep", proc)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         time.sleep(0.5)
-        assert [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in Path(f"/proc/{p}/stat").read_text()
-                .rsplit(")", 1)[1].split()[:1]] == []
+        assert [p for p in pids if _running(p)] == []
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -136,11 +132,7 @@ def test_ranks_that_outlive_their_launcher_end_and_leave_its_port_free(tmp_path)
 
     proc = _run(tmp_path, "outlive", 29745, wait=False)
     try:
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / "outlive" / f"rank-{r}.json").exists() for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.2)
-        pids = [_seen(tmp_path, "outlive", r)["pid"] for r in (0, 1)]
+        pids = _started(tmp_path, "outlive", proc)
         os.kill(proc.pid, signal.SIGKILL)  # the launcher alone: its ranks are in its session, left running
         proc.wait(timeout=30)
         time.sleep(1)
@@ -163,11 +155,17 @@ def test_ranks_that_outlive_their_launcher_end_and_leave_its_port_free(tmp_path)
                 pass
 
 
+def _started(tmp_path: Path, mode: str, proc: subprocess.Popen) -> list[int]:
+    """The pids of the two ranks, once each has written what it sees (the launcher still running)."""
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / mode / f"rank-{r}.json").exists() for r in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    return [_seen(tmp_path, mode, r)["pid"] for r in (0, 1)]
+
+
 def _running(pid: int) -> bool:
-    try:
-        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:1]
-    except OSError:
-        return False
+    return start_time(pid) is not None  # None: gone, or ended and not yet reaped
 
 
 def _seen_pids(tmp_path: Path, mode: str) -> list[int]:
