@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hfscale.training.heartbeat import STACKS_DIR  # the standard library only
+
 # what --preload names: what each kind of rank imports first (the modules its engines import as they start included)
 PRELOADS: dict[str, tuple[str, ...]] = {
     "accelerate": ("accelerate",),
@@ -61,7 +63,6 @@ LAUNCHERS = ("accelerate.commands.launch", "torch.distributed.run")
 PR_SET_PDEATHSIG = 1
 _DEFAULT_THREADS = [1]  # torch's threads in the launcher before it kept to one: what a new interpreter takes
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-STACKS_DIR = "stacks"  # hfscale.training.heartbeat.STACKS_DIR (not imported: this module starts light)
 # the signals torch's elastic agent handles in the launcher; a new interpreter leaves them at the default
 _AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
