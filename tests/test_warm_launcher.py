@@ -15,7 +15,7 @@ from hfscale.core.pid_identity import start_time
 from hfscale.training.warm_launcher import PRELOADS, cuda_driver_loaded, preload
 
 PROBE = r'''
-import atexit, json, os, signal, sys, threading
+import atexit, gc, json, os, signal, sys, threading
 import torch
 out = os.environ["PROBE_OUT"]
 
@@ -31,7 +31,8 @@ rank = os.environ["RANK"]
 seen = {"argv": sys.argv, "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(), "name": __name__,
         "preloaded": "accelerate" in sys.modules, "threads": torch.get_num_threads(),
         "pdeathsig": pdeathsig(), "cmdline": open("/proc/self/cmdline", "rb").read().decode().split(chr(0)), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
-        "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
+        "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "gc": gc.isenabled(), "frozen": gc.get_freeze_count()}
 atexit.register(lambda: open(f"{out}/atexit-{rank}", "w").write("ran"))
 with open(f"{out}/rank-{rank}.json", "w") as f:
     json.dump(seen, f)
@@ -86,6 +87,8 @@ def test_forked_ranks_see_what_new_interpreters_would_and_end_as_they_do(tmp_pat
         assert seen["name"] == "__main__" and seen["preloaded"]  # forked after the preload
         assert seen["threads"] == 1  # OMP_NUM_THREADS=1 that torchrun sets for 2 ranks, as a new interpreter reads it
         assert seen["term"] and seen["int"]  # the agent's signal handlers are not the rank's
+        # the collector runs, as in a new interpreter; what the launcher imported is frozen: it never walks it
+        assert seen["gc"] and seen["frozen"] > 100_000, seen["frozen"]
         assert seen["pdeathsig"] == 0  # torch's SIGINT at the launcher's death undone: a rank outlives it
         assert seen["comm"] == Path(sys.executable).name[:15]  # not the agent's pt_elastic: ps and pkill python see it
         # the command torch would have run for it, not the launcher's: ps and pgrep -f see the rank's

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import importlib
 import os
 import runpy
@@ -45,7 +46,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hfscale.training.heartbeat import STACKS_DIR  # the standard library only
@@ -251,6 +253,22 @@ def forked_rank(*argv: str) -> None:
     _end_with_the_launcher(launcher)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Imports with Python's cyclic garbage collector off, and what they made frozen after (``gc.freeze``): the
+    collector otherwise runs hundreds of times while half a million objects are created and kept (an eighth of the
+    imports' CPU here), and each forked rank's full collections would walk, and so copy, every page the
+    launcher's imports wrote. Modules are kept for the process's life: nothing frozen was garbage."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was_on:
+            gc.enable()
+
+
 def _forking(original: Callable[..., Any], modules: list[str]) -> Callable[..., Any]:
     """torch.distributed.run's ``elastic_launch``: workers started as ``python ...`` are forked instead."""
     from dataclasses import replace
@@ -266,7 +284,9 @@ def _forking(original: Callable[..., Any], modules: list[str]) -> Callable[..., 
 
         _DEFAULT_THREADS[0] = torch.get_num_threads()
         torch.set_num_threads(1)
-        for message in preload(modules):
+        with _collector_paused():
+            failed = preload(modules)
+        for message in failed:
             print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
         if cuda_driver_loaded():
             print("hfscale: warm start: off: the CUDA driver was initialized while importing "
@@ -290,8 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"--preload: unknown {', '.join(unknown)} (known: {', '.join(PRELOADS)})")
     modules = [m for g in groups for m in PRELOADS[g]]
-    import torch.distributed.launcher.api as api
-    import torch.distributed.run as run
+    with _collector_paused():
+        import torch.distributed.launcher.api as api
+        import torch.distributed.run as run
 
     # both names: torch.distributed.run's run() reads its own; the api module's for anything imported after
     run.elastic_launch = api.elastic_launch = _forking(api.elastic_launch, modules)
