@@ -163,8 +163,9 @@ def test_the_package_is_what_this_test_reads():
 
 # the programs hfscale runs on a node that start processes there (the launcher's side starts processes in
 # execute only): the in-process restarts' node agent, in torchrun's place; the health gate, which runs
-# nvidia-smi and the site's check before the node's launcher
-NODE_SPAWNERS = {"hfscale.training.inprocess.node_agent", "hfscale.launch.node.health_gate"}
+# nvidia-smi and the site's check before the node's launcher; the warm launcher, which forks the node's ranks (for
+# torch's agent, and for the node agent)
+NODE_SPAWNERS = {"hfscale.training.inprocess.node_agent", "hfscale.launch.node.health_gate", "hfscale.training.warm_launcher"}
 
 
 def test_only_execute_starts_processes():

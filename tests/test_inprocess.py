@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 from test_recovery_cluster import losses
 
+from hfscale.core.pid_identity import start_time
 from hfscale.launch.recovery.timeline import read_timeline
 from hfscale.training.inprocess.restart import ENV_JOIN, ENV_TIMEOUT, ENV_WORLD, RELAUNCH_EXIT
 
@@ -332,7 +333,9 @@ def test_a_user_script_that_opts_in_restarts_in_process_under_hfscale_launch(tmp
 
 def _ranks_of(under: str, module: bytes = b"hfscale.training.run_script") -> dict[int, int]:
     """LOCAL_RANK -> pid of this machine's rank processes (``python -m <module>``, started by an
-    in-process node agent) whose run directory is under ``under``."""
+    in-process node agent) whose run directory is under ``under``: a rank started as a new interpreter
+    by its environment, a rank forked warm (its environment is its agent's) by the pid file it wrote
+    (``<run>/stacks/pid-<host>-<pid>``: its rank, here its local rank, and its start time)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -346,19 +349,36 @@ def _ranks_of(under: str, module: bytes = b"hfscale.training.run_script") -> dic
         if argv[1:3] == [b"-m", module] and env.get("HFSCALE_RUN_DIR", "").startswith(under) \
                 and "HFSCALE_INPROCESS_WORLD" in env:
             found[int(env["LOCAL_RANK"])] = int(entry.name)
+    for note in Path(under).glob("**/stacks/pid-*"):
+        pid = int(note.name.rsplit("-", 1)[1])
+        try:
+            rank, started = note.read_text().split()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if argv[1:3] == [b"-m", module] and start_time(pid) == int(started):
+            found[int(rank)] = pid
     return found
 
 
 NEVER_REJOINS = """\
 import os
-if os.environ.get("HFSCALE_INPROCESS_RESTARTED", "0") != "0":  # a rank its node agent started again
-    import time
-    import hfscale.training.inprocess.restart as restart
+import time
 
-    def _never(store, session):
-        time.sleep(3600)
+import hfscale.training.inprocess.restart as restart
 
-    restart._late = _never  # it never finds the attempt in the store: it cannot rejoin
+_late = restart._late
+
+
+def _never(store, session):
+    # asked when called, not at import: a rank forked warm (runner.warm_start) ran this file in its node
+    # agent, which has no HFSCALE_INPROCESS_RESTARTED
+    if os.environ.get("HFSCALE_INPROCESS_RESTARTED", "0") != "0":  # a rank its node agent started again
+        time.sleep(3600)  # it never finds the attempt in the store: it cannot rejoin
+    return _late(store, session)
+
+
+restart._late = _never
 """
 
 

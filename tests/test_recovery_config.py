@@ -249,8 +249,8 @@ def test_in_process_restarts_start_the_spares_as_standbys_and_host_the_store_in_
     assert [(n.host, n.rank) for n in plan.nodes] == [("node0", 0), ("node1", 1), ("node2", 2)]
     text = plan.render()
     assert ("[2] node2: /usr/bin/python3 -m hfscale.training.inprocess.node_agent --nproc 2 --node-rank 2 --world 4 "
-            f"--launched 6 --store-file {plan.run_dir}/inprocess.store --reach ssh --restarts 3 -- -m "
-            f"hfscale.training.train --config {plan.run_dir}/config.yaml") in text, text
+            f"--launched 6 --store-file {plan.run_dir}/inprocess.store --reach ssh --restarts 3 --preload trainer,deepspeed,builtin -- "
+            f"-m hfscale.training.train --config {plan.run_dir}/config.yaml") in text, text
     assert plan.store is not None and plan.store.real_argv()[1:] == [
         "-m", "hfscale.training.inprocess.store_host", "--file", f"{plan.run_dir}/inprocess.store"]
     assert "in-process restarts: the ranks' store, here" in text

@@ -167,7 +167,7 @@ def test_an_attempt_with_in_process_restarts_keeps_its_step_and_its_spares_run_s
     assert dict(plan.files)["step_hosts"] == "node0\nnode1\nnode2\n"  # the spare too
     inner = shlex.split(argv[11])[-1]
     assert ('/opt/py/bin/python -m hfscale.training.inprocess.node_agent --nproc 1 --node-rank "$HFSCALE_NODE_RANK" '
-            f'--world 2 --launched 3 --store-file {RUN}/inprocess.store --reach srun --restarts 3 -- -m '
+            f'--world 2 --launched 3 --store-file {RUN}/inprocess.store --reach srun --restarts 3 --preload trainer,deepspeed,builtin -- -m '
             'hfscale.training.train') in inner, inner
     assert plan.store is not None and "hfscale.training.inprocess.store_host" in plan.store.shown_argv()
     private = dict((n, t.shown) for n, t in plan.private)

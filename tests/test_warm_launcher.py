@@ -194,3 +194,58 @@ def test_a_loaded_cuda_driver_turns_the_forks_off(tmp_path):
     assert cuda_driver_loaded(str(maps))
     assert cuda_driver_loaded(str(tmp_path / "absent"))  # cannot tell: not safe
     assert not cuda_driver_loaded()  # this machine: no GPU, nothing loaded it
+
+
+RANK_OF_AGENT = r'''
+import os, sys, time
+mode = sys.argv[1]
+with open(os.path.join(os.environ["OUT"], mode), "w") as f:
+    f.write(" ".join([os.environ.get("ONLY_AGENT", "-"), os.environ["RANK"], sys.argv[0], __name__]))
+if mode == "exit3":
+    sys.exit(3)
+if mode == "raise":
+    raise RuntimeError("the rank failed")
+if mode == "os-exit":
+    os._exit(0)
+if mode == "sleep":
+    time.sleep(600)
+'''
+
+AGENT = r'''
+import json, os, sys, time
+from hfscale.training.inprocess.node_agent import ForkedRank
+from hfscale.training.warm_launcher import fork_rank, warm_up
+
+script, out = sys.argv[1], sys.argv[2]
+assert warm_up(["accelerate"])
+os.environ["ONLY_AGENT"] = "1"  # in the agent's environment, not in the one the ranks are given
+env = {k: v for k, v in os.environ.items() if k != "ONLY_AGENT"}
+codes = {}
+for n, mode in enumerate(("ok", "exit3", "raise", "os-exit", "sleep")):
+    rank = ForkedRank(fork_rank([script, mode], {**env, "OUT": out, "RANK": str(n)}))
+    if mode == "sleep":
+        while not os.path.exists(os.path.join(out, mode)):
+            time.sleep(0.05)
+        assert rank.poll() is None
+        rank.terminate()
+    codes[mode] = rank.wait(120)
+print(json.dumps(codes))
+'''
+
+
+def test_the_node_agents_forked_ranks_run_with_their_environment_and_end_with_their_codes(tmp_path):
+    """hfscale.training.warm_launcher.fork_rank as the in-process node agent uses it (recovery.in_process with
+    runner.warm_start): each rank runs its script as __main__ with the environment it was given (not its agent's),
+    and ends with the code a new interpreter would: 0, sys.exit's, 1 after an exception's traceback, a signal's."""
+    (tmp_path / "rank.py").write_text(RANK_OF_AGENT)
+    (tmp_path / "agent.py").write_text(AGENT)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = subprocess.run([sys.executable, str(tmp_path / "agent.py"), str(tmp_path / "rank.py"), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    codes = json.loads(r.stdout.strip().splitlines()[-1])
+    assert codes == {"ok": 0, "exit3": 3, "raise": 1, "os-exit": 0, "sleep": -signal.SIGTERM}, codes
+    assert "RuntimeError: the rank failed" in r.stderr  # the traceback an interpreter prints
+    for n, mode in enumerate(codes):
+        assert (out / mode).read_text() == f"- {n} {tmp_path / 'rank.py'} __main__"

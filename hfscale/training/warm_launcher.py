@@ -67,6 +67,7 @@ _DEFAULT_THREADS = [1]  # torch's threads in the launcher before it kept to one:
 _HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 # the signals torch's elastic agent handles in the launcher; a new interpreter leaves them at the default
 _AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_FORK_HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # held from fork_rank's fork until the rank's handlers
 
 
 def preload(modules: list[str]) -> list[str]:
@@ -269,29 +270,65 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def warm_up(modules: list[str]) -> bool:
+    """Make this process one that ranks can be forked from: ``modules`` imported (what failed told on stderr),
+    torch on one thread. False, told, where the CUDA driver got loaded: then start the ranks as new interpreters."""
+    # torch.cuda.is_available() asks NVML, not the CUDA driver, which a forked process could not use again
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    # nor a pool of OpenMP threads (GNU OpenMP's is not there after a fork: a parallel region would wait on
+    # it for ever): the launcher runs whatever its imports compute on one thread, each rank sets its own
+    with _collector_paused():
+        import torch
+
+        _DEFAULT_THREADS[0] = torch.get_num_threads()
+        torch.set_num_threads(1)
+        failed = preload(modules)
+    for message in failed:
+        print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
+    if cuda_driver_loaded():
+        print("hfscale: warm start: off: the CUDA driver was initialized while importing "
+              f"{', '.join(modules)}, and forked ranks could not use it: the ranks start as new interpreters",
+              file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def fork_rank(argv: list[str], env: dict[str, str]) -> int:
+    """A rank forked from this (warmed-up) process, as ``python *argv`` with environment ``env`` would start;
+    its pid. It ends with its entry's exit code, 1 after a traceback for an exception, as an interpreter does."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _FORK_HELD)  # the parent's handlers are not the rank's
+    pid = os.fork()
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        return pid
+    code = 1
+    try:
+        _fresh_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        os.environ.clear()
+        os.environ.update(env)
+        forked_rank(*argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what an interpreter prints for an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _forking(original: Callable[..., Any], modules: list[str]) -> Callable[..., Any]:
     """torch.distributed.run's ``elastic_launch``: workers started as ``python ...`` are forked instead."""
     from dataclasses import replace
 
     def elastic_launch(config: Any, entrypoint: Any) -> Any:
-        if entrypoint != os.getenv("PYTHON_EXEC", sys.executable):
-            return original(config=config, entrypoint=entrypoint)
-        # torch.cuda.is_available() asks NVML, not the CUDA driver, which a forked process could not use again
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        # nor a pool of OpenMP threads (GNU OpenMP's is not there after a fork: a parallel region would wait on
-        # it for ever): the launcher runs whatever its imports compute on one thread, each rank sets its own
-        import torch
-
-        _DEFAULT_THREADS[0] = torch.get_num_threads()
-        torch.set_num_threads(1)
-        with _collector_paused():
-            failed = preload(modules)
-        for message in failed:
-            print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
-        if cuda_driver_loaded():
-            print("hfscale: warm start: off: the CUDA driver was initialized while importing "
-                  f"{', '.join(modules)}, and forked ranks could not use it: the ranks start as new interpreters",
-                  file=sys.stderr, flush=True)
+        if entrypoint != os.getenv("PYTHON_EXEC", sys.executable) or not warm_up(modules):
             return original(config=config, entrypoint=entrypoint)
         return original(config=replace(config, start_method="fork"), entrypoint=forked_rank)
 

@@ -117,7 +117,8 @@ def node_agent_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, nod
     module_flag, target = training_target(job, run_dir, ctx, expands=False)
     return [python, "-m", NODE_AGENT, "--nproc", str(p), "--node-rank", node_rank, "--world", str(job.world_size),
             "--launched", str(launched_nodes(job) * p), "--store-file", posixpath.join(run_dir, STORE_ADDR),
-            "--reach", reach, "--restarts", str(job.config.recovery.max_restarts), "--",
+            "--reach", reach, "--restarts", str(job.config.recovery.max_restarts),
+            *(["--preload", ",".join(preloaded(job))] if job.config.runner.warm_start else []), "--",
             *(["-m"] if module_flag else []), *target]
 
 

@@ -1,6 +1,6 @@
 """One node's agent for in-process restarts: it starts the node's ranks in torchrun's stead and keeps
 them going. ``python -m hfscale.training.inprocess.node_agent --nproc P --node-rank N --world W
---launched L --store-file F --reach ssh --restarts K -- -m hfscale.training.train --config C``.
+--launched L --store-file F --reach ssh --restarts K [--preload G] -- -m hfscale.training.train --config C``.
 
 torchrun's agent does not serve here: a node that loses one rank stops and restarts all of them, a
 worker that asks for a relaunch is restarted like any failed one, and at its end it waits for every
@@ -17,6 +17,10 @@ other node's agent (its exit barrier), which a lost node's never reaches. This a
 - ends with 75 (RELAUNCH_EXIT) as soon as one of its processes does (the others are stopped: the job is
   relaunched), and with 0 once all of them ended with 0.
 A TERM or INT goes to every process it started, and nothing is started again after it.
+
+With ``--preload`` (``runner.warm_start``) it imports those groups once (hfscale.training.warm_launcher.PRELOADS)
+and forks each rank process from itself (hfscale.training.warm_launcher.fork_rank), the ones it starts again
+too: a killed rank's replacement is a standby at once, with nothing to import.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Protocol
 
 from hfscale.core.exitcodes import signal_name
 from hfscale.training.inprocess.restart import ENV_RESTARTED, ENV_WORLD, RELAUNCH_EXIT
+from hfscale.training.warm_launcher import PRELOADS, fork_rank, warm_up
 
 STORE_WAIT_S = 60.0  # the launch writes the store's port before it starts the nodes: this bounds a slow file system
 STOP_GRACE_S = 10.0
@@ -87,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store-file", required=True)
     p.add_argument("--reach", choices=sorted(REACH), required=True)
     p.add_argument("--restarts", type=int, default=0)
+    p.add_argument("--preload", default="", help="the ranks are forked after these imports (warm_launcher.PRELOADS)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the rank's python arguments")
     return p
 
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hfscale: node agent: {e}; the job is relaunched", file=sys.stderr, flush=True)
         return RELAUNCH_EXIT
     stopping: list[int] = []
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, RankProcess] = {}
 
     def on_signal(signum, _frame):
         stopping.append(signum)
@@ -116,9 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
 
+    groups = [g for g in a.preload.split(",") if g]
+    forks = bool(groups) and warm_up([m for g in groups for m in PRELOADS.get(g, ())])
+    if stopping:  # a TERM or INT while it imported: nothing is started
+        return 128 + stopping[0]
+
     def start(local: int, restarted: int) -> None:
         env = rank_env(dict(os.environ), a, local, host, port, restarted)
-        procs[local] = subprocess.Popen([sys.executable, *command], env=env)
+        procs[local] = ForkedRank(fork_rank(command, env)) if forks else subprocess.Popen([sys.executable, *command], env=env)
 
     for local in range(a.nproc):
         start(local, 0)
@@ -144,7 +156,56 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _wait_any(procs: dict[int, subprocess.Popen]) -> tuple[int, int]:
+class RankProcess(Protocol):
+    """What the agent does with a rank's process: a subprocess.Popen (a new interpreter) or a ForkedRank."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
+class ForkedRank:
+    """A rank forked from this agent (hfscale.training.warm_launcher.fork_rank), with Popen's calls the agent uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by _wait_any's os.wait, which set the code (else unknown: 0, as Popen)
+                self.returncode = 0 if self.returncode is None else self.returncode
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped: the pid is still this process's
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _wait_any(procs: dict[int, RankProcess]) -> tuple[int, int]:
     """The local index and exit code of the next process to end (removed from ``procs``)."""
     while True:
         try:
@@ -165,7 +226,7 @@ def _how(rc: int) -> str:
     return f"signal {signal_name(-rc)}" if rc < 0 else f"exit code {rc}"
 
 
-def _stop(procs: dict[int, subprocess.Popen]) -> None:
+def _stop(procs: dict[int, RankProcess]) -> None:
     """TERM to the processes left, KILL after STOP_GRACE_S."""
     for p in procs.values():
         if p.poll() is None:
