@@ -5,11 +5,12 @@ node0-node2 train; node3 is a spare: its node agent (hfscale.training.inprocess.
 standby rank, imports done, waiting on the launch's store. A training rank is SIGKILLed (its node
 agent lives: a crash, the OOM killer): the ranks left leave their process group, the standby takes
 the lost rank, and the killed rank's node starts it again as the next standby. So each fault has a
-warm standby. The ranks killed: rank 1's process, then rank 2's, rank 1's, rank 0's and rank 1's again,
-on whichever node trains that rank then (a killed rank's node forks it again at once, runner.warm_start:
-it may take its own rank back before the spare's standby takes it). R, from the SIGKILL to the end of the first step trained after it, is read from
-the marks rank 0 writes (hfscale.training.heartbeat); the survivors keep their processes, the
-launcher sees no node fail, and every step's loss is the uninterrupted run's.
+warm standby. The ranks killed: rank 1's process, then rank 2's, rank 1's, rank 0's and rank 1's
+again, on whichever node trains that rank then (a killed rank's node forks it again at once,
+runner.warm_start: it may take its own rank back before the spare's standby takes it). R, from the
+SIGKILL to the end of the first step trained after it, is read from the marks rank 0 writes
+(hfscale.training.heartbeat); the survivors keep their processes, the launcher sees no node fail,
+and every step's loss is the uninterrupted run's.
 
 Then a training node's rank is frozen (SIGSTOP: no connection closes): the others' collective fails
 at watchdog.timeout (15 s) and they go on with the standby within 5 s more; the launch stops the
@@ -42,8 +43,9 @@ pytestmark = pytest.mark.slow
 FAULTS = INPROCESS_FAULTS
 MAX_STEPS = INPROCESS_STEPS
 STEP_SLEEP_S = "0.5" if FAULTS <= 6 else "1.0"  # while faults are made (hence INPROCESS_PER_FAULT)
-# the median R asserted: issue 38 asks for 5 s, met on this machine alone (3.89 s; HFSCALE_INPROCESS_R_BOUND=5);
-# in .ci/run, the three lanes saturating 2 cores, R was 6.2-8.5 s (median 6.9 s). A relaunch takes 13.4 s alone.
+# the median R asserted: issue 38 asks for 5 s, met on this machine alone (1.64 s with the ranks started again forked
+# warm, 3.89 s before; HFSCALE_INPROCESS_R_BOUND=5); in .ci/run, the three lanes saturating 2 cores, R was 6.2-8.5 s
+# (median 6.9 s) before. A relaunch takes 13.4 s alone.
 R_BOUND_S = float(os.environ.get("HFSCALE_INPROCESS_R_BOUND", "12"))
 # the rank whose node's process each fault kills, whichever node trains it then: the killed rank's node starts it again
 # at once (forked warm, runner.warm_start) and it may take its own rank back before the spare's standby does
@@ -67,7 +69,12 @@ def _standbys_back(run: Path) -> int:
 
 def _training(run: Path, rank: int) -> str:
     """The node whose process trains ``rank`` now (``progress/rank-<rank>``: step, pid, host, beat)."""
-    return (run / "progress" / f"rank-{rank}").read_text().split()[2]
+    for _ in range(50):  # a file caught as it is rewritten: read it again
+        fields = (run / "progress" / f"rank-{rank}").read_text().split()
+        if len(fields) >= 3:
+            return fields[2]
+        time.sleep(0.1)
+    raise AssertionError(f"progress/rank-{rank}: {fields}")
 
 
 def _pids(cluster, node: str) -> set[int]:
