@@ -308,11 +308,14 @@ def test_a_user_script_that_opts_in_restarts_in_process_under_hfscale_launch(tmp
         time.sleep(0.2)
     ranks = _ranks_of(str(tmp_path))
     assert sorted(ranks) == [0, 1], ranks
+    assert all(_forked_by_its_agent(pid) for pid in ranks.values()), ranks  # runner.warm_start, the default
     os.kill(ranks[1], signal.SIGKILL)
     while not (out / "checkpoint-16" / "hfscale_complete.json").exists():  # past the restart
         assert job.poll() is None and time.monotonic() < deadline + 240, job.stdout.read()[-3000:] if job.stdout else ""
         time.sleep(0.2)
-    assert _ranks_of(str(tmp_path))[0] == ranks[0]  # rank 0 kept its process
+    again = _ranks_of(str(tmp_path))
+    assert again[0] == ranks[0]  # rank 0 kept its process
+    assert again[1] != ranks[1] and _forked_by_its_agent(again[1])  # the one started again, forked too
     text, _ = job.communicate(timeout=400)
     assert job.returncode == 0, text[-4000:]
     assert losses(out / "checkpoint-24") == expected
@@ -359,6 +362,19 @@ def _ranks_of(under: str, module: bytes = b"hfscale.training.run_script") -> dic
         if argv[1:3] == [b"-m", module] and start_time(pid) == int(started):
             found[int(rank)] = pid
     return found
+
+
+def _forked_by_its_agent(pid: int) -> bool:
+    """Whether rank process ``pid`` was forked by its node agent (warm): its parent is the agent, and its
+    /proc environment, the one its process started with, is the agent's (no LOCAL_RANK), not its own."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        agent = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return False
+    return agent[1:3] == [b"-m", b"hfscale.training.inprocess.node_agent"] and \
+        not any(v.startswith(b"LOCAL_RANK=") for v in env)
 
 
 NEVER_REJOINS = """\

@@ -249,3 +249,38 @@ def test_the_node_agents_forked_ranks_run_with_their_environment_and_end_with_th
     assert "RuntimeError: the rank failed" in r.stderr  # the traceback an interpreter prints
     for n, mode in enumerate(codes):
         assert (out / mode).read_text() == f"- {n} {tmp_path / 'rank.py'} __main__"
+
+
+def _agent(tmp_path: Path, preload: str) -> subprocess.Popen:
+    """hfscale's in-process node agent for one rank of a script that leaves a file behind if it ever runs."""
+    (tmp_path / "store").write_text("29745\n")
+    (tmp_path / "rank.py").write_text("import os\nopen(os.environ['RAN'], 'w').write('ran')\n")
+    argv = [sys.executable, "-m", "hfscale.training.inprocess.node_agent", "--nproc", "1", "--node-rank", "0",
+            "--world", "1", "--launched", "1", "--store-file", str(tmp_path / "store"), "--reach", "local",
+            "--preload", preload, "--", str(tmp_path / "rank.py")]
+    return subprocess.Popen(argv, env={**os.environ, "RAN": str(tmp_path / "ran")}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_term_while_the_node_agent_imports_starts_no_rank_and_an_unknown_group_is_refused(tmp_path):
+    """A stop that lands inside the node agent's imports (a relaunch's stop, a preemption), once its handlers are
+    in (torch's library is being mapped): the agent ends with 128 + TERM and never forks its rank."""
+    agent = _agent(tmp_path, "trainer,deepspeed")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if "libtorch" in Path(f"/proc/{agent.pid}/maps").read_text():
+                break
+        except OSError:
+            pass
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0]
+        time.sleep(0.01)
+    agent.send_signal(signal.SIGTERM)
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert not (tmp_path / "ran").exists()
+
+    refused = _agent(tmp_path, "trainer,everything")
+    out, _ = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and "--preload: unknown everything (known: " in out, out
+    assert not (tmp_path / "ran").exists()

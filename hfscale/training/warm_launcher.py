@@ -70,6 +70,15 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _FORK_HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # held from fork_rank's fork until the rank's handlers
 
 
+def preload_modules(groups: str) -> list[str]:
+    """The modules of ``--preload``'s comma-separated groups (PRELOADS); ValueError naming an unknown one."""
+    names = [g for g in groups.split(",") if g]
+    unknown = sorted(set(names) - set(PRELOADS))
+    if unknown:
+        raise ValueError(f"--preload: unknown {', '.join(unknown)} (known: {', '.join(PRELOADS)})")
+    return [m for g in names for m in PRELOADS[g]]
+
+
 def preload(modules: list[str]) -> list[str]:
     """Import ``modules`` here, once, before the ranks are forked; the ones that failed, as messages. A module
     that does not exist (another release of the library) is skipped without a word."""
@@ -303,15 +312,16 @@ def fork_rank(argv: list[str], env: dict[str, str]) -> int:
         return pid
     code = 1
     try:
-        _fresh_signals()
+        _fresh_signals()  # before the signals held come in (forked_rank sets them again, for torch's agent's forks)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         os.environ.clear()
         os.environ.update(env)
         forked_rank(*argv)
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
+    except SystemExit as e:  # forked_rank returns for 0 and None: a code, or a message and 1, as sys.exit's
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - what an interpreter prints for an uncaught exception
         import traceback
@@ -342,11 +352,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("launcher", choices=LAUNCHERS, help="the node's launcher, run as python -m would")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
-    groups = [g for g in a.preload.split(",") if g]
-    unknown = sorted(set(groups) - set(PRELOADS))
-    if unknown:
-        p.error(f"--preload: unknown {', '.join(unknown)} (known: {', '.join(PRELOADS)})")
-    modules = [m for g in groups for m in PRELOADS[g]]
+    try:
+        modules = preload_modules(a.preload)
+    except ValueError as e:
+        p.error(str(e))
     with _collector_paused():
         import torch.distributed.launcher.api as api
         import torch.distributed.run as run

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from hfscale.core.exitcodes import signal_name
 from hfscale.training.inprocess.restart import ENV_RESTARTED, ENV_WORLD, RELAUNCH_EXIT
-from hfscale.training.warm_launcher import PRELOADS, fork_rank, warm_up
+from hfscale.training.warm_launcher import fork_rank, preload_modules, warm_up
 
 STORE_WAIT_S = 60.0  # the launch writes the store's port before it starts the nodes: this bounds a slow file system
 STOP_GRACE_S = 10.0
@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    try:
+        preloads = preload_modules(a.preload)
+    except ValueError as e:
+        print(f"hfscale: node agent: {e}", file=sys.stderr)
+        return 2
     if not command or not 1 <= a.nproc <= 1024 or a.node_rank < 0 or not 1 <= a.world <= a.launched \
             or (a.node_rank + 1) * a.nproc > a.launched or a.restarts < 0:
         print("hfscale: node agent: bad arguments (--nproc, --node-rank, --world, --launched, --restarts, command)",
@@ -123,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
 
-    groups = [g for g in a.preload.split(",") if g]
-    forks = bool(groups) and warm_up([m for g in groups for m in PRELOADS.get(g, ())])
+    forks = bool(preloads) and warm_up(preloads)
     if stopping:  # a TERM or INT while it imported: nothing is started
         return 128 + stopping[0]
 
@@ -179,8 +183,8 @@ class ForkedRank:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped by _wait_any's os.wait, which set the code (else unknown: 0, as Popen)
-                self.returncode = 0 if self.returncode is None else self.returncode
+            except ChildProcessError:  # reaped by _wait_any's os.wait, which sets the code (unknown till then: 0, as Popen)
+                self.returncode = 0
                 return self.returncode
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
@@ -195,7 +199,10 @@ class ForkedRank:
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # not reaped: the pid is still this process's
+        # the pid is this agent's own child, from its fork, and poll found it not reaped (waitpid WNOHANG): a child
+        # not reaped keeps its pid, exited or not, so the signal reaches it and no other process. The only reaper
+        # besides poll is _wait_any, in this same thread, which sets returncode (and poll then answers it)
+        if self.poll() is None:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
