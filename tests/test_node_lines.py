@@ -93,8 +93,9 @@ def test_a_node_that_only_lost_a_peer_is_named_when_no_other_fails():
     # every node reported before the wait ended: settle names the held one at once
     named2, first2 = _named()
     first2.offer(Failure("node3", 1, "node3 failed (exit code 1)", lost_peer=True))
-    first2.settle()
+    first2.settle(all_ended=True)
     assert [f.where for f in named2] == ["node3"]
+    assert "its ranks lost a peer, and every node's line ended and none failed otherwise" in named2[0].what
 
 
 def test_a_failure_that_is_not_a_lost_peer_is_named_at_once():

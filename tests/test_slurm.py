@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -20,7 +21,10 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from hfscale.launch.attempt.first_failure import FirstFailure
+from hfscale.launch.attempt.node_lines import Failure, Nodes, parse
 from hfscale.launch.node.stopping import STOP_GRACE_S
+from hfscale.launch.runners.slurm_step import srun_argv
 
 pytestmark = pytest.mark.slow
 
@@ -281,6 +285,29 @@ def test_killed_srun_of_a_submitted_job_leaves_nothing(slurm2, tmp_path):
     submitted, ended = slurm_times(said)
     assert ended > submitted, said
     print(f"hfscale status of the killed job:\n{said}")
+
+
+def test_a_failed_task_leaves_the_node_that_failed_first_its_exit_line(slurm2, tmp_path):
+    """The order a loaded CI run saw (test_recovery_slurm): node1's rank SIGKILLed, but node2, whose
+    rank lost it as a peer, exited first; srun's ``--kill-on-bad-exit=1`` then killed node1's task
+    before its exit line and node2 was named. An attempt's step (slurm_step.srun_argv) leaves each
+    task its own end: here node1's task only lost a peer and exits at once, node0's failed first and
+    says so 3 s later; hfscale's reading of the lines (node_lines, first_failure) names node0."""
+    hosts, out = tmp_path / "step_hosts", tmp_path / "step.out"
+    hosts.write_text("node0\nnode1\n")
+    task = ('h=$SLURMD_NODENAME; if [ "$h" = node1 ]; then echo "$h: RuntimeError: Connection reset by peer"; '
+            'echo "$h: HFSCALE_EXIT rc=1"; exit 1; fi; sleep 3; echo "$h: HFSCALE_EXIT rc=1"; exit 1')
+    step = shlex.join([*srun_argv(str(hosts), 2), "bash", "-c", task])
+    info = slurm2.wait(slurm2.sbatch("-N2", f"--output={out}", "--wrap", step, cwd=tmp_path), timeout=60)
+    lines = out.read_text().splitlines()
+    assert info["JobState"] == "FAILED" and "node0: HFSCALE_EXIT rc=1" in lines, lines
+    named: list[Failure] = []
+    nodes, first = Nodes(), FirstFailure(named.append)
+    for line in lines:
+        if (failure := nodes.see(parse(line))) is not None:
+            first.offer(failure)
+    first.settle(all_ended=True)
+    assert [(f.where, f.lost_peer) for f in named] == [("node0", False)], (named, lines)
 
 
 @pytest.mark.parametrize("how", ["srun-killed", "sigterm-stubborn"])

@@ -13,7 +13,8 @@ import pytest
 from conftest import job_of
 from hfscale.config.errors import ConfigError
 from hfscale.core.records import TimelineEvent
-from hfscale.launch.attempt.node_lines import Nodes, SrunSaid, parse
+from hfscale.launch.attempt.first_failure import FirstFailure
+from hfscale.launch.attempt.node_lines import Failure, Nodes, SrunSaid, parse
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.preflight.probes import probes
@@ -112,7 +113,7 @@ def test_an_attempt_is_one_srun_step_over_its_nodes():
     argv = shlex.split(plan.main.shown_argv()[2].split("; fi; exec ", 1)[1])
     # --overlap: the previous attempt's step keeps its CPUs while a node of it is cut off (issue 35)
     assert argv[:10] == ["srun", "--overlap", f"--nodelist={RUN}/step_hosts", "--nodes=2", "--ntasks=2",
-                         "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--unbuffered", "bash", "-c"]
+                         "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--unbuffered", "bash", "-c"]
     assert plan.main.shown_argv()[2].startswith(  # the previous attempt's step ends first
         'for i in $(seq 60); do [ -z "$(squeue -h -s -j "$SLURM_JOB_ID" -o \'%i %j\' 2>/dev/null | grep -vE '
         "'[.](batch|extern) |hfscale-(watch|probe|stop)$')\" ] && break; sleep 1; done; ")
@@ -194,12 +195,34 @@ def test_sruns_own_lines_name_the_host(line, event, failure):
 
 def test_a_task_srun_ended_after_another_failed_is_not_the_cause():
     nodes = Nodes()
-    assert nodes.see(parse("srun: error: node2: task 1: Terminated")).lost_peer  # --kill-on-bad-exit's TERM
+    assert nodes.see(parse("srun: error: node2: task 1: Terminated")).lost_peer  # ended by a signal: the stop's TERM
     # the KILL of the step when Slurm lost a node: srun printed it before "Node failure on node1"
     assert nodes.see(parse("srun: error: node0: task 0: Killed")).lost_peer
     nodes.see(parse("node1: HFSCALE_EXIT rc=1"))
     assert nodes.see(parse("srun: error: node1: task 0: Exited with exit code 1")) is None  # its exit line said it
 
+
+
+def test_a_task_srun_said_ended_before_its_own_lines_came_is_held_for_them():
+    """The order the real Slurm gave (tests/test_slurm.py): srun's line on node1's task before node1's
+    own lines, which say its ranks only lost a peer; node0, which failed first, is named."""
+    nodes, named = Nodes(), []
+    first = FirstFailure(named.append, wait_s=30)
+    for line in ("srun: error: node1: task 1: Exited with exit code 1", "node1: RuntimeError: Connection reset by peer",
+                 "node1: HFSCALE_EXIT rc=1"):
+        if (failure := nodes.see(parse(line))) is not None:
+            first.offer(failure)
+    assert named == []
+    first.offer(nodes.see(parse("node0: HFSCALE_EXIT rc=1")))
+    assert named == [Failure("node0", 1, "node0 failed (exit code 1) (node1's ranks lost it as a peer)")]
+    # no line of its own ever came: named when every line has ended, saying why it waited
+    nodes, named = Nodes(), []
+    first = FirstFailure(named.append, wait_s=30)
+    first.offer(nodes.see(parse("srun: error: node1: task 1: Exited with exit code 1")))
+    first.settle(all_ended=True)
+    assert [(f.where, f.rc) for f in named] == [("node1", 1)]
+    assert named[0].what == ("node1 failed (exit code 1): srun told its end before its own lines came, and every "
+                             "node's line ended and none failed otherwise")
 
 def test_a_requeued_job_goes_on_from_its_attempts(tmp_path):
     job, _ = plan_of(INSIDE)

@@ -320,7 +320,7 @@ def _stream(run: _Run) -> int:
     rc = run.proc.wait()
     watcher.join()  # it may be deciding on a stop right now: finish() must see it
     if run.signalled is None:
-        run.out.first.settle()  # every node has reported: one that only lost a peer is the failure
+        run.out.first.settle(all_ended=True)  # every node has reported: one that only lost a peer is the failure
     if run.healing is not None and rc and run.failure is None and run.signalled is None and run.healing.healed:
         if run.healing.finished(run.out.nodes.succeeded):
             rc = 0  # the nodes the ranks healed around do not fail the job
@@ -336,7 +336,7 @@ def _stream(run: _Run) -> int:
         run.following = True  # main only started the nodes: its process group is gone
         follow_detached(run, run.plan.follow, run.beats.line if run.beats is not None else None)
         if run.signalled is None:
-            run.out.first.settle()
+            run.out.first.settle(all_ended=True)
     run.finish()
     if run.signalled is not None:
         return 128 + run.signalled

@@ -2,9 +2,10 @@
 
 When a rank dies, the ranks waiting on it in a collective fail too (gloo's "Connection closed by
 peer", NCCL's remote error), and their node may report before the node that failed first. A
-failure marked ``lost_peer`` (hfscale.launch.attempt.node_lines) is therefore held for ``PEER_WAIT_S``: a
-failure of another node that did not just lose a peer is named instead; if none comes (or every
-node has reported, ``settle``), the held one is named, saying so.
+failure marked ``lost_peer`` (hfscale.launch.attempt.node_lines: a victim's, a task the stop or Slurm
+killed, a task srun said ended before its own lines came) is therefore held for ``PEER_WAIT_S``: a
+failure that is not in doubt is named instead; if none comes (or every node's line has ended,
+``settle``), the held one is named, saying why it was held.
 """
 
 from __future__ import annotations
@@ -46,15 +47,17 @@ class FirstFailure:
             self._finish()
         self._name(failure)
 
-    def settle(self) -> None:
-        """Name the held failure now (its wait ended, or every node has reported)."""
+    def settle(self, all_ended: bool = False) -> None:
+        """Name the held failure now: its wait ended, or (``all_ended``) every node's line has ended."""
         with self._lock:
             held = self._held
             if self._done or held is None:
                 return
             self._finish()
-        self._name(Failure(held.where, held.rc, f"{held.what}: its ranks lost a peer, and no other node "
-                                                f"reported a failure within {self._wait_s:g} s", lost_peer=True))
+        why = ("every node's line ended and none failed otherwise" if all_ended
+               else f"no other node reported a failure within {self._wait_s:g} s")
+        self._name(Failure(held.where, held.rc, f"{held.what}: {held.doubt}, and {why}", lost_peer=True,
+                           doubt=held.doubt))
 
     def _finish(self) -> None:
         self._done = True

@@ -109,7 +109,8 @@ class Failure:
     where: str
     rc: int
     what: str
-    lost_peer: bool = False  # its ranks failed because another rank went away: likely not the cause
+    lost_peer: bool = False  # likely not the cause (its ranks failed because another rank went away): held
+    doubt: str = "its ranks lost a peer"  # why it is held (hfscale.launch.attempt.first_failure says it)
 
 
 @dataclass
@@ -168,11 +169,17 @@ class Nodes:
         if self.state.get(host) == "exited":  # its exit line said it first
             return None
         if event.signal is not None:
-            # srun ending the other tasks after one failed (--kill-on-bad-exit: TERM), or Slurm killing the
+            # the stop ending the other tasks after one failed (TERM), or Slurm killing the
             # step when it lost a node (KILL, its "Node failure" line may come after): likely not the cause
             return Failure(host, 128 + event.signal, f"the task on {host} was killed ({signal_name(event.signal)}) "
-                                                     "before its line ended", lost_peer=True)
-        return self._failed(host, event.rc) if event.rc else None
+                                                     "before its line ended", lost_peer=True,
+                           doubt="the stop or Slurm may have killed it")
+        if not event.rc:
+            return None
+        # srun can tell a task's end before the task's own last lines arrive (they come by another way):
+        # held until its exit line, which says whether its ranks only lost a peer
+        return Failure(host, event.rc, f"{host} failed (exit code {event.rc})", lost_peer=True,
+                       doubt="srun told its end before its own lines came")
 
     def _failed(self, host: str, rc: int) -> Failure:
         if rc == exitcodes.RELAUNCH:

@@ -9,9 +9,12 @@ that attempt's nodes (pure: the plan of one attempt, and the job on the allocati
   that the supervisor's decisions (strikes, probes, leaving a host out, a spare in place of a
   failed host) work on host names as they do for pdsh.
 - An attempt is ``srun --nodelist=<run dir>/step_hosts --nodes=N --ntasks=N --ntasks-per-node=1
-  --kill-on-bad-exit=1`` (a path: Slurm reads the hosts from the file, so no host list rides on a
-  command line at 10,000 nodes): a failure ends the step, not the allocation (the batch script
+  --kill-on-bad-exit=0`` (a path: Slurm reads the hosts from the file, so no host list rides on a
+  command line at 10,000 nodes): a failure ends the attempt, not the allocation (the batch script
   asks for ``--no-kill``, so a node Slurm loses leaves the allocation and the job goes on without it).
+  The supervisor, not srun, ends the step after a task fails: srun's ``--kill-on-bad-exit=1`` would
+  kill the node that failed first before it says so when a node whose ranks only lost a peer
+  exited before it (hfscale.launch.attempt.first_failure holds such a failure for that node).
 - Each node runs the node line (hfscale.launch.node.line): the stop marker, its rank by its own name
   (``$SLURMD_NODENAME``) from ``nodes.sh``, the environment from ``env.sh``, the keeper, the launcher
   and the exit line; its output goes through ``sed`` to get the ``<host>: `` prefix pdsh would
@@ -99,16 +102,18 @@ def in_allocation(job: Job, names: tuple[str, ...]) -> Job:
 
 def srun_argv(hosts_file: str, n: int, heals: bool = False) -> list[str]:
     """The step of one attempt: one task on each of the ``n`` hosts listed in ``hosts_file`` (a path
-    with a '/', which srun reads as a file of host names); a task that fails ends the step, unless the
-    ranks ``heals`` it in their processes (recovery.in_process: ``--no-kill``, the step goes on without
-    a task that failed or a node Slurm lost; a node whose ranks ask for a relaunch, exit 75, ends the
-    attempt through hfscale.launch.attempt.in_process).
+    with a '/', which srun reads as a file of host names). ``--kill-on-bad-exit=0``: a task that fails
+    does not end the others; the supervisor names the node that failed first, then stops the step
+    (srun's kill would end that node's task before its exit line when a node whose ranks only lost
+    it as a peer exited first). ``heals`` (recovery.in_process) adds ``--no-kill``: the step goes on
+    without a node Slurm lost too, and a node whose ranks ask for a relaunch, exit 75, ends the
+    attempt through hfscale.launch.attempt.in_process.
     ``--overlap``: the previous attempt's step keeps its CPUs until every node of it has answered,
     and a node whose link is cut answers only once Slurm sets it DOWN (``SlurmdTimeout``, 300 s by
     default): a step that waited for free CPUs would wait that long (the supervisor has made sure
     that the previous attempt's processes are gone: hfscale.launch.recovery.settle)."""
     return ["srun", "--overlap", f"--nodelist={hosts_file}", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-            *(["--no-kill", "--kill-on-bad-exit=0"] if heals else ["--kill-on-bad-exit=1"]), "--unbuffered"]
+            *(["--no-kill"] if heals else []), "--kill-on-bad-exit=0", "--unbuffered"]
 
 
 def still_allocated(hosts_file: str, wait: bool = True) -> str:
