@@ -153,7 +153,7 @@ def test_a_slurm_job_heals_around_a_killed_and_a_slurmd_less_node(make_slurm, tm
         wait_for("the first step", lambda: _step(run) >= 1, slurm, job, timeout=600, run=run)
         at = _step(run) + rng.randint(3, 10)
         wait_for(f"step {at}", lambda: _step(run) >= at, slurm, job, run=run)
-        run_on(cluster, "node1", "pkill -KILL '^python'", timeout=30)  # torchrun and its rank
+        run_on(cluster, "node1", "pkill -KILL '^python'", timeout=30)  # its rank (torchrun's process is pt_elastic)
         faults.append(("kill node1's ranks", time.time(), _step(run)))
         wait_for("attempt 1 training", lambda: _training_after(run, 0), slurm, job, run=run)
         # 2. the slurmd of a training node (not the batch host) stopped: Slurm's Node failure
