@@ -34,14 +34,20 @@ seen = {"argv": sys.argv, "path0": sys.path[0], "pid": os.getpid(), "ppid": os.g
         "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "gc": gc.isenabled(), "frozen": gc.get_freeze_count()}
 atexit.register(lambda: open(f"{out}/atexit-{rank}", "w").write("ran"))
-with open(f"{out}/rank-{rank}.json", "w") as f:
-    json.dump(seen, f)
+
+
+def tell(seen):  # whole or not at all: the test reads the file as soon as it exists
+    with open(f"{out}/rank-{rank}.json.part", "w") as f:
+        json.dump(seen, f)
+    os.replace(f"{out}/rank-{rank}.json.part", f"{out}/rank-{rank}.json")
+
+
+tell(seen)
 mode = sys.argv[1]
 if mode == "alone":  # one rank, no OMP_NUM_THREADS: a new interpreter's threads, and a parallel matmul ends
     a = torch.ones(1024, 1024)
     seen["matmul"] = float((a @ a)[0, 0])
-    with open(f"{out}/rank-{rank}.json", "w") as f:
-        json.dump(seen, f)
+    tell(seen)
 if mode == "exit":  # hfscale's exit_cleanly ends a rank with os._exit: the agent must not wait for ever
     os._exit(0)
 if mode == "code":
