@@ -14,7 +14,7 @@ from conftest import job_of
 from hfscale.config.errors import ConfigError
 from hfscale.core.records import TimelineEvent
 from hfscale.launch.attempt.first_failure import FirstFailure
-from hfscale.launch.attempt.node_lines import Failure, Nodes, SrunSaid, parse
+from hfscale.launch.attempt.node_lines import Failure, Nodes, SrunSaid, no_restart_in_process, parse
 from hfscale.launch.build import build_plan
 from hfscale.launch.context import LaunchContext
 from hfscale.launch.preflight.probes import probes
@@ -223,6 +223,9 @@ def test_a_task_srun_said_ended_before_its_own_lines_came_is_held_for_them():
     assert [(f.where, f.rc) for f in named] == [("node1", 1)]
     assert named[0].what == ("node1 failed (exit code 1): srun told its end before its own lines came, and every "
                              "node's line ended and none failed otherwise")
+    # what its exit code means is kept: 75, its ranks asked for a relaunch (in-process restarts end the attempt)
+    f = Nodes().see(parse("srun: error: node1: task 1: Exited with exit code 75"))
+    assert (f.rc, f.what, f.lost_peer) == (75, no_restart_in_process("node1"), True)
 
 def test_a_requeued_job_goes_on_from_its_attempts(tmp_path):
     job, _ = plan_of(INSIDE)

@@ -13,7 +13,7 @@ cause. ``hfscale.launch.attempt.execute`` feeds it the lines and acts on the ``F
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Union
 
 from hfscale.core import exitcodes
@@ -178,8 +178,7 @@ class Nodes:
             return None
         # srun can tell a task's end before the task's own last lines arrive (they come by another way):
         # held until its exit line, which says whether its ranks only lost a peer
-        return Failure(host, event.rc, f"{host} failed (exit code {event.rc})", lost_peer=True,
-                       doubt="srun told its end before its own lines came")
+        return replace(self._failed(host, event.rc), lost_peer=True, doubt="srun told its end before its own lines came")
 
     def _failed(self, host: str, rc: int) -> Failure:
         if rc == exitcodes.RELAUNCH:
