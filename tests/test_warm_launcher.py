@@ -32,7 +32,7 @@ seen = {"argv": sys.argv, "path0": sys.path[0], "pid": os.getpid(), "ppid": os.g
         "preloaded": "accelerate" in sys.modules, "threads": torch.get_num_threads(),
         "pdeathsig": pdeathsig(), "cmdline": open("/proc/self/cmdline", "rb").read().decode().split(chr(0)), "term": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "comm": open("/proc/self/comm").read().strip(),
         "int": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-        "gc": gc.isenabled(), "frozen": gc.get_freeze_count()}
+        "gc": gc.isenabled(), "frozen": gc.get_freeze_count(), "sid": os.getsid(0)}
 atexit.register(lambda: open(f"{out}/atexit-{rank}", "w").write("ran"))
 
 
@@ -96,6 +96,9 @@ def test_forked_ranks_see_what_new_interpreters_would_and_end_as_they_do(tmp_pat
         # the collector runs, as in a new interpreter; what the launcher imported is frozen: it never walks it
         assert seen["gc"] and seen["frozen"] > 100_000, seen["frozen"]
         assert seen["pdeathsig"] == 0  # torch's SIGINT at the launcher's death undone: a rank outlives it
+        # a session of its own, as torch starts a new interpreter (start_new_session): a TERM to the launcher's
+        # group is not the rank's too, nor one to the rank's group (its writers) the launcher's
+        assert seen["sid"] == seen["pid"], seen
         assert seen["comm"] == Path(sys.executable).name[:15]  # not the agent's pt_elastic: ps and pkill python see it
         # the command torch would have run for it, not the launcher's: ps and pgrep -f see the rank's
         words = [w for w in seen["cmdline"] if w]

@@ -18,6 +18,7 @@ What a rank sees is otherwise the same: torch's agent sets its environment varia
 ``LOCAL_RANK``, ... in ``os.environ``), waits for it, stops it, restarts it and reports its exit
 code as it would a subprocess's. Differences, and what is done about them:
 
+- each rank gets a session of its own, as torch starts a new interpreter's;
 - the signal handlers the launcher installed are set back to a new interpreter's before the entry runs, and the
   process name (``/proc/<pid>/comm``, what ``ps`` and ``pkill python`` read) to the interpreter's; the death
   signal torch gives a forked worker is undone: a rank outlives a launcher that dies, as a new interpreter does;
@@ -165,6 +166,16 @@ def _end_with_the_launcher(launcher: int) -> None:
     threading.Thread(target=watch, name="hfscale-orphan-exit", daemon=True).start()
 
 
+def _own_session() -> None:
+    """A session (and process group) of its own, as torch's subprocess handler starts each rank
+    (``start_new_session``): a signal sent to the launcher's group does not reach the rank twice, nor one
+    sent to the rank's group (its writers) the launcher."""
+    try:
+        os.setsid()
+    except OSError:  # already a group leader: not a forked worker
+        pass
+
+
 def _own_name() -> None:
     """The process name a new interpreter has (the executable's name: what ``ps``, ``top`` and ``pkill python``
     read), not the one torch's agent gave itself (``pt_elastic``) and this fork inherited."""
@@ -220,6 +231,7 @@ def forked_rank(*argv: str) -> None:
     ``atexit`` hooks; a ``SystemExit`` keeps its code (torch's agent reports it as the exit code)."""
     launcher = os.getppid()
     _fresh_signals()
+    _own_session()
     _outlive_the_launcher()
     _close_listening_sockets()
     _own_name()
