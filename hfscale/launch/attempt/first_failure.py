@@ -11,6 +11,7 @@ failure that is not in doubt is named instead; if none comes (or every node's li
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Callable
 
 from hfscale.launch.attempt.node_lines import Failure
@@ -56,8 +57,7 @@ class FirstFailure:
             self._finish()
         why = ("every node's line ended and none failed otherwise" if all_ended
                else f"no other node reported a failure within {self._wait_s:g} s")
-        self._name(Failure(held.where, held.rc, f"{held.what}: {held.doubt}, and {why}", lost_peer=True,
-                           doubt=held.doubt))
+        self._name(replace(held, what=f"{held.what}: {held.doubt}, and {why}"))
 
     def _finish(self) -> None:
         self._done = True
