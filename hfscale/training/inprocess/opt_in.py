@@ -52,7 +52,12 @@ def _warm_up() -> None:
     import torch  # noqa: F401
 
     if os.environ.get("HFSCALE_DS_CONFIG"):
-        import deepspeed  # noqa: F401
+        # with what DeepSpeed's engine imports as it starts (its muon optimizer's torch.compile): a standby's
+        # first engine took 0.9 s more than a survivor's next one without it (hfscale.training.train.warm_up)
+        from hfscale.training.warm_launcher import PRELOADS, preload
+
+        for message in preload(list(PRELOADS["deepspeed"])):
+            print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
     try:
         import transformers  # noqa: F401
     except ImportError:  # a plain loop without transformers
