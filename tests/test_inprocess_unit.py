@@ -186,11 +186,12 @@ def test_the_launch_heals_around_failed_nodes_unless_one_asks_for_a_relaunch():
 def test_a_standby_imports_what_a_warm_launcher_imports_before_it_forks(monkeypatch):
     """A standby started as a new interpreter waits with DeepSpeed's engine imports done too (its muon
     optimizer's torch.compile: 0.9 s of a first engine, which the survivors waited for in "data")."""
+    from conftest import ROOT
     from hfscale.rules.config_file import load_job
     from hfscale.training import train, warm_launcher
 
     seen: list[list[str]] = []
     monkeypatch.setattr(warm_launcher, "preload", lambda modules: seen.append(modules) or [])
-    train.warm_up(load_job("examples/tiny_cpu/config.yaml"))  # the built-in entry point, DeepSpeed ZeRO-2
+    train.warm_up(load_job(ROOT / "examples" / "tiny_cpu" / "config.yaml"))  # the built-in entry point, DeepSpeed ZeRO-2
     assert seen == [warm_launcher.preload_modules("trainer,deepspeed,builtin")]
     assert "deepspeed.runtime.zero.muon.muon_optimizer" in seen[0]
