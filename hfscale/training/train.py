@@ -177,11 +177,9 @@ def warm_up(job: Job) -> None:
     imports before it forks this entry point's ranks (hfscale.training.warm_launcher.PRELOADS), the ones
     DeepSpeed's engine imports as it starts included: without them a standby's first engine took 0.9 s
     more than a survivor's next one, and the survivors waited for it in their first collective."""
-    from hfscale.training.warm_launcher import preload, preload_modules
+    from hfscale.training.warm_launcher import preload_groups, preload_modules, preload_told
 
-    groups = ["trainer", *(["deepspeed"] if job.deepspeed is not None else []), "builtin"]
-    for message in preload(preload_modules(",".join(groups))):
-        print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
+    preload_told(preload_modules(",".join(preload_groups(job))))
 
 
 def train_once(job: Job) -> int:

@@ -49,9 +49,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hfscale.training.heartbeat import STACKS_DIR  # the standard library only
+
+if TYPE_CHECKING:
+    from hfscale.rules.resolved import Job
 
 # what --preload names: what each kind of rank imports first (the modules its engines import as they start included)
 PRELOADS: dict[str, tuple[str, ...]] = {
@@ -78,6 +81,21 @@ def preload_modules(groups: str) -> list[str]:
     if unknown:
         raise ValueError(f"--preload: unknown {', '.join(unknown)} (known: {', '.join(PRELOADS)})")
     return [m for g in names for m in PRELOADS[g]]
+
+
+def preload_groups(job: Job) -> list[str]:
+    """The ``--preload`` groups of ``job``'s ranks: the Trainer for the built-in entry point and Trainer scripts,
+    accelerate for a plain script; DeepSpeed where the job uses it; the built-in entry point's own."""
+    t = job.config.training
+    plain = t.script is not None and t.pass_args == "none"
+    return ["accelerate" if plain else "trainer", *(["deepspeed"] if job.deepspeed is not None else []),
+            *(["builtin"] if t.script is None else [])]
+
+
+def preload_told(modules: list[str]) -> None:
+    """``preload(modules)``, each one that failed told on stderr (the rank imports it itself, or fails as it would)."""
+    for message in preload(modules):
+        print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
 
 
 def preload(modules: list[str]) -> list[str]:
@@ -303,9 +321,7 @@ def warm_up(modules: list[str]) -> bool:
 
         _DEFAULT_THREADS[0] = torch.get_num_threads()
         torch.set_num_threads(1)
-        failed = preload(modules)
-    for message in failed:
-        print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
+        preload_told(modules)
     if cuda_driver_loaded():
         print("hfscale: warm start: off: the CUDA driver was initialized while importing "
               f"{', '.join(modules)}, and forked ranks could not use it: the ranks start as new interpreters",

@@ -21,8 +21,11 @@ from hfscale.rules.script import PLAIN_FLAG, SCRIPT_ENTRY, script_argv
 from hfscale.training.heartbeat import FLIGHT_DIR
 from hfscale.training.inprocess.restart import ENV_JOIN, ENV_RESTARTS, ENV_TIMEOUT
 from hfscale.training.slow_nodes import ENV_WATCH
+from hfscale.training.warm_launcher import preload_groups
 
 BUILTIN_ENTRY = "hfscale.training.train"
+
+
 def restarts(job: Job) -> int:
     """How often the launcher restarts failed workers (torchrun's --max-restarts)."""
     k = job.config.runner.kubernetes
@@ -118,7 +121,7 @@ def node_agent_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, nod
     return [python, "-m", NODE_AGENT, "--nproc", str(p), "--node-rank", node_rank, "--world", str(job.world_size),
             "--launched", str(launched_nodes(job) * p), "--store-file", posixpath.join(run_dir, STORE_ADDR),
             "--reach", reach, "--restarts", str(job.config.recovery.max_restarts),
-            *(["--preload", ",".join(preloaded(job))] if job.config.runner.warm_start else []), "--",
+            *(["--preload", ",".join(preload_groups(job))] if job.config.runner.warm_start else []), "--",
             *(["-m"] if module_flag else []), *target]
 
 
@@ -131,19 +134,6 @@ def warm_start(job: Job) -> bool:
     return job.config.runner.warm_start and torchrun_expands(job)
 
 
-def preloaded(job: Job) -> list[str]:
-    """What the warm launcher imports before it forks the ranks (hfscale.training.warm_launcher.PRELOADS): the
-    Trainer for the built-in entry and Trainer scripts, accelerate for a plain script; DeepSpeed where the job
-    uses it; the built-in entry's own."""
-    t = job.config.training
-    groups = ["accelerate"] if t.script is not None and t.pass_args == "none" else ["trainer"]
-    if job.deepspeed is not None:
-        groups.append("deepspeed")
-    if t.script is None:
-        groups.append("builtin")
-    return groups
-
-
 def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv: Rendezvous,
                   reach: str = "ssh") -> list[Word]:
     """argv of the per-node launcher (accelerate launch, torchrun, or with in-process restarts hfscale's
@@ -152,7 +142,7 @@ def launcher_argv(job: Job, python: str, run_dir: str, ctx: LaunchContext, rdzv:
     if in_process(job):
         return node_agent_argv(job, python, run_dir, ctx, rdzv.rank, reach)
     module_flag, target = training_target(job, run_dir, ctx)
-    warm = [python, "-m", WARM_LAUNCHER, "--preload", ",".join(preloaded(job))] if warm_start(job) else [python, "-m"]
+    warm = [python, "-m", WARM_LAUNCHER, "--preload", ",".join(preload_groups(job))] if warm_start(job) else [python, "-m"]
     master: Word = rdzv.master if rdzv.master is not None else job.master_addr
     port: Word = rdzv.port if rdzv.port is not None else str(cfg.cluster.master_port)
     argv: list[Word]

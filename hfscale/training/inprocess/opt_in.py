@@ -54,10 +54,9 @@ def _warm_up() -> None:
     if os.environ.get("HFSCALE_DS_CONFIG"):
         # with what DeepSpeed's engine imports as it starts (its muon optimizer's torch.compile): a standby's
         # first engine took 0.9 s more than a survivor's next one without it (hfscale.training.train.warm_up)
-        from hfscale.training.warm_launcher import PRELOADS, preload
+        from hfscale.training.warm_launcher import preload_modules, preload_told
 
-        for message in preload(list(PRELOADS["deepspeed"])):
-            print(f"hfscale: warm start: not preloaded: {message}", file=sys.stderr, flush=True)
+        preload_told(preload_modules("deepspeed"))
     try:
         import transformers  # noqa: F401
     except ImportError:  # a plain loop without transformers
