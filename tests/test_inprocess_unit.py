@@ -195,3 +195,16 @@ def test_a_standby_imports_what_a_warm_launcher_imports_before_it_forks(monkeypa
     train.warm_up(load_job(ROOT / "examples" / "tiny_cpu" / "config.yaml"))  # the built-in entry point, DeepSpeed ZeRO-2
     assert seen == [warm_launcher.preload_modules("trainer,deepspeed,builtin")]
     assert "deepspeed.runtime.zero.muon.muon_optimizer" in seen[0]
+
+
+def test_a_user_scripts_standby_imports_what_deepspeeds_engine_imports_as_it_starts(monkeypatch):
+    """hfscale.restart_in_process's standby, in a DeepSpeed job: the muon optimizer module too (its engine's start)."""
+    from hfscale.training import warm_launcher
+    from hfscale.training.inprocess import opt_in
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(warm_launcher, "preload", lambda modules: seen.append(modules) or [])
+    monkeypatch.setenv("HFSCALE_DS_CONFIG", "ds_config.json")
+    opt_in._warm_up()
+    assert seen == [warm_launcher.preload_modules("deepspeed")]
+    assert "deepspeed.runtime.zero.muon.muon_optimizer" in seen[0]
