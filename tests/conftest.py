@@ -37,13 +37,15 @@ UNIT_MODULES = frozenset({
     "test_data_state_unit", "test_inprocess_unit", "test_loss_guard", "test_rollbacks", "test_health_gate", "test_slow_nodes",
 })
 CLUSTER_FIXTURES = frozenset({"cluster2", "make_cluster", "slurm2", "make_slurm", "podman2"})
+SLURM_FIXTURES = frozenset({"slurm2", "make_slurm"})
 # The suite runs in three lanes at once (pytest-xdist, one worker each): the tests on namespace
-# clusters, whose nodes have network stacks of their own; every other test that starts processes,
-# one after another on this machine's own ports (many trainings use master_port 29500); and the
-# waiting lane: tests that use almost no CPU and mostly wait for a bound (a lost node noticed, a
+# clusters reached by ssh and pdsh, whose nodes have network stacks of their own; every other test that
+# starts processes, one after another on this machine's own ports (many trainings use master_port 29500);
+# and the waiting lane: tests that use almost no CPU and mostly wait for a bound (a lost node noticed, a
 # keeper's silence, heartbeats counted over a minute) and bind no fixed port, so that their waits
-# overlap the two others' work instead of adding to it. Unit tests start nothing and run wherever
-# a worker is free.
+# overlap the two others' work instead of adding to it, followed by the tests on Slurm (SLURM_FIXTURES:
+# one Slurm at a time on this machine, so all of them in one lane). Unit tests start nothing and run
+# wherever a worker is free.
 LANE_CLUSTER, LANE_LOCAL, LANE_WAIT = "cluster", "local", "wait"
 # (their fixed ports, where they have any, are used by no test of another lane on this machine's own
 # network: test_stopping 29631-29633, test_faults 29890-29891, test_hangs 29681-29684). Tests that use
@@ -53,6 +55,10 @@ LANE_CLUSTER, LANE_LOCAL, LANE_WAIT = "cluster", "local", "wait"
 # 0.4 and 0.55 of a core) moved here took the lanes' sums from 1728/1757/551 s to 1313/1675/913 s and the
 # run's wall not at all (2018 -> 2015 s: the suite is CPU-bound, 1.8 of 2 cores busy), and slowed the rest
 # enough for a 10 s bound of test_hostile_runs to fail.
+# The Slurm tests use CPU, but they came from the cluster lane, the longest (its tests of 3 s or more summed
+# to 1483 s in a .ci/run of 1546 s, the local lane's to 1162 s, this lane's to 509 s): 523 s of it moved here
+# gave 960/1162/1032 s. They take turns with this lane's waiting tests, never run beside them: the load a
+# waiting test's bound sees is still the two other lanes'.
 WAIT_MODULES = frozenset({"test_keeper", "test_beat_server", "test_stopping", "test_faults", "test_hangs"})
 WAIT_TESTS = frozenset({  # cluster tests of a few CPU-seconds each: on a cluster of their own (make_cluster),
     # or on this lane's own session cluster2 (each worker makes its own)
@@ -72,13 +78,15 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """Each test's tier and lane, as it is collected: before any collection_modifyitems hook (-m
     selects by these markers there, and pytest-xdist reads xdist_group there, in an order between
     plugins that pytest does not keep from one release to the next)."""
-    cluster = bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
+    fixtures = set(getattr(item, "fixturenames", ()))
+    cluster = bool(CLUSTER_FIXTURES & fixtures)
     if cluster:
         item.add_marker(pytest.mark.cluster)
     unit = item.path.stem in UNIT_MODULES
     item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
     if not unit:  # three lanes under pytest-xdist (pyproject: -n 3 --dist loadgroup); unit tests go where there is room
         waits = item.path.stem in WAIT_MODULES or (item.path.stem, getattr(item, "originalname", item.name)) in WAIT_TESTS
+        waits = waits or bool(SLURM_FIXTURES & fixtures)
         item.add_marker(pytest.mark.xdist_group(LANE_WAIT if waits else LANE_CLUSTER if cluster else LANE_LOCAL))
 
 
