@@ -413,6 +413,7 @@ def test_a_rank_that_cannot_rejoin_falls_back_to_a_full_relaunch_that_finishes(t
     doc.update(runner={"type": "local", "launcher": "torchrun", "run_dir": str(tmp_path / "runs")},
                recovery={"max_restarts": 2, "in_process": True}, watchdog={"timeout": 60},
                env={"vars": {"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}})
+    doc["cluster"]["master_port"] = 29771  # no other test's: it runs in the waiting lane (tests/conftest.py MOVED_TESTS)
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     out = tmp_path / "fallback" / "out"
     job = subprocess.Popen([sys.executable, "-m", "hfscale", "launch", str(config)], cwd=tmp_path,
