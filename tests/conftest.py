@@ -43,8 +43,8 @@ SLURM_FIXTURES = frozenset({"slurm2", "make_slurm"})
 # starts processes, one after another on this machine's own ports (many trainings use master_port 29500);
 # and the waiting lane: tests that use almost no CPU and mostly wait for a bound (a lost node noticed, a
 # keeper's silence, heartbeats counted over a minute) and bind no fixed port, so that their waits
-# overlap the two others' work instead of adding to it, followed by the tests on Slurm (SLURM_FIXTURES:
-# one Slurm at a time on this machine, so all of them in one lane). Unit tests start nothing and run
+# overlap the two others' work instead of adding to it, and, in turn with them, the tests on Slurm
+# (SLURM_FIXTURES: one Slurm at a time on this machine, so all of them in one lane). Unit tests start nothing and run
 # wherever a worker is free.
 LANE_CLUSTER, LANE_LOCAL, LANE_WAIT = "cluster", "local", "wait"
 # (their fixed ports, where they have any, are used by no test of another lane on this machine's own
@@ -78,8 +78,8 @@ WAIT_TESTS = frozenset({  # cluster tests of a few CPU-seconds each: on a cluste
 # master port are free ports the kernel gives; or a fixed port no other test uses), moved to the lanes with
 # room: in a .ci/run of 31.3 min, with the Slurm tests in the waiting lane, the lanes' tests of 3 s or more
 # summed to local 1701 s, cluster 1383 s, waiting 1391 s, and the local lane ran alone for its last 6
-# minutes (load 1.0-1.5 on 2 cores). The two that compare with
-# trainer_runs.reference() stay together: each worker that needs it runs that 2-rank job once (~10 s).
+# minutes (load 1.0-1.5 on 2 cores). The two that compare with trainer_runs.reference() stay together:
+# each worker that needs it runs that 2-rank job once (~10 s).
 MOVED_TESTS = {
     ("test_async_save", "test_sigkills_during_asynchronous_writes_resume_from_the_newest_complete_checkpoint"): LANE_CLUSTER,
     ("test_async_save", "test_a_rank_killed_mid_write_takes_its_writer_and_the_restart_saves_like_synchronous_saves"):
@@ -89,6 +89,7 @@ MOVED_TESTS = {
     # fallback (69 s there), on a port of its own (29771) instead of the README job's 29500
     ("test_inprocess", "test_a_rank_that_cannot_rejoin_falls_back_to_a_full_relaunch_that_finishes"): LANE_WAIT,
 }
+
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     """Each test's tier and lane, as it is collected: before any collection_modifyitems hook (-m
