@@ -102,11 +102,10 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     unit = item.path.stem in UNIT_MODULES
     item.add_marker(pytest.mark.unit if unit else pytest.mark.integration)
     if not unit:  # three lanes under pytest-xdist (pyproject: -n 3 --dist loadgroup); unit tests go where there is room
-        waits = item.path.stem in WAIT_MODULES or (item.path.stem, getattr(item, "originalname", item.name)) in WAIT_TESTS
-        waits = waits or bool(SLURM_FIXTURES & fixtures)
+        module, name = item.path.stem, getattr(item, "originalname", item.name)
+        waits = module in WAIT_MODULES or (module, name) in WAIT_TESTS or bool(SLURM_FIXTURES & fixtures)
         lane = LANE_WAIT if waits else LANE_CLUSTER if cluster else LANE_LOCAL
-        name = getattr(item, "originalname", item.name)
-        lane = MOVED_TESTS.get((item.path.stem, name), MOVED_TESTS.get((item.path.stem, None), lane))
+        lane = MOVED_TESTS.get((module, name), MOVED_TESTS.get((module, None), lane))
         item.add_marker(pytest.mark.xdist_group(lane))
 
 

@@ -179,7 +179,7 @@ def warm_up(job: Job) -> None:
     more than a survivor's next one, and the survivors waited for it in their first collective."""
     from hfscale.training.warm_launcher import preload_groups, preload_modules, preload_told
 
-    preload_told(preload_modules(",".join(preload_groups(job))))
+    preload_told(preload_modules(preload_groups(job)))
 
 
 def train_once(job: Job) -> int:

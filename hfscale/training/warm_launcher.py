@@ -74,9 +74,9 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 _FORK_HELD = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # held from fork_rank's fork until the rank's handlers
 
 
-def preload_modules(groups: str) -> list[str]:
-    """The modules of ``--preload``'s comma-separated groups (PRELOADS); ValueError naming an unknown one."""
-    names = [g for g in groups.split(",") if g]
+def preload_modules(groups: str | list[str]) -> list[str]:
+    """The modules of ``--preload``'s groups, comma-separated or a list (PRELOADS); ValueError naming an unknown one."""
+    names = [g for g in (groups.split(",") if isinstance(groups, str) else groups) if g]
     unknown = sorted(set(names) - set(PRELOADS))
     if unknown:
         raise ValueError(f"--preload: unknown {', '.join(unknown)} (known: {', '.join(PRELOADS)})")
